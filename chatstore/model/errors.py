@@ -1,0 +1,2 @@
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message names the path and the problem."""

@@ -1,0 +1,92 @@
+"""Load a Llama-family model from a local Hugging Face directory; errors say what is wrong."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chatstore.model.default_model import default_model_dir
+from chatstore.model.errors import ModelLoadError
+from chatstore.model.spec import ModelSpec
+
+DEFAULT_MODEL_ALIASES = ("", "default", "smollm2", "SmolLM2-135M-Instruct")
+
+
+@dataclass
+class LoadedModel:
+    hf_model: Any  # a transformers *ForCausalLM in eval mode
+    tokenizer: Any
+    spec: ModelSpec
+    path: Path
+    dtype: torch.dtype
+    fingerprint: str
+
+
+def resolve_model_dir(name_or_path: str | None) -> Path:
+    """The local directory for `--model`: the embedded default, or a Hugging Face directory."""
+    if name_or_path is None or name_or_path in DEFAULT_MODEL_ALIASES:
+        return default_model_dir()
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a directory (expected a HF model dir)")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    return path
+
+
+def read_spec(path: Path) -> ModelSpec:
+    from transformers import AutoConfig
+
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {exc}") from exc
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the config in {path}: {exc}") from exc
+    return ModelSpec.from_hf_config(config)
+
+
+def load_model(
+    name_or_path: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    path = resolve_model_dir(name_or_path)
+    spec = read_spec(path)
+    weight_files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    if not weight_files:
+        raise ModelLoadError(f"{path} has no weight files (*.safetensors or *.bin)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the weights in {path}: {exc}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+    model.eval().to(device)
+    digest = _weights_digest(weight_files)
+    fingerprint = spec.fingerprint(digest, str(dtype).removeprefix("torch."))
+    return LoadedModel(model, tokenizer, spec, path, dtype, fingerprint)
+
+
+def _weights_digest(files: list[Path]) -> str:
+    """Cheap identity of the weights: names, sizes and the first MiB of each file."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
