@@ -45,6 +45,9 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field; return self when all is well."""
+        for name in ("max_tokens", "top_k", "n"):
+            _check(_integer(getattr(self, name)), name, "must be an integer")
+        _check(self.seed is None or _integer(self.seed), "seed", "must be an integer")
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
@@ -68,7 +71,11 @@ class SamplingParams:
                 _finite(bias) and -100 <= bias <= 100, "logit_bias", "bias must be in [-100, 100]"
             )
         for token in self.stop_token_ids:
-            _check(0 <= token < vocab_size, "stop_token_ids", f"unknown token id {token}")
+            _check(
+                _integer(token) and 0 <= token < vocab_size,
+                "stop_token_ids",
+                f"unknown token id {token}",
+            )
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )
@@ -78,6 +85,10 @@ class SamplingParams:
 
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _integer(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
