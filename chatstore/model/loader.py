@@ -15,6 +15,7 @@ from chatstore.model.errors import ModelLoadError
 from chatstore.model.spec import ModelSpec
 
 DEFAULT_MODEL_ALIASES = ("", "default", "smollm2", "SmolLM2-135M-Instruct")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -65,6 +66,10 @@ def load_model(
     weight_files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
     if not weight_files:
         raise ModelLoadError(f"{path} has no weight files (*.safetensors or *.bin)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{path} has no tokenizer (expected one of: {', '.join(TOKENIZER_FILES)})"
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:

@@ -1,0 +1,120 @@
+"""Model loading: the converted default, local HF dirs, and errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chatstore.config import load_config
+from chatstore.model import ModelLoadError, load_model, resolve_model_dir
+from chatstore.model.default_model import default_model_dir
+from tests.conftest import tiny_hf_model
+
+
+def save_tiny(tmp_path: Path, arch: str = "llama") -> Path:
+    model = tiny_hf_model(arch)
+    path = tmp_path / arch
+    model.save_pretrained(path)
+    return path
+
+
+def test_default_model_is_cached_as_safetensors(default_model) -> None:
+    path = default_model_dir()
+    assert (path / "model.safetensors").is_file()
+    assert (path / "config.json").is_file() and (path / ".complete").is_file()
+    assert "quantization_config" not in json.loads((path / "config.json").read_text())
+    spec = default_model.spec
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (30, 9, 3, 64)
+    assert spec.rope_theta == 100000.0 and spec.eos_token_ids == (2,)
+    assert spec.kv_bytes_per_token == 46080
+    assert default_model.tokenizer.chat_template
+
+
+def test_local_hf_directory_loads(tmp_path: Path, default_model) -> None:
+    path = save_tiny(tmp_path, "qwen2")
+    with pytest.raises(ModelLoadError, match="has no tokenizer"):
+        load_model(str(path))
+    default_model.tokenizer.save_pretrained(path)
+    loaded = load_model(str(path))
+    assert loaded.spec.architecture == "Qwen2ForCausalLM" and loaded.spec.qkv_bias
+    assert loaded.fingerprint != default_model.fingerprint
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model_dir(str(tmp_path / "nope"))
+
+
+def test_file_instead_of_directory(tmp_path: Path) -> None:
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        resolve_model_dir(str(f))
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        resolve_model_dir(str(tmp_path))
+
+
+def test_invalid_config_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(str(tmp_path))
+
+
+def test_missing_weights(tmp_path: Path) -> None:
+    path = save_tiny(tmp_path)
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelLoadError, match="no weight files"):
+        load_model(str(path))
+
+
+def test_corrupt_weights(tmp_path: Path, default_model) -> None:
+    path = save_tiny(tmp_path)
+    default_model.tokenizer.save_pretrained(path)
+    weights = next(path.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match="cannot load the weights"):
+        load_model(str(path))
+
+
+def test_config_env_and_overrides(tmp_path: Path) -> None:
+    cfg = load_config(env={"CHATSTORE_BLOCK_SIZE": "32", "CHATSTORE_PORT": "9000"})
+    assert (cfg.block_size, cfg.port, cfg.host) == (32, 9000, "127.0.0.1")
+    cfg = load_config(overrides={"block_size": 8}, env={"CHATSTORE_BLOCK_SIZE": "32"})
+    assert cfg.block_size == 8
+    with pytest.raises(ValueError, match="CHATSTORE_PORT must be an integer"):
+        load_config(env={"CHATSTORE_PORT": "eighty"})
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_config(overrides={"dtype": "float8"}, env={})
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "missing.toml", env={})
+
+
+@pytest.mark.model
+def test_cli_generate_answers(default_model) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "chatstore", "generate", "What is the capital of France?",
+         "--max-tokens", "16"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert "Paris" in out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "chatstore", "generate", "hi", "--model", "/does/not/exist"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "does not exist" in bad.stderr
+    assert "Traceback" not in bad.stderr
