@@ -23,8 +23,29 @@ class Config:
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
     attention: str = "auto"
+    max_running: int = 32  # serving engine limits: see chatstore/engine/engine_config.py
+    max_tokens_per_step: int = 512
+    max_waiting: int = 256
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 1 << 30
+    enable_prefix_cache: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
+    api_keys: str = ""  # "key1:tenant1,key2:tenant2"; "" (and no admin_key) = local mode
+    admin_key: str = ""
+    max_body_bytes: int = 1 << 20
+    max_message_chars: int = 32768
+    log_level: str = "info"
+    data_dir: str = ""
+    kv_store: str = "on"
+    dram_bytes: int = 4 << 30
+    ssd_bytes: int = 32 << 30
+    redis_url: str = ""
+    redis_bytes: int = 4 << 30
+    kv_storage_dtype: str = "float32"
+    session_ttl_s: int = 86400
+    max_context_tokens: int = 8192
+    truncation_ratio: float = 0.5
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -39,7 +60,23 @@ class Config:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        self._validate_store()
         return self
+
+    def _validate_store(self) -> None:
+        if self.kv_store not in ("on", "off"):
+            raise ValueError(f"kv_store must be 'on' or 'off', got {self.kv_store!r}")
+        if self.kv_storage_dtype not in DTYPES:
+            raise ValueError(
+                f"kv_storage_dtype must be one of {sorted(DTYPES)}, got {self.kv_storage_dtype!r}"
+            )
+        for name in ("dram_bytes", "ssd_bytes", "redis_bytes", "session_ttl_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_context_tokens <= 0:
+            raise ValueError(f"max_context_tokens must be positive, got {self.max_context_tokens}")
+        if not 0 < self.truncation_ratio < 1:
+            raise ValueError(f"truncation_ratio must be in (0, 1), got {self.truncation_ratio}")
 
 
 def load_config(
@@ -74,6 +111,11 @@ def load_config(
 def _coerce(name: str, raw: str, default: Any) -> Any:
     if isinstance(default, bool):
         return raw.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"CHATSTORE_{name.upper()} must be a number, got {raw!r}") from None
     if isinstance(default, int):
         try:
             return int(raw)

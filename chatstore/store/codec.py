@@ -1,0 +1,109 @@
+"""Serialise a SessionKV to bytes that say what they hold and prove they are intact.
+
+    0      4        8            12                12+H
+    | magic | crc32 | header len H | header (JSON) | token ids (int32 LE) | kv bytes |
+                    '---------------- covered by crc32 ------------------------------'
+
+The header carries the model fingerprint, dtype and shape: a value of another model or dtype is
+refused (FingerprintMismatch), a value whose bytes changed is refused (CorruptValueError) — the
+caller drops it and recomputes, so a wrong answer is never served from a bad entry. Large values
+are cut into chunks for the LMDB and Redis tiers (`split_chunks` / `join_chunks`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import torch
+
+from chatstore.store.session_kv import SessionKV
+
+MAGIC = b"CSK1"
+_PREFIX = struct.Struct("<4sII")  # magic, crc32, header length
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CorruptValueError(ValueError):
+    """A stored value failed its checksum or cannot be parsed."""
+
+
+class FingerprintMismatch(ValueError):
+    """A stored value was written by another model, weights or dtype."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def encode(value: SessionKV, fingerprint: str) -> bytes:
+    kv = value.kv.detach().to("cpu").contiguous()
+    header = json.dumps(
+        {
+            "fingerprint": fingerprint,
+            "dtype": dtype_name(kv.dtype),
+            "shape": list(kv.shape),
+            "num_tokens": value.num_tokens,
+        }
+    ).encode()
+    tokens = torch.tensor(value.token_ids, dtype=torch.int32).numpy().astype("<i4").tobytes()
+    body = b"".join(
+        (struct.pack("<I", len(header)), header, tokens, kv.view(torch.uint8).numpy().tobytes())
+    )
+    return MAGIC + struct.pack("<I", zlib.crc32(body)) + body
+
+
+def decode(blob: bytes | bytearray | memoryview, fingerprint: str) -> SessionKV:
+    """The SessionKV in `blob`; CorruptValueError or FingerprintMismatch when it is not usable."""
+    header, payload = _verified_parts(blob)
+    if header.get("fingerprint") != fingerprint:
+        raise FingerprintMismatch(
+            f"value written by model {header.get('fingerprint')!r}, this is {fingerprint!r}"
+        )
+    try:
+        dtype = _DTYPES[header["dtype"]]
+        shape = [int(x) for x in header["shape"]]
+        n = int(header["num_tokens"])
+        tokens = torch.frombuffer(payload, dtype=torch.int32, count=n) if n else None
+        if len(payload) > 4 * n:
+            kv = torch.frombuffer(payload, dtype=torch.uint8, offset=4 * n)
+            kv = kv.view(dtype).reshape(shape)
+        else:
+            kv = torch.empty(shape, dtype=dtype)
+    except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        raise CorruptValueError(f"malformed KV value: {exc}") from exc
+    ids = tokens.tolist() if tokens is not None else []
+    try:
+        return SessionKV(ids, kv)
+    except ValueError as exc:
+        raise CorruptValueError(str(exc)) from exc
+
+
+def _verified_parts(blob: bytes | bytearray | memoryview) -> tuple[dict, bytearray]:
+    data = memoryview(blob)
+    if len(data) < _PREFIX.size:
+        raise CorruptValueError("KV value too short")
+    magic, crc, header_len = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptValueError(f"bad magic {bytes(magic)!r}")
+    if zlib.crc32(data[8:]) != crc:
+        raise CorruptValueError("KV value checksum mismatch")
+    start = _PREFIX.size
+    try:
+        header = json.loads(bytes(data[start : start + header_len]))
+    except ValueError as exc:
+        raise CorruptValueError(f"bad KV header: {exc}") from exc
+    return header, bytearray(data[start + header_len :])
+
+
+def split_chunks(blob: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[bytes]:
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    return [blob[i : i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)] or [b""]
+
+
+def join_chunks(chunks: list[bytes]) -> bytes:
+    return b"".join(chunks)

@@ -1,0 +1,126 @@
+"""Host DRAM tier: one preallocated pool of fixed-size blocks, pinned when CUDA is present.
+
+    pool: [N, L, 2, B, Hkv, D]    N blocks of B tokens, every layer's K (pre-RoPE) and V
+
+A session of T tokens takes ceil(T / B) blocks from the free list (any blocks, in any order);
+its block list and token ids live in a small table. Capacity is whole blocks, so
+used_bytes = blocks in use x bytes per block.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.tier import StorageTier, TierFull
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one token's KV: what every tier's blocks and values are made of."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass
+class _Entry:
+    blocks: list[int]
+    token_ids: list[int]
+
+
+class DramTier(StorageTier):
+    name = "dram"
+
+    def __init__(
+        self, capacity_bytes: int, layout: KVLayout, block_size: int = 16, pin: bool | None = None
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.layout = layout
+        self.block_size = block_size
+        self.block_bytes = layout.bytes_per_token * block_size
+        self.num_blocks = max(0, capacity_bytes // self.block_bytes)
+        pin = torch.cuda.is_available() if pin is None else pin
+        shape = (self.num_blocks, layout.num_layers, 2, block_size)
+        shape += (layout.num_kv_heads, layout.head_dim)
+        self.pool = torch.empty(shape, dtype=layout.dtype, pin_memory=pin)
+        self._free: deque[int] = deque(range(self.num_blocks))
+        self._entries: dict[SessionKey, _Entry] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return max(1, -(-num_tokens // self.block_size))
+
+    def footprint(self, value: SessionKV) -> int:
+        return self._blocks_for(value.num_tokens) * self.block_bytes
+
+    def put(self, key: SessionKey, value: SessionKV) -> None:
+        n = self._blocks_for(value.num_tokens)
+        old = self._entries.get(key)
+        if n > len(self._free) + (len(old.blocks) if old else 0):
+            raise TierFull(f"DRAM tier: {n} blocks needed, {len(self._free)} free")
+        self.delete(key)
+        blocks = [self._free.popleft() for _ in range(n)]
+        self.pool.index_copy_(0, torch.tensor(blocks), self._to_blocks(value.kv, n))
+        self._entries[key] = _Entry(blocks, list(value.token_ids))
+
+    def _to_blocks(self, kv: torch.Tensor, n: int) -> torch.Tensor:
+        # kv [L, 2, T, H, D] -> padded [L, 2, n*B, H, D] -> [n, L, 2, B, H, D]
+        L, _, T, H, D = kv.shape
+        padded = torch.zeros((L, 2, n * self.block_size, H, D), dtype=self.layout.dtype)
+        padded[:, :, :T] = kv
+        return padded.view(L, 2, n, self.block_size, H, D).permute(2, 0, 1, 3, 4, 5)
+
+    def get(self, key: SessionKey) -> SessionKV | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        n, T = len(entry.blocks), len(entry.token_ids)
+        blocks = self.pool.index_select(0, torch.tensor(entry.blocks))  # [n, L, 2, B, H, D]
+        L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+        kv = blocks.permute(1, 2, 0, 3, 4, 5).reshape(L, 2, n * self.block_size, H, D)
+        return SessionKV(list(entry.token_ids), kv[:, :, :T].contiguous())
+
+    def delete(self, key: SessionKey) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self._free.extend(entry.blocks)
+        return True
+
+    def contains(self, key: SessionKey) -> bool:
+        return key in self._entries
+
+    def used_bytes(self) -> int:
+        return (self.num_blocks - len(self._free)) * self.block_bytes
+
+    def keys(self) -> list[SessionKey]:
+        return list(self._entries)
+
+    def size_of(self, key: SessionKey) -> int:
+        entry = self._entries.get(key)
+        return len(entry.blocks) * self.block_bytes if entry else 0
+
+    def token_ids(self, key: SessionKey) -> list[int] | None:
+        entry = self._entries.get(key)
+        return list(entry.token_ids) if entry else None
+
+    def check_integrity(self) -> None:
+        used = [b for e in self._entries.values() for b in e.blocks]
+        assert len(set(used)) == len(used), "a DRAM block belongs to two sessions"
+        assert not set(used) & set(self._free), "a DRAM block is both used and free"
+        assert len(used) + len(self._free) == self.num_blocks, "DRAM blocks leaked"

@@ -1,0 +1,97 @@
+"""What the store tells the outside: events as they happen, counters any time.
+
+Metrics and the admin endpoint read these (`AttentionStore.stats()`, `add_listener`); nothing
+else reaches into the tiers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from chatstore.store.session_kv import SessionKey
+from chatstore.store.tier import TierOccupancy
+
+EventKind = Literal[
+    "stored", "hit", "miss", "promoted", "demoted", "evicted", "dropped", "prefetched", "corrupt",
+    "deleted",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StoreEvent:
+    kind: EventKind
+    key: SessionKey
+    tier: str | None = None  # where it happened (for moves: the destination)
+    nbytes: int = 0
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    evictions: int = 0  # sessions moved out of this tier to make room
+    corrupt: int = 0  # values dropped because they failed their checksum
+
+
+@dataclass
+class StoreCounters:
+    tiers: dict[str, TierCounters] = field(default_factory=dict)
+    misses: int = 0
+    bytes_up: int = 0  # promoted toward DRAM (on use or prefetch)
+    bytes_down: int = 0  # demoted toward SSD / remote on eviction
+    prefetches: int = 0
+    dropped: int = 0  # sessions that fell off the last tier
+
+    def tier(self, name: str) -> TierCounters:
+        return self.tiers.setdefault(name, TierCounters())
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    occupancy: list[TierOccupancy]
+    counters: StoreCounters
+
+    def as_dict(self) -> dict:
+        c = self.counters
+        return {
+            "tiers": [
+                {
+                    "name": o.name,
+                    "used_bytes": o.used_bytes,
+                    "capacity_bytes": o.capacity_bytes,
+                    "sessions": o.num_sessions,
+                    "hits": c.tier(o.name).hits,
+                    "evictions": c.tier(o.name).evictions,
+                    "corrupt": c.tier(o.name).corrupt,
+                }
+                for o in self.occupancy
+            ],
+            "misses": c.misses,
+            "bytes_up": c.bytes_up,
+            "bytes_down": c.bytes_down,
+            "prefetches": c.prefetches,
+            "dropped": c.dropped,
+        }
+
+
+Listener = Callable[[StoreEvent], None]
+
+
+class EventLog:
+    """Fan-out to listeners plus a bounded list of recent events."""
+
+    def __init__(self, keep: int = 1000) -> None:
+        self.recent: deque[StoreEvent] = deque(maxlen=keep)
+        self._listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def emit(self, event: StoreEvent) -> None:
+        self.recent.append(event)
+        for listener in self._listeners:
+            listener(event)

@@ -1,0 +1,49 @@
+"""LRU baseline: evict the session whose last turn is oldest. Blind to the queue; no prefetch."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Hashable
+
+from chatstore.store.policy.base import EvictionPolicy
+from chatstore.store.policy.lookahead import Lookahead
+from chatstore.store.policy.order import StampOrder
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first. A demoted or promoted session keeps its last-use stamp."""
+
+    name = "lru"
+
+    def __init__(self, capacities: tuple[int, ...] | list[int] = ()) -> None:
+        super().__init__(capacities)
+        self._last_use: dict[Hashable, int] = {}
+        self._order: dict[int, StampOrder] = {}
+
+    def on_access(self, session: Hashable) -> None:
+        self._last_use[session] = next(self._clock)
+        tier = self._tier.get(session)
+        if tier is not None:
+            self._order[tier].add(session, self._last_use[session])
+
+    def on_forget(self, session: Hashable) -> None:
+        self._last_use.pop(session, None)
+
+    def _stamp(self, session: Hashable) -> int:
+        stamp = self._last_use.get(session)
+        if stamp is None:
+            stamp = self._last_use[session] = next(self._clock)
+        return stamp
+
+    def _inserted(self, tier: int, session: Hashable) -> None:
+        self._order.setdefault(tier, StampOrder()).add(session, self._stamp(session))
+
+    def _removed(self, tier: int, session: Hashable) -> None:
+        self._order[tier].discard(session)
+
+    def value(self, session: Hashable, lookahead: Lookahead) -> float:
+        return self._last_use.get(session, float("inf"))
+
+    def _ranked(self, tier: int, lookahead: Lookahead) -> Generator[Hashable, None, None]:
+        order = self._order.get(tier)
+        if order is not None:
+            yield from order.oldest_first()

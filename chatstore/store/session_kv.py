@@ -1,0 +1,76 @@
+"""One session's saved KV: the token ids of its history and their position-decoupled K and V.
+
+    kv: [L, 2, T, Hkv, D]    L layers, K (pre-RoPE) / V, T tokens, in the storage dtype
+
+K is kept *before* RoPE, so the same tensor is valid at whatever positions its tokens occupy when
+it is loaded again (CachedAttention §3.4); `decoupled.py` rotates it on the way back in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SessionKey:
+    tenant: str
+    session_id: str
+
+    def __str__(self) -> str:
+        return f"{self.tenant}/{self.session_id}"
+
+
+@dataclass
+class SessionKV:
+    token_ids: list[int]
+    kv: torch.Tensor  # [L, 2, T, Hkv, D], K pre-RoPE
+
+    def __post_init__(self) -> None:
+        if self.kv.dim() != 5 or self.kv.shape[1] != 2:
+            raise ValueError(f"kv must be [L, 2, T, Hkv, D], got {tuple(self.kv.shape)}")
+        if self.kv.shape[2] != len(self.token_ids):
+            raise ValueError(
+                f"kv holds {self.kv.shape[2]} tokens but {len(self.token_ids)} token ids given"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 0]  # [T, Hkv, D]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1]
+
+    def prefix(self, n: int) -> SessionKV:
+        return SessionKV(self.token_ids[:n], self.kv[:, :, :n])
+
+    def to(self, dtype: torch.dtype, device: str | torch.device = "cpu") -> SessionKV:
+        return SessionKV(list(self.token_ids), self.kv.to(device=device, dtype=dtype))
+
+    def equal(self, other: SessionKV) -> bool:
+        return self.token_ids == other.token_ids and torch.equal(self.kv, other.kv)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common token prefix (how much saved KV a new prompt can reuse)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,75 @@
+"""The small interface every storage tier implements (LMCache-style backends).
+
+A tier holds whole sessions (the paper's eviction unit is one session's KV). Capacity is counted
+in the bytes a value occupies in that tier (`footprint`); the hierarchy makes room before `put`,
+so `used_bytes() <= capacity` always holds. `get` raises CorruptValueError for a value that fails
+its checksum (the tier has already dropped it) and returns None for a plain miss.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from chatstore.store.session_kv import SessionKey, SessionKV
+
+
+class TierFull(RuntimeError):
+    """The tier cannot take the value now (no room, or the backend refused it)."""
+
+
+@dataclass(frozen=True)
+class TierOccupancy:
+    name: str
+    used_bytes: int
+    capacity_bytes: int
+    num_sessions: int
+
+
+class StorageTier(ABC):
+    name: str = "tier"
+
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """Bytes this tier may hold."""
+
+    @abstractmethod
+    def footprint(self, value: SessionKV) -> int:
+        """Bytes `value` would occupy here (what used_bytes grows by after put)."""
+
+    @abstractmethod
+    def put(self, key: SessionKey, value: SessionKV) -> None:
+        """Store value under key (replacing any old one); TierFull if it does not fit."""
+
+    @abstractmethod
+    def get(self, key: SessionKey) -> SessionKV | None: ...
+
+    @abstractmethod
+    def delete(self, key: SessionKey) -> bool: ...
+
+    @abstractmethod
+    def contains(self, key: SessionKey) -> bool: ...
+
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @abstractmethod
+    def keys(self) -> list[SessionKey]: ...
+
+    def size_of(self, key: SessionKey) -> int:
+        """Bytes key occupies here (0 when absent)."""
+        return 0
+
+    def can_put(self, value: SessionKV) -> bool:
+        return self.used_bytes() + self.footprint(value) <= self.capacity
+
+    def occupancy(self) -> TierOccupancy:
+        return TierOccupancy(self.name, self.used_bytes(), self.capacity, len(self.keys()))
+
+    def clear(self) -> None:
+        for key in self.keys():
+            self.delete(key)
+
+    def close(self) -> None:
+        return None

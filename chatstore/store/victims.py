@@ -1,0 +1,53 @@
+"""Which session a full tier gives up: the hook through which an eviction policy plugs in.
+
+The hierarchy tells the chooser about every access and removal and asks it for a victim among a
+tier's sessions. The default is least-recently-used; `chatstore.store.policy` provides the
+scheduler-aware and FIFO choosers behind the same three methods.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+from chatstore.store.session_kv import SessionKey
+
+
+class VictimChooser(Protocol):
+    def touch(self, key: SessionKey) -> None:
+        """key was stored or used."""
+        ...
+
+    def forget(self, key: SessionKey) -> None:
+        """key left the store."""
+        ...
+
+    def choose_victim(self, tier: str, candidates: list[SessionKey]) -> SessionKey | None:
+        """One of candidates to move out of tier, or None to refuse."""
+        ...
+
+
+class LruChooser:
+    """Least recently used first; keys never touched (found on disk at start) count as oldest."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[SessionKey, None] = OrderedDict()
+
+    def touch(self, key: SessionKey) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def forget(self, key: SessionKey) -> None:
+        self._order.pop(key, None)
+
+    def choose_victim(self, tier: str, candidates: list[SessionKey]) -> SessionKey | None:
+        if not candidates:
+            return None
+        pending = set(candidates)
+        for key in candidates:
+            if key not in self._order:
+                return key
+        for key in self._order:
+            if key in pending:
+                return key
+        return candidates[0]

@@ -1,0 +1,71 @@
+"""Codec: round trip in every storage dtype, checksum catches every flipped byte, chunking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatstore.store import codec
+from chatstore.store.session_kv import SessionKV, common_prefix_len
+
+
+def _value(num_tokens: int = 5, dtype: torch.dtype = torch.float32, seed: int = 0) -> SessionKV:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn((2, 2, num_tokens, 2, 4), generator=g).to(dtype)
+    return SessionKV(list(range(100, 100 + num_tokens)), kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_keeps_tokens_dtype_shape_and_bits(dtype):
+    value = _value(dtype=dtype)
+    back = codec.decode(codec.encode(value, "fp-a"), "fp-a")
+    assert back.dtype == dtype
+    assert back.equal(value)
+
+
+def test_half_precision_halves_the_payload():
+    full = len(codec.encode(_value(64), "fp"))
+    half = len(codec.encode(_value(64, torch.float16), "fp"))
+    assert half < 0.55 * full
+
+
+def test_every_flipped_byte_is_detected():
+    blob = codec.encode(_value(3), "fp")
+    for i in range(len(blob)):
+        damaged = bytearray(blob)
+        damaged[i] ^= 0x10
+        with pytest.raises(codec.CorruptValueError):
+            codec.decode(bytes(damaged), "fp")
+
+
+def test_truncated_value_is_corrupt():
+    blob = codec.encode(_value(3), "fp")
+    for cut in (0, 5, 11, len(blob) - 1):
+        with pytest.raises(codec.CorruptValueError):
+            codec.decode(blob[:cut], "fp")
+
+
+def test_other_model_fingerprint_is_refused():
+    blob = codec.encode(_value(), "model-a")
+    with pytest.raises(codec.FingerprintMismatch):
+        codec.decode(blob, "model-b")
+
+
+def test_chunks_rejoin_to_the_same_bytes():
+    blob = codec.encode(_value(40), "fp")
+    chunks = codec.split_chunks(blob, 100)
+    assert len(chunks) == -(-len(blob) // 100)
+    assert all(len(c) == 100 for c in chunks[:-1])
+    assert codec.join_chunks(chunks) == blob
+
+
+def test_empty_session_round_trips():
+    value = SessionKV([], torch.zeros((2, 2, 0, 2, 4)))
+    assert codec.decode(codec.encode(value, "fp"), "fp").num_tokens == 0
+
+
+def test_common_prefix_len():
+    assert common_prefix_len([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert common_prefix_len([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_len([], [1]) == 0
+    assert common_prefix_len([5], [6]) == 0
