@@ -1,0 +1,67 @@
+"""Limits and policies of the serving engine (scheduler, preemption, prefix caching).
+
+max_running          sequences in the running batch at once (n>1 samples count each)
+max_tokens_per_step  tokens computed per forward: decodes first, prefill chunks fill the rest
+max_waiting          requests queued before `submit` raises EngineOverloadedError (HTTP 429)
+preemption_mode      "recompute" (drop the KV, prefill again later) | "swap" (copy to host)
+swap_space_bytes     host memory for swapped-out KV blocks (preemption_mode = "swap")
+enable_prefix_cache  share identical full prompt blocks within a tenant (vLLM APC)
+batching             "continuous" (join/leave every step) | "static" (a batch runs until its
+                     longest request ends; a baseline for the benchmark)
+kv_reservation       "paged" (blocks on demand) | "max" (reserve prompt + max_tokens up front,
+                     the contiguous Orca-Max baseline)
+split_mixed_batches  run a step's decodes and prefill chunks as two forwards, so decodes keep
+                     the fast paged-decode kernel
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+PreemptionMode = Literal["recompute", "swap"]
+BatchingMode = Literal["continuous", "static"]
+ReservationMode = Literal["paged", "max"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running: int = 32
+    max_tokens_per_step: int = 512
+    max_waiting: int = 256
+    preemption_mode: PreemptionMode = "recompute"
+    swap_space_bytes: int = 1 << 30
+    enable_prefix_cache: bool = True
+    batching: BatchingMode = "continuous"
+    kv_reservation: ReservationMode = "paged"
+    max_model_len: int = 0
+    split_mixed_batches: bool = True
+    idle_wait_s: float = 0.05  # how long the model thread sleeps when there is nothing to do
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_tokens_per_step", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}"
+            )
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be continuous|static, got {self.batching!r}")
+        if self.kv_reservation not in ("paged", "max"):
+            raise ValueError(f"kv_reservation must be paged|max, got {self.kv_reservation!r}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> EngineConfig:
+        """The engine fields of a `chatstore.config.Config` (keys missing there keep defaults)."""
+        names = (
+            "max_running",
+            "max_tokens_per_step",
+            "max_waiting",
+            "preemption_mode",
+            "swap_space_bytes",
+            "enable_prefix_cache",
+        )
+        return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})

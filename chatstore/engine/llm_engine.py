@@ -1,0 +1,292 @@
+"""The synchronous engine: one `step()` = schedule -> load -> forward -> sample -> outputs.
+
+Not thread-safe except `add_request`, `abort_request`, `waiting_sessions` and `stats`, which the
+API thread may call while the model thread runs `step()` (`AsyncEngine` does exactly that).
+Aborts are queued and applied by the model thread at the start of the next step, so every
+block and connector call is handled by one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+
+import torch
+
+from chatstore.engine.engine_config import EngineConfig
+from chatstore.engine.engine_stats import EngineStats
+from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
+from chatstore.engine.kv_connector import KVConnector, NullConnector
+from chatstore.engine.prefix_cache import BlockManager
+from chatstore.engine.request import FinishReason, InvalidRequestError, Request, RequestOutput
+from chatstore.engine.runtime import Runtime
+from chatstore.engine.sampling import sample_batch
+from chatstore.engine.scheduler import ScheduledSeq, Scheduler, WaitingEntry
+from chatstore.engine.sequence import RequestState, Sequence, SequenceStatus
+from chatstore.engine.swap import HostSwapSpace
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self, runtime: Runtime, config: EngineConfig, connector: KVConnector | None = None
+    ) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.spec = runtime.model.spec
+        self.tokenizer = runtime.model.tokenizer
+        self.connector: KVConnector = connector or NullConnector()
+        self._has_store = not isinstance(self.connector, NullConnector)
+        self.blocks = BlockManager(runtime.pool, runtime.kv_cache, config.enable_prefix_cache)
+        self.swap = None
+        if config.preemption_mode == "swap":
+            self.swap = HostSwapSpace(runtime.kv_cache, config.swap_space_bytes)
+        store = self.connector if self._has_store else None
+        self.scheduler = Scheduler(config, self.blocks, self.swap, store)
+        self._groups: dict[str, RequestState] = {}
+        self._aborts: deque[str] = deque()
+        self._seq_ids = itertools.count()
+        self.steps = self.tokens_computed = self.tokens_generated = 0
+        self.requests_finished = self._seqs_stepped = 0
+
+    # -- API-thread entry points ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Validate and queue; raises InvalidRequestError / EngineOverloadedError."""
+        self._validate(request)
+        group = RequestState(request, tokenizer=self.tokenizer)
+        seq = Sequence(next(self._seq_ids), group, 0)
+        group.seqs.append(seq)
+        self._groups[request.request_id] = group
+        try:
+            self.scheduler.add(seq)
+        except Exception:
+            del self._groups[request.request_id]
+            raise
+
+    def abort_request(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._aborts) or self.scheduler.has_work()
+
+    def waiting_sessions(self) -> list[WaitingEntry]:
+        return self.scheduler.waiting_sessions()
+
+    def stats(self) -> EngineStats:
+        pool, cache = self.runtime.pool, self.blocks.stats()
+        return EngineStats(
+            waiting=self.scheduler.num_waiting,
+            running=len(self.scheduler.running),
+            swapped=len(self.scheduler.swapped),
+            num_blocks=pool.num_blocks,
+            free_blocks=pool.num_free,
+            block_size=self.blocks.block_size,
+            cached_blocks=cache.cached_blocks,
+            cached_tokens=cache.cached_blocks * self.blocks.block_size,
+            evictable_blocks=cache.evictable_blocks,
+            prefix_hits=cache.hit_blocks,
+            prefix_misses=cache.miss_blocks,
+            prefix_evictions=cache.evictions,
+            steps=self.steps,
+            preemptions=self.scheduler.num_preemptions,
+            swapped_out_blocks=self.swap.swapped_out if self.swap else 0,
+            swapped_in_blocks=self.swap.swapped_in if self.swap else 0,
+            tokens_computed=self.tokens_computed,
+            tokens_generated=self.tokens_generated,
+            requests_finished=self.requests_finished,
+            mean_batch_size=self._seqs_stepped / self.steps if self.steps else 0.0,
+        )
+
+    # -- the model thread ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        touched: dict[str, RequestState] = {}
+        self._apply_aborts(touched)
+        plan = self.scheduler.schedule()
+        for seq, message in plan.failed:
+            self._finish_group(seq.group, "error", message, touched)
+        for load in plan.loads:
+            try:
+                self.connector.load(
+                    load.seq.request, load.start, load.num_tokens, load.seq.block_table
+                )
+            except Exception as exc:
+                log.exception("KV load failed for %s", load.seq.request.request_id)
+                self._finish_group(load.seq.group, "error", f"KV load failed: {exc}", touched)
+        items = [s for s in plan.scheduled if not s.seq.finished]
+        if items:
+            self._run_step(items, touched)
+        outputs = [self._make_output(g) for g in touched.values()]
+        return [o for o in outputs if o is not None]
+
+    def _run_step(self, items: list[ScheduledSeq], touched: dict[str, RequestState]) -> None:
+        try:
+            logits = self._forward(items)
+        except Exception as exc:
+            log.exception("forward failed")
+            for it in items:
+                self._finish_group(it.seq.group, "error", f"engine error: {exc}", touched)
+            return
+        self.steps += 1
+        self._seqs_stepped += len(items)
+        to_sample: list[tuple[Sequence, int]] = []
+        for row, it in enumerate(items):
+            seq = it.seq
+            seq.num_computed += it.num_tokens
+            self.tokens_computed += it.num_tokens
+            self.blocks.register_computed(seq)
+            if seq.num_computed == seq.num_tokens:
+                to_sample.extend((s, row) for s in self._fork(seq))
+        if not to_sample:
+            return
+        rows = torch.tensor([row for _, row in to_sample], device=logits.device)
+        tokens = sample_batch(logits.index_select(0, rows), [s.sample for s, _ in to_sample])
+        for (seq, _), token in zip(to_sample, tokens, strict=True):
+            self._append(seq, token)
+            touched[seq.group.request_id] = seq.group
+
+    def _forward(self, items: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits [len(items), V] of each item's last token."""
+        decode = [i for i, it in enumerate(items) if it.num_tokens == 1]
+        if not self.config.split_mixed_batches or len(decode) in (0, len(items)):
+            return self._run(items)
+        prefill = [i for i in range(len(items)) if i not in set(decode)]
+        first = self._run([items[i] for i in decode])
+        logits = torch.empty((len(items), first.shape[1]), dtype=first.dtype, device=first.device)
+        logits[torch.tensor(decode, device=first.device)] = first
+        logits[torch.tensor(prefill, device=first.device)] = self._run([items[i] for i in prefill])
+        return logits
+
+    def _run(self, items: list[ScheduledSeq]) -> torch.Tensor:
+        chunks = []
+        for it in items:
+            seq, start = it.seq, it.seq.num_computed
+            ids = seq.token_ids[start : start + it.num_tokens]
+            chunks.append(SequenceChunk(ids, start, seq.block_table))
+        runner = self.runtime.runner
+        batch = ForwardBatch.build(chunks, self.blocks.block_size, runner.device)
+        sink = None
+        if self._has_store:
+            # Lets save_layer attribute rows to requests (chunk order). Samples after the
+            # first of n > 1 get their own "<id>#<index>" so they are not taken for sample 0.
+            batch.request_ids = [_row_id(it.seq) for it in items]  # type: ignore[attr-defined]
+            sink = self.connector.save_layer
+        return runner.forward(batch, kv_sink=sink)
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """When a request's prompt is computed: its n samples, sharing the prompt's blocks."""
+        group = seq.group
+        if group.forked:
+            return [seq]
+        group.forked = True
+        for k in range(1, group.request.sampling.n):
+            child = seq.fork(next(self._seq_ids), k)
+            self.blocks.fork(seq, child)
+            group.seqs.append(child)
+            self.scheduler.add_running(child)
+        return list(group.seqs)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        params = seq.request.sampling
+        seq.group.note_first_token()
+        self.tokens_generated += 1
+        eos = token in self.spec.eos_token_ids and not params.ignore_eos
+        stop_token = eos or token in params.stop_token_ids
+        stopped = seq.append_token(token, emit_text=not stop_token)
+        if stopped or stop_token:
+            self._finish(seq, "stop")
+        elif len(seq.output_token_ids) >= params.max_tokens or self._context_full(seq):
+            self._finish(seq, "length")
+
+    def _context_full(self, seq: Sequence) -> bool:
+        return seq.num_tokens >= self.spec.max_context
+
+    # -- endings -------------------------------------------------------------------------------
+    def _apply_aborts(self, touched: dict[str, RequestState]) -> None:
+        while self._aborts:
+            group = self._groups.get(self._aborts.popleft())
+            if group is not None:
+                self._finish_group(group, "abort", None, touched)
+
+    def _finish_group(
+        self,
+        group: RequestState,
+        reason: FinishReason,
+        error: str | None,
+        touched: dict[str, RequestState],
+    ) -> None:
+        if error is not None and group.error is None:
+            group.error = error
+        for seq in group.seqs:
+            self._finish(seq, reason)
+        touched[group.request_id] = group
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End one sample: tell the store (sample 0), then release its blocks."""
+        if seq.finished:
+            return
+        if reason in ("stop", "length", "abort"):
+            seq.flush_text()
+        self.scheduler.remove(seq)
+        if seq.sample_index == 0:
+            bs = self.blocks.block_size
+            table = seq.block_table[: (seq.num_computed + bs - 1) // bs]
+            try:
+                self.connector.request_finished(
+                    seq.request, seq.token_ids[: seq.num_computed], table
+                )
+            except Exception:
+                log.exception("connector.request_finished failed")
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.group.forked = True  # a request ended before its first token never forks
+
+    def _make_output(self, group: RequestState) -> RequestOutput | None:
+        samples = [d for d in (s.take_delta() for s in group.seqs) if d is not None]
+        finished = group.finished
+        if not samples and not finished:
+            return None
+        if finished:
+            self._groups.pop(group.request_id, None)
+            self.requests_finished += 1
+        return RequestOutput(
+            request_id=group.request_id,
+            samples=samples,
+            finished=finished,
+            usage=group.usage() if finished else None,
+            error=group.error if finished else None,
+            first_token_time=group.first_token_time,
+        )
+
+    def _validate(self, request: Request) -> None:
+        request.sampling.validate(self.spec.vocab_size)
+        ids, vocab = request.prompt_token_ids, self.spec.vocab_size
+        if not ids:
+            raise InvalidRequestError("prompt", "is empty")
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError("prompt", f"has a token id outside [0, {vocab})")
+        context = self.spec.max_context
+        if len(ids) >= context:
+            raise InvalidRequestError(
+                "prompt", f"{len(ids)} tokens leave no room in the model's {context}-token context"
+            )
+        field, need = "prompt", len(ids) + 1
+        if self.config.kv_reservation == "max":
+            field, need = "max_tokens", len(ids) + request.sampling.max_tokens
+            need = max(need, self.config.max_model_len)
+        blocks = -(-need // self.blocks.block_size)
+        if blocks > self.runtime.pool.num_blocks:
+            raise InvalidRequestError(
+                field,
+                f"needs {blocks} KV blocks ({need} tokens); the pool has "
+                f"{self.runtime.pool.num_blocks} blocks of {self.blocks.block_size} tokens",
+            )
+        if request.request_id in self._groups:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+
+
+def _row_id(seq: Sequence) -> str:
+    rid = seq.request.request_id
+    return rid if seq.sample_index == 0 else f"{rid}#{seq.sample_index}"

@@ -1,0 +1,283 @@
+"""Iteration-level (continuous) batching with chunked prefill, FCFS, and preemption.
+
+Every step, with a budget of `max_tokens_per_step` tokens:
+
+    1. running sequences, decodes first (1 token each), then prefill chunks of the rest; when the
+       pool is short, the most recently started sequence is preempted (recompute: blocks dropped,
+       back to the head of the waiting queue; swap: KV copied to host, to the swapped queue)
+    2. if nothing was preempted: swapped sequences come back first (FCFS)
+    3. then waiting requests are admitted in arrival order while blocks, budget and
+       `max_running` allow; the head that does not fit blocks the queue (strict FCFS). A
+       request that cannot fit into an otherwise empty pool fails instead of waiting forever.
+
+The waiting queue is readable from other threads (`waiting_sessions`) so the KV store can look
+ahead for prefetch and eviction.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from chatstore.engine.engine_config import EngineConfig
+from chatstore.engine.kv_connector import KVConnector
+from chatstore.engine.prefix_cache import BlockManager
+from chatstore.engine.request import EngineOverloadedError
+from chatstore.engine.sequence import Sequence, SequenceStatus
+from chatstore.engine.swap import HostSwapSpace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WaitingEntry:
+    """One queued request, as the KV store's look-ahead window sees it."""
+
+    request_id: str
+    tenant: str
+    session_id: str | None
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed for it this step, from seq.num_computed on
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Prompt tokens [start, start + num_tokens) the connector writes before the prefill."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        blocks: BlockManager,
+        swap: HostSwapSpace | None,
+        connector: KVConnector | None,
+    ) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.swap = swap
+        self.connector = connector
+        self._lock = threading.Lock()  # guards `waiting` (appended to from the API thread)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in the order they (re)started
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self._scheduled: dict[int, ScheduledSeq] = {}
+        self._budget = 0
+
+    # -- queues --------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request's first sequence (any thread); raises when the queue is full."""
+        with self._lock:
+            if len(self.waiting) >= self.config.max_waiting:
+                raise EngineOverloadedError(
+                    f"engine overloaded: {len(self.waiting)} requests waiting "
+                    f"(max_waiting={self.config.max_waiting})"
+                )
+            self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sibling joins the batch right away (it shares its parent's blocks)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of whichever queue holds it; host blocks are freed here."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+        else:
+            with self._lock:
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
+        if seq.host_blocks and self.swap is not None:
+            self.swap.free(seq.host_blocks)
+            seq.host_blocks = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def waiting_sessions(self) -> list[WaitingEntry]:
+        """Thread-safe snapshot of the waiting queue, in the order requests will be admitted."""
+        with self._lock:
+            seqs = list(self.waiting)
+        entries: dict[str, WaitingEntry] = {}
+        for s in seqs:
+            r = s.request
+            if r.request_id not in entries:
+                entries[r.request_id] = WaitingEntry(
+                    r.request_id, r.tenant, r.session_id, s.num_prompt_tokens
+                )
+        return list(entries.values())
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._scheduled = {}
+        self._budget = self.config.max_tokens_per_step
+        preemptions_before = self.num_preemptions
+        was_idle = not self.running and not self.swapped
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        for seq in decodes + [s for s in self.running if s.num_uncomputed > 1]:
+            if seq.status is SequenceStatus.RUNNING and self._budget > 0:
+                self._schedule_running(seq, out)
+        if self.num_preemptions == preemptions_before:
+            self._resume_swapped(out)
+            if not self.swapped and (self.config.batching == "continuous" or was_idle):
+                self._admit_waiting(out)
+        out.scheduled = list(self._scheduled.values())
+        return out
+
+    def _schedule_running(self, seq: Sequence, out: SchedulerOutput) -> None:
+        n = min(seq.num_uncomputed, self._budget)
+        target = self._target(seq, seq.num_computed + n)
+        while not self.blocks.can_reserve(seq, target):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                self.running.remove(seq)
+                out.failed.append((seq, self._too_big(seq, target)))
+                return
+            self._preempt(victim)
+            if victim is seq:
+                return
+        self.blocks.reserve(seq, target)
+        self._put(seq, n)
+
+    def _resume_swapped(self, out: SchedulerOutput) -> None:
+        assert self.swap is not None or not self.swapped
+        while self.swapped and len(self.running) < self.config.max_running:
+            seq = self.swapped[0]
+            n = min(seq.num_uncomputed, self._budget)
+            target = self._target(seq, seq.num_computed + n)
+            if not self.blocks.can_reserve(seq, target):
+                if not self.running:
+                    self.swapped.popleft()
+                    out.failed.append((seq, self._too_big(seq, target)))
+                    continue
+                return
+            self.swapped.popleft()
+            self.blocks.reserve(seq, target)
+            assert self.swap is not None
+            self.swap.swap_in(seq.host_blocks, seq.block_table[: len(seq.host_blocks)])
+            seq.host_blocks = []
+            self.add_running(seq)
+            if n > 0:
+                self._put(seq, n)
+
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
+        static = self.config.batching == "static"
+        while len(self.running) < self.config.max_running and (self._budget > 0 or static):
+            with self._lock:
+                seq = self.waiting[0] if self.waiting else None
+            if seq is None or not self._admit(seq, out):
+                return
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Try to start the head of the queue; False when it must wait for blocks."""
+        hit = self.blocks.lookup(seq)
+        hit_tokens = len(hit) * self.blocks.block_size
+        external = self._external_tokens(seq, hit_tokens)
+        computed = hit_tokens + external
+        n = min(seq.num_tokens - computed, self._budget)
+        target = self._target(seq, computed + n)
+        if not self.blocks.can_reserve(seq, target, hit):
+            if self.running or self.swapped:
+                return False
+            with self._lock:
+                self.waiting.popleft()
+            out.failed.append((seq, self._too_big(seq, target)))
+            return True
+        with self._lock:
+            self.waiting.popleft()
+        self.blocks.count_lookup(seq, hit)
+        self.blocks.reserve(seq, target, hit)
+        if external:
+            out.loads.append(KVLoad(seq, hit_tokens, external))
+            seq.num_computed = computed
+        if not seq.group.admitted:
+            seq.group.admitted = True
+            seq.group.cached_tokens = computed
+        self.add_running(seq)
+        if n > 0:
+            self._put(seq, n)
+        return True
+
+    def _external_tokens(self, seq: Sequence, hit_tokens: int) -> int:
+        if self.connector is None or hit_tokens >= seq.num_prompt_tokens:
+            return 0
+        try:
+            ext = int(self.connector.num_external_tokens(seq.request, hit_tokens))
+        except Exception:
+            log.exception("connector.num_external_tokens failed; computing the prompt instead")
+            return 0
+        limit = min(seq.num_prompt_tokens, seq.num_tokens - 1) - hit_tokens
+        return max(0, min(ext, limit))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Newest first: recompute drops the KV; swap copies it to host (recompute if full)."""
+        self.running.remove(seq)
+        dropped = self._scheduled.pop(seq.seq_id, None)
+        if dropped is not None:
+            self._budget += dropped.num_tokens
+        self.num_preemptions += 1
+        bs = self.blocks.block_size
+        used = seq.block_table[: (seq.num_computed + bs - 1) // bs]
+        if (
+            self.config.preemption_mode == "swap"
+            and self.swap
+            and self.swap.can_swap_out(len(used))
+        ):
+            seq.host_blocks = self.swap.swap_out(used) if used else []
+            self.blocks.free(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)
+            return
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        with self._lock:
+            self.waiting.appendleft(seq)
+
+    def _put(self, seq: Sequence, n: int) -> None:
+        self._scheduled[seq.seq_id] = ScheduledSeq(seq, n)
+        self._budget -= n
+
+    def _target(self, seq: Sequence, num_tokens: int) -> int:
+        """Tokens to hold blocks for: what is computed now, or (kv_reservation = "max") the
+        request's whole maximum length, reserved at admission."""
+        if self.config.kv_reservation == "paged":
+            return num_tokens
+        reserve = self.config.max_model_len
+        if reserve <= 0:
+            reserve = seq.num_prompt_tokens + seq.request.sampling.max_tokens
+        return max(num_tokens, reserve)
+
+    def _too_big(self, seq: Sequence, num_tokens: int) -> str:
+        need = self.blocks.blocks_needed(seq, num_tokens)
+        return (
+            f"request needs {need} KV blocks for {num_tokens} tokens but the pool has "
+            f"{self.blocks.pool.num_blocks} blocks of {self.blocks.block_size} tokens"
+        )

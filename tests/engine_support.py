@@ -1,0 +1,86 @@
+"""Helpers for the engine tests: a Runtime over a tiny random model, and run-to-completion loops."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatstore.engine.block_pool import BlockPool
+from chatstore.engine.engine_config import EngineConfig
+from chatstore.engine.kv_cache import PagedKVCache
+from chatstore.engine.llm_engine import LLMEngine
+from chatstore.engine.request import Request, RequestOutput, SamplingParams
+from chatstore.engine.runner import ModelRunner
+from chatstore.engine.runtime import Runtime
+from chatstore.model import LoadedModel
+from chatstore.model.spec import ModelSpec
+from tests.conftest import tiny_hf_model
+
+_MODELS: dict[str, object] = {}
+
+
+@pytest.fixture(autouse=True)
+def single_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread (and a busy machine makes 2 threads pathological)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_runtime(
+    num_blocks: int = 64, block_size: int = 4, arch: str = "llama", tokenizer=None
+) -> Runtime:
+    if arch not in _MODELS:
+        _MODELS[arch] = tiny_hf_model(arch)
+    hf = _MODELS[arch]
+    spec = ModelSpec.from_hf_config(hf.config)
+    model = LoadedModel(hf, tokenizer, spec, Path("."), torch.float32, f"tiny-{arch}")
+    kv = PagedKVCache(spec, num_blocks, block_size, torch.float32, "cpu")
+    return Runtime(model, kv, BlockPool(num_blocks), ModelRunner(hf, spec, kv))
+
+
+def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (length,), generator=g).tolist()
+
+
+def run_all(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[RequestOutput]]:
+    """Step until idle; all outputs by request id."""
+    outs: dict[str, list[RequestOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outs
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    raise AssertionError("engine did not finish")
+
+
+def tokens_of(outputs: list[RequestOutput], index: int = 0) -> list[int]:
+    return [t for o in outputs for s in o.samples if s.index == index for t in s.token_ids]
+
+
+def finish_of(outputs: list[RequestOutput], index: int = 0) -> str | None:
+    reasons = [s.finish_reason for o in outputs for s in o.samples if s.index == index]
+    return next((r for r in reasons if r is not None), None)
+
+
+def run_alone(req: Request, arch: str = "llama") -> list[int]:
+    """The request's greedy tokens when it is the only one in a fresh engine."""
+    engine = LLMEngine(tiny_runtime(arch=arch), EngineConfig())
+    engine.add_request(Request(req.request_id, list(req.prompt_token_ids), req.sampling))
+    return tokens_of(run_all(engine)[req.request_id])
+
+
+def assert_pool_clean(engine: LLMEngine) -> None:
+    pool = engine.runtime.pool
+    pool.check_integrity()
+    assert pool.num_free == pool.num_blocks
+    assert not engine.has_work()
