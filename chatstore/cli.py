@@ -35,12 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the HTTP API (127.0.0.1:8000 by default)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument(
+        "--log-level", dest="log_level", choices=["debug", "info", "warning", "error"]
+    )
+    serve.add_argument("--data-dir", dest="data_dir", help="where sessions and KV are kept on disk")
+    serve.add_argument("--kv-store", dest="kv_store", choices=["on", "off"], help="off = recompute")
+    serve.add_argument(
+        "--redis-url", dest="redis_url", help="remote KV tier, e.g. redis://host:6379/0"
+    )
     _common_flags(serve)
     return parser
 
 
 def _config_from(args: argparse.Namespace):
-    keys = ("model", "dtype", "device", "block_size", "kv_cache_bytes", "attention", "host", "port")
+    keys = (
+        "model", "dtype", "device", "block_size", "kv_cache_bytes", "attention", "host", "port",
+        "log_level", "data_dir", "kv_store", "redis_url",
+    )  # fmt: skip
     return load_config(args.config, {k: getattr(args, k, None) for k in keys})
 
 
@@ -89,11 +100,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        from chatstore.api.server import run_server
-    except ImportError:
-        print("chatstore: the HTTP API is not part of this build yet", file=sys.stderr)
-        return 2
+    from chatstore.api.server import run_server
+
     return run_server(_config_from(args))
 
 

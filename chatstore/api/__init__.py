@@ -1,0 +1,6 @@
+"""The HTTP API: OpenAI-compatible chat, sessions, WebSocket streaming, admin and metrics."""
+
+from chatstore.api.app import Backend, create_app
+from chatstore.api.settings import ServerSettings
+
+__all__ = ["Backend", "ServerSettings", "create_app"]

@@ -1,0 +1,89 @@
+"""Operator endpoints: /admin/* (admin key) and the open health probes.
+
+GET  /admin/cache        per tier: capacity, used bytes, sessions, hits, misses, bytes moved
+                         up/down, evictions, prefetches, hit rate; engine queue and block pool
+GET  /admin/sessions     every tenant's sessions (paginated)
+POST /admin/cache/flush  drop all cached session KV (records stay; next turns recompute)
+GET  /healthz            the process is up
+GET  /readyz             the engine is started and not draining (503 otherwise)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+
+from chatstore.api.auth import Principal, admin_principal
+from chatstore.api.chat_service import ChatService
+from chatstore.api.session_routes import session_info
+
+router = APIRouter(tags=["admin"])
+Admin = Annotated[Principal, Depends(admin_principal)]
+
+
+def tier_body(t: Any) -> dict[str, Any]:
+    return {**dataclasses.asdict(t), "hit_rate": t.hit_rate}
+
+
+def engine_body(service: ChatService) -> dict[str, Any]:
+    stats = dataclasses.asdict(service.engine.stats())
+    total, free = stats.get("num_blocks"), stats.get("free_blocks")
+    if isinstance(total, int) and isinstance(free, int) and total:
+        stats["block_usage"] = round((total - free) / total, 4)
+    return stats
+
+
+@router.get("/admin/cache")
+def cache_stats(request: Request, _: Admin) -> dict[str, Any]:
+    service: ChatService = request.app.state.service
+    tiers = service.store.tier_stats()
+    hits = sum(t.hits for t in tiers)
+    misses = sum(t.misses for t in tiers)
+    return {
+        "tiers": [tier_body(t) for t in tiers],
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "engine": engine_body(service),
+    }
+
+
+@router.get("/admin/sessions")
+def all_sessions(
+    request: Request,
+    _: Admin,
+    offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    tenant: Annotated[str | None, Query(max_length=256)] = None,
+) -> dict[str, Any]:
+    service: ChatService = request.app.state.service
+    records, total = service.store.list(tenant, offset, limit)
+    more = offset + len(records) < total
+    return {
+        "object": "list",
+        "data": [{**session_info(service, r, False), "tenant": r.tenant} for r in records],
+        "has_more": more,
+        "next_offset": offset + len(records) if more else None,
+        "total": total,
+    }
+
+
+@router.post("/admin/cache/flush")
+def flush_cache(request: Request, _: Admin) -> dict[str, Any]:
+    service: ChatService = request.app.state.service
+    return {"flushed_sessions": service.store.flush()}
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", responses={503: {"description": "starting or draining"}})
+def readyz(request: Request) -> Any:
+    service: ChatService | None = getattr(request.app.state, "service", None)
+    if service is None or service.draining:
+        state = "draining" if service is not None else "starting"
+        return JSONResponse({"status": state}, status_code=503)
+    return {"status": "ready"}

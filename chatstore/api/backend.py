@@ -1,0 +1,64 @@
+"""Build what the API serves from a Config: model runtime, AttentionStore, connector, engine.
+
+runtime = create_runtime(config)                 model + device KV pool + runner
+store   = create_store(config, spec, fingerprint)   None when kv_store = "off"
+engine  = AsyncEngine(runtime, EngineConfig.from_config(config), connector(store))
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from chatstore.api.app import Backend
+from chatstore.api.chat_template import ChatTemplate
+from chatstore.api.store_adapter import StoreAdapter
+
+
+def build_backend(config: Any, runtime: Any = None) -> Backend:
+    from chatstore.engine.async_engine import AsyncEngine
+    from chatstore.engine.engine_config import EngineConfig
+    from chatstore.engine.kv_cache import bytes_per_block
+    from chatstore.engine.runtime import create_runtime
+    from chatstore.store import create_connector, create_store, device_occupancy
+
+    runtime = runtime or create_runtime(config)
+    model = runtime.model
+    store = create_store(config, model.spec, model.fingerprint)
+    connector = create_connector(store, runtime.kv_cache, runtime.runner.rope)
+    records = None
+    if store is not None:
+        block_bytes = bytes_per_block(model.spec, runtime.block_size, runtime.kv_cache.dtype)
+        store.set_device_occupancy(lambda: device_occupancy(runtime.pool, block_bytes))
+    else:
+        records = _records_only(config)
+    engine = AsyncEngine(runtime, EngineConfig.from_config(config), connector)
+    max_context = model.spec.max_context
+    if store is not None:
+        max_context = min(max_context, store.settings.max_context_tokens)
+    return Backend(
+        engine=engine,
+        store=StoreAdapter(store, connector, records),
+        template=ChatTemplate(model.tokenizer, model.spec.eos_token_ids),
+        max_context=max_context,
+        vocab_size=model.spec.vocab_size,
+        model_name=_model_name(config.model),
+    )
+
+
+def _records_only(config: Any) -> Any:
+    """kv_store = "off" (recompute every turn): session records still need a home."""
+    from chatstore.store.attention_store import default_data_dir
+    from chatstore.store.records import LmdbRecordStore
+
+    data_dir = config.data_dir or os.environ.get("CHATSTORE_DATA_DIR", "")
+    root = Path(data_dir).expanduser() if data_dir else default_data_dir()
+    return LmdbRecordStore(root / "records.lmdb", config.session_ttl_s)
+
+
+def _model_name(name_or_path: str) -> str:
+    from chatstore.model.default_model import DEFAULT_MODEL_NAME
+    from chatstore.model.loader import DEFAULT_MODEL_ALIASES
+
+    return DEFAULT_MODEL_NAME if name_or_path in DEFAULT_MODEL_ALIASES else Path(name_or_path).name

@@ -1,0 +1,292 @@
+"""The session service: ties engine, session store and chat template together.
+
+A turn is opened synchronously (so every refusal - unknown session, bad parameter, full queue -
+becomes an HTTP error before any byte of a stream is sent) and consumed asynchronously by the
+route. When it ends normally the session's record gains the new messages; the store has by then
+saved the KV of the turn's tokens, which the next turn's prompt extends.
+
+The assistant message of a turn that ended on EOS or max_tokens carries `kv_tokens` (the number
+of tokens the store saved) and `last_token` (the sampled token after them); when the record still
+holds exactly that many, the next prompt is those ids plus the new turn's text (exact reuse, also
+after truncation). Otherwise (a reply cut by a stop string, an aborted turn in between) the
+conversation is rendered afresh and the store reuses the longest common prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from chatstore.api.chat_template import ChatTemplate, Message
+from chatstore.api.errors import APIError, bad_param, not_found
+from chatstore.api.settings import ServerSettings
+from chatstore.api.store_port import SessionRecord, SessionStorePort
+from chatstore.api.turn import Turn
+from chatstore.engine.request import (
+    EngineOverloadedError,
+    InvalidRequestError,
+    Request,
+    SamplingParams,
+)
+
+log = logging.getLogger("chatstore.api")
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    tenant: str
+    sampling: SamplingParams
+    started: float  # perf_counter when the request arrived
+    session_id: str | None = None
+    messages: list[Message] | None = None  # OpenAI: the whole conversation, as sent
+    new_message: Message | None = None  # session API: appended to the stored history
+    create_missing: bool = True
+    api: str = "openai"
+
+
+@dataclass
+class _Prepared:
+    record: SessionRecord
+    messages: list[Message]  # the conversation including the new user message
+    prompt: list[int]
+
+
+def new_session_id() -> str:
+    return "sess_" + uuid.uuid4().hex[:24]
+
+
+def plain(messages: list[dict[str, Any]]) -> list[Message]:
+    """Messages as the template and clients see them (role and content only)."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class ChatService:
+    def __init__(
+        self,
+        engine: Any,
+        store: SessionStorePort,
+        template: ChatTemplate,
+        settings: ServerSettings,
+        max_context: int,
+        vocab_size: int,
+        on_turn_end: Any = None,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.template = template
+        self.settings = settings
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+        self.on_turn_end = on_turn_end
+        self.draining = False
+        self._busy: set[tuple[str, str]] = set()
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def create_session(
+        self, tenant: str, system_prompt: str | None, metadata: dict[str, str], sid: str | None
+    ) -> SessionRecord:
+        if sid is not None and self.store.get(tenant, sid) is not None:
+            raise APIError(409, f"session {sid} already exists", param="id", code="conflict")
+        messages = []
+        if system_prompt is not None:
+            self._check_chars("system_prompt", system_prompt)
+            messages = [{"role": "system", "content": system_prompt}]
+        now = time.time()
+        record = SessionRecord(tenant, sid or new_session_id(), messages, [], metadata, now, now)
+        self.store.put(record)
+        return record
+
+    def get_session(self, tenant: str, sid: str) -> SessionRecord:
+        record = self.store.get(tenant, sid)
+        if record is None:
+            raise not_found(f"session {sid}")
+        return record
+
+    def delete_session(self, tenant: str, sid: str) -> None:
+        if (tenant, sid) in self._busy:
+            raise self._busy_error(sid)
+        if not self.store.delete(tenant, sid):
+            raise not_found(f"session {sid}")
+
+    # -- turns ------------------------------------------------------------------------------
+
+    def open_turn(self, spec: TurnSpec) -> Turn:
+        if self.draining:
+            raise self._draining()
+        if spec.session_id is not None and (spec.tenant, spec.session_id) in self._busy:
+            raise self._busy_error(spec.session_id)
+        prep = self._prepare(spec)
+        key = (spec.tenant, prep.record.session_id)
+        if key in self._busy:
+            raise self._busy_error(prep.record.session_id)
+        sampling = self._fit_max_tokens(spec.sampling, len(prep.prompt))
+        request = Request(
+            request_id="chatcmpl-" + uuid.uuid4().hex[:24],
+            prompt_token_ids=prep.prompt,
+            sampling=sampling,
+            tenant=spec.tenant,
+            session_id=prep.record.session_id,
+        )
+        stream = self._submit(request)
+        self._busy.add(key)
+        turn = Turn(
+            request, stream, sampling.n, spec.started, self._finish, self._end, self.engine.abort
+        )
+        turn.record_messages = prep.messages
+        turn.log.update(record=prep.record, api=spec.api)
+        return turn
+
+    def _prepare(self, spec: TurnSpec) -> _Prepared:
+        if spec.new_message is not None:
+            return self._prepare_session_turn(spec, spec.new_message)
+        messages = list(spec.messages or [])
+        if len(messages) > self.settings.max_messages:
+            raise bad_param(
+                "messages", f"{len(messages)} messages; the limit is {self.settings.max_messages}"
+            )
+        for i, m in enumerate(messages):
+            self._check_chars(f"messages.{i}.content", m["content"])
+        prompt = self.template.render(messages)
+        if spec.session_id is not None:
+            record = self.store.get(spec.tenant, spec.session_id)
+            if record is None and not spec.create_missing:
+                raise not_found(f"session {spec.session_id}")
+        else:
+            record = self._continued(spec.tenant, prompt, messages)
+        if record is None:
+            now = time.time()
+            sid = spec.session_id or new_session_id()
+            record = SessionRecord(spec.tenant, sid, [], [], {}, now, now)
+        tail = len(self.template.render(messages[-1:])) if messages else 0
+        prompt = self._fit_context(record, messages, prompt, tail, spec.sampling)
+        return _Prepared(record, messages, prompt)
+
+    def _prepare_session_turn(self, spec: TurnSpec, new: Message) -> _Prepared:
+        record = self.get_session(spec.tenant, spec.session_id or "")
+        self._check_chars("content", new["content"])
+        history = plain(record.messages)
+        last = record.messages[-1] if record.messages else {}
+        exact = bool(record.token_ids) and last.get("kv_tokens") == len(record.token_ids)
+        if exact:
+            history_ids = [*record.token_ids, last["last_token"]]
+            prompt = self.template.continue_ids(history_ids, history, [new])
+            tail = len(prompt) - len(record.token_ids)
+        else:
+            prompt = self.template.render([*history, new])
+            tail = len(self.template.render([new]))
+        prompt = self._fit_context(record, [*history, new], prompt, tail, spec.sampling)
+        return _Prepared(record, [*history, new], prompt)
+
+    def _continued(
+        self, tenant: str, prompt: list[int], messages: list[Message]
+    ) -> SessionRecord | None:
+        """The tenant's session this resent history continues, if one is idle and matches."""
+        sid = self.store.match_prefix(tenant, prompt)
+        record = self.store.get(tenant, sid) if sid else None
+        if record is None or (tenant, record.session_id) in self._busy:
+            return None
+        if messages[: len(record.messages)] != plain(record.messages):
+            return None  # shares a prefix only (a system prompt): a new conversation
+        return record
+
+    def _fit_context(
+        self,
+        record: SessionRecord,
+        messages: list[Message],
+        prompt: list[int],
+        tail: int,
+        sampling: SamplingParams,
+    ) -> list[int]:
+        """Past the context window (leaving room for a reply): drop the oldest history after
+        the system prompt, from the prompt and from the session's saved KV alike."""
+        reply_room = min(sampling.max_tokens, self.max_context // 8)
+        if len(prompt) + reply_room <= self.max_context:
+            return prompt
+        head = 0
+        if messages and messages[0]["role"] == "system":
+            head = len(self.template.encode(self.template.render_text(messages[:1], False)))
+        try:
+            return self.store.fit_context(
+                record.tenant, record.session_id, prompt, head, min(tail, len(prompt)), reply_room
+            )
+        except ValueError as exc:  # ContextOverflowError: the new message alone is too long
+            raise bad_param("messages", str(exc), "context_length_exceeded") from None
+
+    def _fit_max_tokens(self, sampling: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.max_context - prompt_len
+        if room < 1:
+            raise bad_param(
+                "messages",
+                f"the conversation is {prompt_len} tokens; the context is {self.max_context}",
+                code="context_length_exceeded",
+            )
+        return replace(sampling, max_tokens=room) if sampling.max_tokens > room else sampling
+
+    def _submit(self, request: Request):
+        try:
+            request.sampling.validate(self.vocab_size)
+            return self.engine.submit(request)
+        except InvalidRequestError as exc:
+            raise bad_param(exc.field, str(exc)) from None
+        except EngineOverloadedError as exc:
+            raise APIError(
+                429, f"server busy: {exc}", code="queue_full", headers=self._retry()
+            ) from None
+        except RuntimeError:  # the engine stopped accepting: shutting down
+            raise self._draining() from None
+
+    # -- the end of a turn ------------------------------------------------------------------
+
+    def _finish(self, turn: Turn) -> None:
+        """The engine ended the turn: keep the new messages (runs in a worker thread)."""
+        record: SessionRecord = turn.log["record"]
+        result = turn.result
+        ended = result.finish_reasons[0] if result and result.finish_reasons else None
+        if result is None or result.error is not None or ended not in ("stop", "length"):
+            return
+        try:
+            self._save(turn, record)
+        except Exception:
+            log.exception("saving session %s failed", record.session_id)
+
+    def _end(self, turn: Turn) -> None:
+        record: SessionRecord = turn.log["record"]
+        self._busy.discard((record.tenant, record.session_id))
+        if self.on_turn_end is not None:
+            self.on_turn_end(turn)
+
+    def _save(self, turn: Turn, record: SessionRecord) -> None:
+        result = turn.result
+        assert result is not None
+        ids = result.token_ids[0]
+        reply: dict[str, Any] = {"role": "assistant", "content": result.texts[0]}
+        if ids and (ids[-1] in self.template.eos_token_ids or result.finish_reasons[0] == "length"):
+            # The store saved the KV of every token but the last sampled one (never fed back);
+            # the next turn appends that token and continues exactly. (A stop string cuts the
+            # text short of its tokens: the next turn renders afresh then.)
+            reply["kv_tokens"] = len(turn.request.prompt_token_ids) + len(ids) - 1
+            reply["last_token"] = ids[-1]
+        record.messages = [*turn.record_messages, reply]
+        self.store.put(record)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _check_chars(self, param: str, text: str) -> None:
+        limit = self.settings.max_message_chars
+        if len(text) > limit:
+            raise bad_param(
+                param, f"message is {len(text)} characters; the limit is {limit}", "too_long"
+            )
+
+    def _busy_error(self, sid: str) -> APIError:
+        return APIError(409, f"session {sid} has a turn in progress", code="session_busy")
+
+    def _draining(self) -> APIError:
+        return APIError(503, "server is shutting down", code="draining", headers=self._retry())
+
+    def _retry(self) -> dict[str, str]:
+        return {"Retry-After": str(self.settings.retry_after_s)}

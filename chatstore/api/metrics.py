@@ -1,0 +1,92 @@
+"""Prometheus metrics (GET /metrics): request counters and latency histograms kept here, engine
+and store state read at scrape time by a collector (nothing is copied in the hot path)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from chatstore.api.store_port import TierStats
+
+router = APIRouter(tags=["ops"])
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TIER_COUNTERS = ("hits", "misses", "bytes_up", "bytes_down", "evictions", "prefetches")
+TIER_GAUGES = ("capacity_bytes", "used_bytes", "sessions")
+
+
+class StateCollector(Collector):
+    def __init__(self, engine_stats: Callable[[], Any], tiers: Callable[[], list[TierStats]]):
+        self.engine_stats = engine_stats
+        self.tiers = tiers
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.engine_stats()
+        if stats is not None:
+            for name, value in dataclasses.asdict(stats).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    yield GaugeMetricFamily(f"chatstore_engine_{name}", f"engine {name}", value)
+        tiers = self.tiers()
+        for field in TIER_GAUGES:
+            g = GaugeMetricFamily(f"chatstore_store_{field}", f"store {field}", labels=["tier"])
+            for t in tiers:
+                g.add_metric([t.name], getattr(t, field))
+            yield g
+        for field in TIER_COUNTERS:
+            c = CounterMetricFamily(f"chatstore_store_{field}", f"store {field}", labels=["tier"])
+            for t in tiers:
+                c.add_metric([t.name], getattr(t, field))
+            yield c
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "chatstore_http_requests", "HTTP requests", ["method", "route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "chatstore_http_request_seconds", "HTTP request latency", ["route"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.turns = Counter("chatstore_turns", "chat turns", ["api", "finish"], registry=r)
+        self.tokens = Counter("chatstore_tokens", "tokens by kind", ["kind"], registry=r)
+        self.ttft = Histogram(
+            "chatstore_ttft_seconds", "time to first token (API arrival to first token)",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def attach_state(self, engine_stats: Callable[[], Any], tiers: Callable[[], Any]) -> None:
+        self.registry.register(StateCollector(engine_stats, tiers))
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(method, route, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
+
+    def observe_turn(self, turn: Any) -> None:
+        api = turn.log.get("api", "openai")
+        result = turn.result
+        if result is None:
+            return
+        finish = (result.finish_reasons[0] if result.finish_reasons else None) or "none"
+        self.turns.labels(api, finish).inc()
+        u = result.usage
+        self.tokens.labels("prompt").inc(u.prompt_tokens)
+        self.tokens.labels("cached").inc(u.cached_tokens)
+        self.tokens.labels("completion").inc(u.completion_tokens)
+        if result.ttft_s is not None:
+            self.ttft.observe(result.ttft_s)
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(request: Request) -> Response:
+    registry = request.app.state.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

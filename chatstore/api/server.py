@@ -1,0 +1,79 @@
+"""`chatstore serve`: uvicorn over the app, with a graceful drain on SIGINT/SIGTERM.
+
+On a signal the server stops accepting work (new turns get 503 + Retry-After, /readyz turns 503),
+lets in-flight turns finish for `drain_timeout_s`, aborts the rest (freeing their blocks), then
+the app's lifespan stops the engine and closes the store (DRAM sessions flushed to LMDB).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import uvicorn
+
+from chatstore.api.app import create_app
+from chatstore.api.settings import ServerSettings
+
+log = logging.getLogger("chatstore.api")
+SWITCH_INTERVAL_S = 0.001  # GIL hand-over between the engine thread and the event loop
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that marks the service as draining as soon as it is told to exit."""
+
+    def __init__(self, config: uvicorn.Config, service: Any) -> None:
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.service.draining = True
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal after its shutdown; a completed drain exits with 0.
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+
+
+def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,  # the API logs one structured line per request itself
+        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
+        ws_ping_interval=20.0,
+    )
+
+
+def run_server(config: Any) -> int:
+    """Serve until interrupted; the exit code (0 after a clean drain)."""
+    settings = ServerSettings.from_config(config)
+    # The engine thread holds the GIL between torch ops; a shorter switch interval lets the
+    # event loop take requests and deliver tokens without waiting the default 5 ms each time.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    configure_logging(settings.log_level)
+    try:
+        settings.check_bind()
+    except ValueError as exc:
+        print(f"chatstore: error: {exc}", file=sys.stderr)
+        return 2
+    from chatstore.api.backend import build_backend
+
+    backend = build_backend(config)
+    app = create_app(backend, settings)
+    server = DrainingServer(uvicorn_config(app, settings), app.state.service)
+    mode = "local single-user mode" if settings.local_mode else f"{len(settings.api_keys)} keys"
+    log.info("chatstore: serving on http://%s:%d (%s)", settings.host, settings.port, mode)
+    server.run()
+    return 0 if server.started else 1

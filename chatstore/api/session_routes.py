@@ -1,0 +1,175 @@
+"""The session API: the server keeps the history, the client sends only the new message.
+
+    POST   /v1/sessions                  create (optional system prompt, metadata)
+    GET    /v1/sessions                  the tenant's own, newest first (offset/limit)
+    GET    /v1/sessions/{id}             messages, token count, where its KV sits now
+    POST   /v1/sessions/{id}/messages    one turn: JSON reply, or SSE with stream=true
+    DELETE /v1/sessions/{id}             history and KV gone from every tier
+
+Another tenant's session is "not found" (404), never "forbidden": its existence is not leaked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from chatstore.api.auth import Principal, tenant_principal
+from chatstore.api.chat_service import ChatService, TurnSpec
+from chatstore.api.errors import APIError, error_body
+from chatstore.api.openai_routes import ERRORS, finish_reason, usage_body
+from chatstore.api.sampling import to_sampling
+from chatstore.api.schemas import (
+    SESSION_ID_PATTERN,
+    Deleted,
+    SessionCreateRequest,
+    SessionInfo,
+    SessionList,
+    SessionMessageRequest,
+    SessionReply,
+)
+from chatstore.api.store_port import SessionRecord
+from chatstore.api.streaming import sse, sse_response
+from chatstore.api.turn import Turn, TurnResult
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+Tenant = Annotated[Principal, Depends(tenant_principal)]
+SessionPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN)]
+
+
+def session_info(service: ChatService, record: SessionRecord, full: bool) -> dict[str, Any]:
+    return {
+        "id": record.session_id,
+        "object": "session",
+        "created_at": record.created_at,
+        "updated_at": record.updated_at,
+        "metadata": record.metadata,
+        "num_messages": len(record.messages),
+        "num_tokens": len(record.token_ids),
+        "kv_location": service.store.kv_location(record.tenant, record.session_id),
+        "messages": [dict(m) for m in record.messages] if full else None,
+    }
+
+
+def _service(request: Request) -> ChatService:
+    return request.app.state.service
+
+
+@router.post("", response_model=SessionInfo, status_code=201, responses=ERRORS)
+def create_session(body: SessionCreateRequest, request: Request, principal: Tenant) -> Any:
+    service = _service(request)
+    if service.draining:
+        raise APIError(503, "server is shutting down", code="draining")
+    record = service.create_session(principal.tenant, body.system_prompt, body.metadata, body.id)
+    return JSONResponse(session_info(service, record, True), status_code=201)
+
+
+@router.get("", response_model=SessionList, responses=ERRORS)
+def list_sessions(
+    request: Request,
+    principal: Tenant,
+    offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> Any:
+    service = _service(request)
+    records, total = service.store.list(principal.tenant, offset, limit)
+    more = offset + len(records) < total
+    return {
+        "object": "list",
+        "data": [session_info(service, r, False) for r in records],
+        "has_more": more,
+        "next_offset": offset + len(records) if more else None,
+    }
+
+
+@router.get("/{session_id}", response_model=SessionInfo, responses=ERRORS)
+def get_session(session_id: SessionPath, request: Request, principal: Tenant) -> Any:
+    service = _service(request)
+    return session_info(service, service.get_session(principal.tenant, session_id), True)
+
+
+@router.delete("/{session_id}", response_model=Deleted, responses=ERRORS)
+def delete_session(session_id: SessionPath, request: Request, principal: Tenant) -> Any:
+    _service(request).delete_session(principal.tenant, session_id)
+    return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+
+@router.post("/{session_id}/messages", response_model=SessionReply, responses=ERRORS)
+async def post_message(
+    session_id: SessionPath, body: SessionMessageRequest, request: Request, principal: Tenant
+) -> Any:
+    started = request.scope.get("chatstore.started", time.perf_counter())
+    service = _service(request)
+    spec = TurnSpec(
+        tenant=principal.tenant,
+        sampling=to_sampling(body, service.settings.default_max_tokens),
+        started=started,
+        session_id=session_id,
+        new_message={"role": "user", "content": body.content},
+        create_missing=False,
+        api="sessions",
+    )
+    turn = service.open_turn(spec)
+    request.scope["chatstore.turn"] = turn
+    if body.stream:
+        return sse_response(_stream(turn))
+    result = await turn.run_watching(request.is_disconnected)
+    if result is None:  # the client went away: the turn was aborted, nobody to answer
+        return Response(status_code=499)
+    if result.error is not None:
+        raise APIError(500, f"generation failed: {result.error}", code="engine_error")
+    return reply_body(turn, result)
+
+
+def timings(result: TurnResult) -> dict[str, float | None]:
+    def ms(s: float | None) -> float | None:
+        return None if s is None else round(s * 1000, 3)
+
+    return {
+        "ttft_ms": ms(result.ttft_s),
+        "engine_ttft_ms": ms(result.engine_ttft_s),
+        "total_ms": ms(result.total_s),
+    }
+
+
+def reply_body(turn: Turn, result: TurnResult) -> dict[str, Any]:
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason(result.finish_reasons[i]),
+            "logprobs": None,
+        }
+        for i, text in enumerate(result.texts)
+    ]
+    return {
+        "id": turn.request_id,
+        "object": "session.message",
+        "session_id": turn.session_id,
+        "message": {"role": "assistant", "content": result.texts[0]},
+        "choices": choices,
+        "finish_reason": finish_reason(result.finish_reasons[0]),
+        "usage": usage_body(result),
+        "timings": timings(result),
+    }
+
+
+async def _stream(turn: Turn) -> AsyncIterator[bytes]:
+    """Events: {"type": "delta", "index", "text"} ... then {"type": "done", ...reply_body}."""
+    try:
+        async for delta in turn.deltas():
+            if delta.text:
+                yield sse({"type": "delta", "index": delta.index, "text": delta.text})
+        result = turn.result
+        assert result is not None
+        if result.error is not None:
+            yield sse(error_body(500, f"generation failed: {result.error}", code="engine_error"))
+        else:
+            yield sse({"type": "done", **reply_body(turn, result)})
+        yield sse("[DONE]")
+    finally:
+        turn.close()

@@ -1,0 +1,95 @@
+"""Server settings: API keys, limits and logging, read from the Config and CHATSTORE_* env.
+
+The keys live beside the engine's in `Config` when it has them (`[server]` in the TOML file);
+the environment always wins, in the forms the README documents:
+
+    CHATSTORE_API_KEYS=key1:tenant1,key2:tenant2
+    CHATSTORE_ADMIN_KEY=secret
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+LOCAL_TENANT = "local"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
+    admin_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_message_chars: int = 32_768
+    max_messages: int = 512
+    log_level: str = "info"
+    model_name: str = "SmolLM2-135M-Instruct"
+    default_max_tokens: int = 256
+    retry_after_s: int = 1
+    drain_timeout_s: float = 10.0
+
+    @property
+    def local_mode(self) -> bool:
+        """No key configured: one user, no auth, loopback only."""
+        return not self.api_keys and not self.admin_key
+
+    def check_bind(self) -> None:
+        """Local (keyless) mode must not listen beyond loopback."""
+        if self.local_mode and not is_loopback(self.host):
+            raise ValueError(
+                f"no API key configured: refusing to listen on {self.host}; set "
+                "CHATSTORE_API_KEYS (and CHATSTORE_ADMIN_KEY) or bind to 127.0.0.1"
+            )
+
+    @classmethod
+    def from_config(cls, config: Any, env: Mapping[str, str] | None = None) -> ServerSettings:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            if hasattr(config, name):
+                values[name] = getattr(config, name)
+            raw = env.get(f"CHATSTORE_{name.upper()}")
+            if raw is not None and name not in ("host", "port"):  # Config already read those
+                values[name] = raw
+        if "api_keys" in values:
+            values["api_keys"] = parse_api_keys(values["api_keys"])
+        values["admin_key"] = values.get("admin_key") or None
+        for name in ("port", "max_body_bytes", "max_message_chars", "max_messages"):
+            if name in values:
+                values[name] = int(values[name])
+        for name in ("default_max_tokens", "retry_after_s"):
+            if name in values:
+                values[name] = int(values[name])
+        if "drain_timeout_s" in values:
+            values["drain_timeout_s"] = float(values["drain_timeout_s"])
+        return cls(**values)
+
+
+def parse_api_keys(raw: str | Mapping[str, str] | list[str]) -> dict[str, str]:
+    """'key1:tenant1,key2:tenant2' (or a mapping, or a list of 'key:tenant') -> {key: tenant}."""
+    if isinstance(raw, Mapping):
+        return {str(k): str(v) for k, v in raw.items()}
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    keys: dict[str, str] = {}
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        key, sep, tenant = item.partition(":")
+        if not sep or not key or not tenant:
+            raise ValueError(f"API key entry {item!r} is not of the form key:tenant")
+        keys[key] = tenant
+    return keys
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

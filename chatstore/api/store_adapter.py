@@ -1,0 +1,177 @@
+"""The API's session-store port over chatstore.store.AttentionStore.
+
+The store owns durable records (tenant, messages, token ids whose KV is saved, timestamps) and
+the KV tiers; the engine's StoreConnector saves and loads KV. This adapter adds what the API
+needs on top: pagination, a per-tenant prefix index (for OpenAI clients that resend their
+history without a session id) and the tier numbers in the admin shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from chatstore.api.store_port import SessionRecord, TierStats
+from chatstore.engine.kv_connector import KVConnector
+from chatstore.store.session_kv import SessionKey, common_prefix_len
+
+PREFIX_SCAN_LIMIT = 512  # sessions compared token by token when no stored history is a prefix
+
+
+class StoreAdapter:
+    def __init__(self, store: Any, connector: KVConnector | None, records: Any = None) -> None:
+        """store: an AttentionStore, or None (kv_store = "off": records only, no KV kept)."""
+        self.store = store
+        self.records = records if records is not None else store.records
+        self._connector = connector
+        self._has_metadata = _has_field("metadata")
+        self._metadata: dict[tuple[str, str], dict[str, str]] = {}
+        self._index: dict[str, dict[str, list[int]]] = {}  # tenant -> sid -> saved token ids
+        self._lock = threading.Lock()
+
+    @property
+    def connector(self) -> KVConnector | None:
+        return self._connector
+
+    # -- records ----------------------------------------------------------------------------
+
+    def get(self, tenant: str, session_id: str) -> SessionRecord | None:
+        raw = self.records.get(SessionKey(tenant, session_id))
+        return None if raw is None else self._to_port(raw)
+
+    def put(self, record: SessionRecord) -> None:
+        key = SessionKey(record.tenant, record.session_id)
+        changes: dict[str, Any] = {"messages": record.messages}
+        if self._has_metadata:
+            changes["metadata"] = record.metadata
+        else:
+            self._metadata[(record.tenant, record.session_id)] = dict(record.metadata)
+        if not self.records.get(key):
+            changes["created_at"] = record.created_at
+        saved = self.records.upsert(key, **changes)
+        record.token_ids = list(saved.token_ids)
+        record.updated_at = saved.updated_at
+        with self._lock:
+            index = self._tenant_index(record.tenant)
+            index.pop(record.session_id, None)  # most recently used last
+            index[record.session_id] = list(saved.token_ids)
+
+    def delete(self, tenant: str, session_id: str) -> bool:
+        with self._lock:
+            self._index.get(tenant, {}).pop(session_id, None)
+        self._metadata.pop((tenant, session_id), None)
+        if self.store is None:
+            return bool(self.records.delete(SessionKey(tenant, session_id)))
+        return bool(self.store.delete_session(tenant, session_id))
+
+    def list(self, tenant: str | None, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
+        records = self.records.list_sessions(tenant)
+        records.sort(key=lambda r: (r.updated_at, r.session_id), reverse=True)
+        return [self._to_port(r) for r in records[offset : offset + limit]], len(records)
+
+    # -- KV ---------------------------------------------------------------------------------
+
+    def match_prefix(self, tenant: str, token_ids: list[int]) -> str | None:
+        with self._lock:
+            index = dict(self._tenant_index(tenant))
+        best, best_len = None, 0
+        for sid, saved in index.items():  # a saved history that is a prefix wins outright
+            if saved and len(saved) > best_len and token_ids[: len(saved)] == saved:
+                best, best_len = sid, len(saved)
+        if best is not None:
+            return best
+        for sid, saved in list(index.items())[-PREFIX_SCAN_LIMIT:]:
+            n = common_prefix_len(saved, token_ids)
+            if n > best_len:
+                best, best_len = sid, n
+        return best
+
+    def kv_location(self, tenant: str, session_id: str) -> str | None:
+        if self.store is None:
+            return None
+        return self.store.hierarchy.tier_of(SessionKey(tenant, session_id))
+
+    def prefetch(self, tenant: str, session_id: str) -> None:
+        if self.store is not None:
+            self.store.hierarchy.prefetch(SessionKey(tenant, session_id))
+
+    def fit_context(
+        self, tenant: str, session_id: str, prompt: list[int], head: int, tail: int, reserve: int
+    ) -> list[int]:
+        if self.store is None:
+            return prompt
+        # The store sizes its cut by the prompt's length: `reserve` placeholder tokens at the
+        # end (inside the kept tail, after the saved history) make room for the reply too.
+        padded = prompt + [0] * reserve
+        cut = self.store.fit_context(tenant, session_id, padded, head, tail + reserve)
+        return cut[: len(cut) - reserve] if reserve else cut
+
+    def tier_stats(self) -> list[TierStats]:
+        if self.store is None:
+            return []
+        stats = self.store.stats()
+        c = stats.counters
+        out = []
+        for occ in stats.occupancy:
+            tc = c.tiers.get(occ.name)
+            first_store_tier = occ.name == self.store.hierarchy.tiers[0].name
+            out.append(
+                TierStats(
+                    name=occ.name,
+                    capacity_bytes=occ.capacity_bytes,
+                    used_bytes=occ.used_bytes,
+                    sessions=occ.num_sessions,
+                    hits=tc.hits if tc else 0,
+                    misses=c.misses if first_store_tier else 0,
+                    bytes_up=c.bytes_up if first_store_tier else 0,
+                    bytes_down=c.bytes_down if first_store_tier else 0,
+                    evictions=tc.evictions if tc else 0,
+                    prefetches=c.prefetches if first_store_tier else 0,
+                )
+            )
+        return out
+
+    def flush(self) -> int:
+        if self.store is None:
+            return 0
+        dropped = sum(len(t.keys()) for t in self.store.hierarchy.tiers)
+        self.store.invalidate_all()
+        return dropped
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()  # DRAM sessions move to LMDB; records are closed with it
+        else:
+            self.records.close()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _tenant_index(self, tenant: str) -> dict[str, list[int]]:
+        index = self._index.get(tenant)
+        if index is None:
+            records = self.records.list_sessions(tenant)
+            records.sort(key=lambda r: r.updated_at)
+            index = {r.session_id: list(r.token_ids) for r in records}
+            self._index[tenant] = index
+        return index
+
+    def _to_port(self, raw: Any) -> SessionRecord:
+        metadata = getattr(raw, "metadata", None)
+        if metadata is None:
+            metadata = self._metadata.get((raw.tenant, raw.session_id), {})
+        return SessionRecord(
+            tenant=raw.tenant,
+            session_id=raw.session_id,
+            messages=[dict(m) for m in raw.messages],
+            token_ids=list(raw.token_ids),
+            metadata=dict(metadata),
+            created_at=raw.created_at,
+            updated_at=raw.updated_at,
+        )
+
+
+def _has_field(name: str) -> bool:
+    from chatstore.store.records import SessionRecord as StoreRecord
+
+    return name in {f.name for f in dataclasses.fields(StoreRecord)}

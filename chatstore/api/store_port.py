@@ -1,0 +1,90 @@
+"""The one small interface the API needs from the session store.
+
+`SessionRecord` is what the API keeps per session (tenant, messages, token ids, timestamps);
+the KV itself moves between engine and store through the engine's KVConnector, out of the API's
+sight. `StoreAdapter` (store_adapter.py) implements this port over chatstore.store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from chatstore.engine.kv_connector import KVConnector
+
+Message = dict[str, str]
+
+
+@dataclass
+class SessionRecord:
+    tenant: str
+    session_id: str
+    messages: list[Message] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt + reply of the last turn
+    metadata: dict[str, str] = field(default_factory=dict)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str  # device | dram | ssd | remote
+    capacity_bytes: int
+    used_bytes: int
+    sessions: int
+    hits: int
+    misses: int
+    bytes_up: int  # moved towards the device (loads, prefetches)
+    bytes_down: int  # moved away from the device (saves, demotions)
+    evictions: int
+    prefetches: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+
+class SessionStorePort(Protocol):
+    @property
+    def connector(self) -> KVConnector | None: ...
+
+    def get(self, tenant: str, session_id: str) -> SessionRecord | None: ...
+
+    def put(self, record: SessionRecord) -> None: ...
+
+    def delete(self, tenant: str, session_id: str) -> bool:
+        """Forget the record and its KV in every tier; False when it did not exist."""
+        ...
+
+    def list(self, tenant: str | None, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
+        """One page of a tenant's sessions (all tenants for None), newest first, and the total."""
+        ...
+
+    def match_prefix(self, tenant: str, token_ids: list[int]) -> str | None:
+        """The tenant's session whose saved tokens share the longest prefix with token_ids."""
+        ...
+
+    def kv_location(self, tenant: str, session_id: str) -> str | None: ...
+
+    def fit_context(
+        self, tenant: str, session_id: str, prompt: list[int], head: int, tail: int, reserve: int
+    ) -> list[int]:
+        """The prompt cut so that it plus `reserve` reply tokens fit the context window (the
+        oldest history after `head` tokens dropped, the last `tail` kept), the session's saved
+        KV cut the same way."""
+        ...
+
+    def tier_stats(self) -> list[TierStats]: ...
+
+    def prefetch(self, tenant: str, session_id: str) -> None:
+        """Hint: this session will run soon (its client is typing)."""
+        ...
+
+    def flush(self) -> int:
+        """Drop all cached session KV (records stay); the number of sessions dropped."""
+        ...
+
+    def close(self) -> None:
+        """Persist what must survive a restart, then release the tiers."""
+        ...
