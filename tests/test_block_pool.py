@@ -115,3 +115,15 @@ def test_slot_mapping_and_errors() -> None:
         ForwardBatch.build([SequenceChunk([1, 2], 3, [0])], block_size=4)
     with pytest.raises(ValueError, match="at least one"):
         ForwardBatch.build([], block_size=4)
+
+
+def test_take_revives_a_free_block_and_shares_a_used_one() -> None:
+    pool = BlockPool(4)
+    a = pool.allocate(2)  # [0, 1]
+    pool.free([a[1]])  # block 1 is free again (its KV may still be cached)
+    pool.take([1, 0])
+    assert (pool.ref_count(0), pool.ref_count(1)) == (2, 1)
+    assert pool.allocate(2) == [2, 3]  # block 1 is no longer on the free list
+    with pytest.raises(ValueError, match="out of range"):
+        pool.take([7])
+    pool.check_integrity()

@@ -1,14 +1,14 @@
 """Physical KV block ids: a free list and reference counts (vLLM §4.2-4.3).
 
 The pool owns ids only; the tensors live in `PagedKVCache`. A block is free when its ref count is
-0. Sharing (n>1 samples, a common system prompt) increments the count; the last `free` returns the
-block to the free list. Every method checks before it changes anything, so a failed call leaves
+0. The free list is an insertion-ordered dict (allocate from the front, free to the back, O(1)
+removal from the middle when the prefix cache revives a cached free block). Sharing (n>1
+samples, a common system prompt) increments the count; the last `free` returns the block to the
+free list. Every method checks before it changes anything, so a failed call leaves
 no partial state.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 
 class BlockPoolExhausted(RuntimeError):
@@ -21,7 +21,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
 
     @property
     def num_free(self) -> int:
@@ -45,10 +45,26 @@ class BlockPool:
                 f"KV block pool exhausted: {n} blocks requested, {len(self._free)} free "
                 f"of {self.num_blocks}"
             )
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b = next(iter(self._free))
+            del self._free[b]
             self._ref_counts[b] = 1
+            blocks.append(b)
         return blocks
+
+    def take(self, block_ids: list[int]) -> None:
+        """One more reference to each block, free or not (a free one leaves the free list).
+
+        The prefix cache uses this to revive a cached block whose owner has finished.
+        """
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block id {b} out of range [0, {self.num_blocks})")
+        for b in block_ids:
+            if self._ref_counts[b] == 0:
+                del self._free[b]
+            self._ref_counts[b] += 1
 
     def share(self, block_ids: list[int]) -> None:
         """Add one reference to each (already allocated) block."""
@@ -72,12 +88,11 @@ class BlockPool:
         for b in reversed(block_ids):
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
 
     def check_integrity(self) -> None:
         """Free list and ref counts agree: every block is either free (0 refs) or referenced."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
+        free = self._free
         for b, rc in enumerate(self._ref_counts):
             assert rc >= 0, f"block {b} has negative ref count"
             assert (rc == 0) == (b in free), f"block {b}: ref count {rc}, free={b in free}"

@@ -172,14 +172,5 @@ class BlockManager:
         return blocks
 
     def _take(self, blocks: list[int]) -> None:
-        """One more reference to each hit block; a free (ref 0) cached block leaves the free list.
-
-        BlockPool has no public "take this free block" call yet, hence the private access here;
-        `BlockPool.check_integrity` still holds afterwards.
-        """
-        in_use = [b for b in blocks if self.pool.ref_count(b) > 0]
-        self.pool.share(in_use)
-        for b in blocks:
-            if b not in in_use:
-                self.pool._free.remove(b)
-                self.pool._ref_counts[b] = 1
+        """One more reference to each hit block; a cached free block leaves the free list."""
+        self.pool.take(blocks)
