@@ -40,6 +40,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # rows of the hidden state that get logits
     block_size: int
     decode_plan: DecodePlan | None = field(default=None)
+    # Who each sequence is (chunk order), so a KV sink can attribute rows to requests.
+    request_ids: list[str] | None = field(default=None)
 
     @property
     def num_seqs(self) -> int:

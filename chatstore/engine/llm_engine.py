@@ -170,7 +170,7 @@ class LLMEngine:
         if self._has_store:
             # Lets save_layer attribute rows to requests (chunk order). Samples after the
             # first of n > 1 get their own "<id>#<index>" so they are not taken for sample 0.
-            batch.request_ids = [_row_id(it.seq) for it in items]  # type: ignore[attr-defined]
+            batch.request_ids = [_row_id(it.seq) for it in items]
             sink = self.connector.save_layer
         return runner.forward(batch, kv_sink=sink)
 
