@@ -30,13 +30,15 @@ ATTENTION_BACKENDS = ("auto", "reference")
 
 @dataclass
 class LayerWeights:
+    # Projections are held transposed ([in, out] views of HF's [out, in] weights, no copy):
+    # `x @ w` is the very mm that F.linear dispatches to, minus its per-call transpose.
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv: torch.Tensor  # [H, (Hq + 2 Hkv) D]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # [H, Hq D]
+    o_proj: torch.Tensor  # [Hq D, H]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: torch.Tensor  # [H, 2 I]
+    down: torch.Tensor  # [I, H]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,7 +61,7 @@ class ModelRunner:
         inner = hf_model.model
         self.embed = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
-        self.lm_head = hf_model.lm_head.weight.detach()
+        self.lm_head = hf_model.lm_head.weight.detach().t()  # [H, V]
         self.dtype = self.embed.dtype
         if kv_cache.dtype != self.dtype:
             raise ValueError(
@@ -78,12 +80,12 @@ class ModelRunner:
             bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=qkv,
+            qkv=qkv.t(),
             qkv_bias=bias,
-            o_proj=attn.o_proj.weight.detach(),
+            o_proj=attn.o_proj.weight.detach().t(),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-            down=mlp.down_proj.weight.detach(),
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().t(),
+            down=mlp.down_proj.weight.detach().t(),
         )
 
     @torch.inference_mode()
@@ -95,22 +97,24 @@ class ModelRunner:
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, spec.rms_norm_eps)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
-            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-            q = q.view(-1, spec.num_heads, spec.head_dim)  # [T, Hq, D]
-            k = k.view(-1, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, D]
-            v = v.view(-1, spec.num_kv_heads, spec.head_dim)
+            qkv = torch.mm(x, w.qkv) if w.qkv_bias is None else torch.addmm(w.qkv_bias, x, w.qkv)
+            v = qkv[:, q_dim + kv_dim :].view(-1, spec.num_kv_heads, spec.head_dim)  # [T, Hkv, D]
             if kv_sink is not None:
+                k = qkv[:, q_dim : q_dim + kv_dim].view(-1, spec.num_kv_heads, spec.head_dim)
                 kv_sink(i, k, v, batch)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            # q and k rotated together: one set of RoPE ops a layer instead of two.
+            qk = qkv[:, : q_dim + kv_dim].view(
+                -1, spec.num_heads + spec.num_kv_heads, spec.head_dim
+            )
+            q, k = apply_rope(qk, cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
             self.kv_cache.write(i, k, v, batch.slot_mapping)
             attn = self._attention(i, q, k, v, batch)  # [T, Hq, D]
-            h = h + F.linear(attn.reshape(-1, q_dim), w.o_proj)
+            h = h + torch.mm(attn.reshape(-1, q_dim), w.o_proj)
             x = rms_norm(h, w.post_norm, spec.rms_norm_eps)
-            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down)
+            gate, up = torch.mm(x, w.gate_up).chunk(2, dim=-1)
+            h = h + torch.mm(F.silu(gate) * up, w.down)
         h = rms_norm(h.index_select(0, batch.logits_indices), self.final_norm, spec.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return torch.mm(h, self.lm_head).float()
 
     def _attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch

@@ -1,0 +1,209 @@
+/* Decode attention straight over the blocks of a paged KV cache (CPU, OpenMP).
+ *
+ * One query token per sequence. A work item is a sequence with all its KV heads, or one
+ * (sequence, KV head) pair when there are too few sequences for the threads. The G = Hq / Hkv
+ * query heads of a KV head share every K and V row read: each row is read once per step, in
+ * address order within a block, while the next block is prefetched.
+ *
+ *   q        [S, Hq, D]            out  [S, Hq, D]
+ *   k, v     [N, B, Hkv, D]        one layer's pool: block n, slot o, head h at ((n*B + o)*Hkv + h)*D
+ *   tables   [S, W] int64          token t of sequence s sits in block tables[s][t / B], slot t % B
+ *   ctx      [S] int64             context length of each sequence (the new token included)
+ *
+ *   p[g][t] = exp(scale * q[g] . k[t] - max_t) ;  out[g] = sum_t p[g][t] v[t] / sum_t p[g][t]
+ *
+ * Arithmetic is fp32 throughout; bf16 inputs are widened on load and the output rounded to
+ * nearest even, as torch does. Plain C (no torch headers) so that it builds in about a second.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    int dtype;
+    const void *k, *v;
+    int64_t G, Hkv, D, B;
+} Layout;
+
+/* The n slots of one block for KV heads h0 .. h0 + nh as fp32 rows of `*stride` floats: fp32
+ * blocks are used in place, bf16 ones widened into `buf` [B, nh, D]. */
+INLINE const float* block_f32(const Layout* L, const void* cache, int64_t block, int64_t h0,
+                              int64_t nh, int64_t n, float* buf, int64_t* stride) {
+    const int64_t at = (block * L->B * L->Hkv + h0) * L->D;
+    if (L->dtype == DTYPE_F32) {
+        *stride = L->Hkv * L->D;
+        return (const float*)cache + at;
+    }
+    const uint16_t* src = (const uint16_t*)cache + at;
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t i = 0; i < nh * L->D; i++)
+            buf[o * nh * L->D + i] = bf16_to_f32(src[o * L->Hkv * L->D + i]);
+    *stride = nh * L->D;
+    return buf;
+}
+
+/* Ask for the next block of the sequence while this one is computed on (rows are 64-byte lines). */
+INLINE void prefetch_block(const Layout* L, const void* cache, const int64_t* table, int64_t j,
+                           int64_t num_blocks, int64_t h0, int64_t nh) {
+    if (j >= num_blocks) return;
+    const int64_t elem = L->dtype == DTYPE_F32 ? 4 : 2, row = nh * L->D * elem;
+    const char* at = (const char*)cache + (table[j] * L->B * L->Hkv + h0) * L->D * elem;
+    for (int64_t o = 0; o < L->B; o++)
+        for (int64_t c = 0; c < row; c += 64) __builtin_prefetch(at + o * L->Hkv * L->D * elem + c);
+}
+
+/* exp(x) for x <= 0, branch-free so that gcc vectorises it: x = n ln2 + r, |r| <= ln2 / 2,
+ * e^r by its degree-7 Taylor polynomial (relative error < 2e-7, about 1 ulp), 2^n by exponent
+ * bits. Inputs below -87 (e^x < 2^-126) give 0. */
+INLINE float exp_nonpositive(float x) {
+    const float xc = x < -87.f ? -87.f : x;
+    /* Round to nearest by the 1.5 * 2^23 trick: vectorises, unlike roundf. */
+    const float n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    const float r = xc - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.f ? 0.f : p * scale;
+}
+
+/* a . b in 16 lanes, summed as a tree: no serial chain of horizontal adds. */
+INLINE float dot(const float* a, const float* b, const int64_t D) {
+    float lanes[16] = {0};
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16)
+        for (int i = 0; i < 16; i++) lanes[i] += a[d + i] * b[d + i];
+    for (int i = 0; i < 8; i++) lanes[i] += lanes[i + 8];
+    for (int i = 0; i < 4; i++) lanes[i] += lanes[i + 4];
+    float s = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+    for (; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* One work item: the nh KV heads from h0 of one sequence, i.e. query heads i = h0 G .. with
+ * qg [nh G, D] (scaled) -> acc [nh G, D]. Block by block, as each block is contiguous:
+ *   pass 1  scores[i, t] = qg[i] . k[t, h(i)]        pass 2  softmax over t, in place
+ *   pass 3  acc[i] = sum_t p[i, t] v[t, h(i)]        (each acc row stays in registers a block) */
+INLINE void run_item_d(const Layout* L, const float* qg, const int64_t* table, int64_t ctx,
+                       int64_t h0, int64_t nh, float* scores, float* acc, float* buf,
+                       const int64_t D) {
+    const int64_t G = L->G, B = L->B, rows = nh * G, num_blocks = (ctx + B - 1) / B;
+    int64_t stride;
+    for (int64_t j = 0, t0 = 0; t0 < ctx; j++, t0 += B) {
+        const int64_t n = ctx - t0 < B ? ctx - t0 : B;
+        prefetch_block(L, L->k, table, j + 1, num_blocks, h0, nh);
+        const float* kb = block_f32(L, L->k, table[j], h0, nh, n, buf, &stride);
+        for (int64_t o = 0; o < n; o++)  /* slot by slot: the block is read in address order */
+            for (int64_t h = 0; h < nh; h++)
+                for (int64_t i = h * G; i < (h + 1) * G; i++)
+                    scores[i * ctx + t0 + o] = dot(qg + i * D, kb + o * stride + h * D, D);
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        float* si = scores + i * ctx;
+        float m = si[0], sum = 0.f;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 1; t < ctx; t++) m = si[t] > m ? si[t] : m;
+        for (int64_t t = 0; t < ctx; t++) si[t] = exp_nonpositive(si[t] - m);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < ctx; t++) sum += si[t];
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < ctx; t++) si[t] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * rows * D);
+    for (int64_t j = 0, t0 = 0; t0 < ctx; j++, t0 += B) {
+        const int64_t n = ctx - t0 < B ? ctx - t0 : B;
+        prefetch_block(L, L->v, table, j + 1, num_blocks, h0, nh);
+        const float* vb = block_f32(L, L->v, table[j], h0, nh, n, buf, &stride);
+        for (int64_t i = 0; i < rows; i++) {
+            const float* vr = vb + i / G * D;
+            const float* p = scores + i * ctx + t0;
+            float a[D];
+            for (int64_t d = 0; d < D; d++) a[d] = acc[i * D + d];
+            for (int64_t o = 0; o < n; o++)
+                for (int64_t d = 0; d < D; d++) a[d] += p[o] * vr[o * stride + d];
+            for (int64_t d = 0; d < D; d++) acc[i * D + d] = a[d];
+        }
+    }
+}
+
+/* Head sizes 64 and 128 get their own copies, with D a constant the compiler unrolls. */
+static void run_item(const Layout* L, const float* qg, const int64_t* table, int64_t ctx,
+                     int64_t h0, int64_t nh, float* scores, float* acc, float* buf) {
+    if (L->D == 64)
+        run_item_d(L, qg, table, ctx, h0, nh, scores, acc, buf, 64);
+    else if (L->D == 128)
+        run_item_d(L, qg, table, ctx, h0, nh, scores, acc, buf, 128);
+    else
+        run_item_d(L, qg, table, ctx, h0, nh, scores, acc, buf, L->D);
+}
+
+/* dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 when a scratch buffer cannot be allocated.
+ *
+ * A work item is one sequence with all its KV heads (rows read whole and in order) when there are
+ * enough sequences to keep every thread busy, else one (sequence, KV head) pair. */
+int paged_decode(int dtype, const void* q, const void* k, const void* v, const int64_t* tables,
+                 int64_t table_width, const int64_t* ctx_lens, int64_t S, int64_t Hq, int64_t Hkv,
+                 int64_t D, int64_t B, float scale, void* out, int nthreads) {
+    const Layout L = {dtype, k, v, Hq / Hkv, Hkv, D, B};
+    const int64_t nh = S >= 2 * (int64_t)nthreads ? Hkv : 1; /* KV heads an item covers */
+    const int64_t rows = nh * L.G;                           /* query heads an item covers */
+    int64_t max_ctx = 1;
+    for (int64_t s = 0; s < S; s++) max_ctx = ctx_lens[s] > max_ctx ? ctx_lens[s] : max_ctx;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float* scratch = malloc(sizeof(float) * (rows * max_ctx + 2 * rows * D + B * nh * D));
+        failed |= scratch == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < S * (Hkv / nh); item++) {
+            if (!scratch) continue;
+            const int64_t s = item / (Hkv / nh), h0 = item % (Hkv / nh) * nh;
+            const int64_t q_off = (s * Hq + h0 * L.G) * D, ctx = ctx_lens[s];
+            const int64_t* table = tables + s * table_width;
+            float* scores = scratch;
+            float* qg = scores + rows * max_ctx;
+            float* acc = qg + rows * D;
+            float* buf = acc + rows * D;
+            for (int64_t i = 0; i < rows * D; i++) {
+                qg[i] = scale * (dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t*)q)[q_off + i])
+                                                     : ((const float*)q)[q_off + i]);
+            }
+            run_item(&L, qg, table, ctx, h0, nh, scores, acc, buf);
+            for (int64_t i = 0; i < rows * D; i++) {
+                if (dtype == DTYPE_BF16)
+                    ((uint16_t*)out)[q_off + i] = f32_to_bf16(acc[i]);
+                else
+                    ((float*)out)[q_off + i] = acc[i];
+            }
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,107 @@
+"""Native CPU kernels from `kernels/csrc`, built with gcc at first use and cached on disk.
+
+The C sources include no torch headers, so a build takes about a second, even on 2 cores. The
+shared library is cached under `$CHATSTORE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/chatstore/kernels`
+(`~/.cache/chatstore/kernels`), named by a hash of the source, the flags, the compiler and the CPU
+(the build uses `-march=native`). It links the `libgomp.so.1` that torch has already loaded, so
+torch's ops and these kernels share one OpenMP thread pool.
+
+Anything that goes wrong (no compiler, a failed build, a failed load) logs one warning and
+`native_library()` returns None: callers then take their torch path. `CHATSTORE_NATIVE_KERNELS=0`
+turns the native kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp.so.1 before ours is linked to it)
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).resolve().parent / "csrc" / "paged_decode.c",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+BUILD_TIMEOUT_S = 120
+_OFF = ("0", "false", "no", "off")
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+# int paged_decode(dtype, q, k, v, tables, table_width, ctx_lens, S, Hq, Hkv, D, B, scale, out, n)
+PAGED_DECODE_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
+PAGED_DECODE_ARGTYPES += [_i64] * 5 + [ctypes.c_float, _ptr, ctypes.c_int]
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("CHATSTORE_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "chatstore" / "kernels"
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "gcc")
+
+
+def _cpu_identity() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in lines if line.startswith(("model name", "flags"))]
+    return platform.machine() + "".join(sorted(set(keep)))
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    version = subprocess.run(
+        [_compiler(), "--version"], capture_output=True, text=True, timeout=30, check=True
+    )
+    h.update(version.stdout.encode())
+    h.update(_cpu_identity().encode())
+    return h.hexdigest()[:16]
+
+
+def build() -> Path:
+    """Compile the sources (or reuse the cached build); the path of the shared library."""
+    target = cache_dir() / f"chatstore_kernels_{_build_key()}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [_compiler(), *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
+        os.replace(tmp, target)  # atomic: concurrent builders never see a half-written library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def native_library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None when they are turned off or cannot be built here."""
+    if os.environ.get("CHATSTORE_NATIVE_KERNELS", "1").lower() in _OFF:
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+        lib.paged_decode.argtypes = PAGED_DECODE_ARGTYPES
+        lib.paged_decode.restype = ctypes.c_int
+    except Exception as exc:
+        log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
+        return None
+    return lib
