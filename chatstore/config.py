@@ -46,6 +46,10 @@ class Config:
     session_ttl_s: int = 86400
     max_context_tokens: int = 8192
     truncation_ratio: float = 0.5
+    policy: str = "aware"  # aware | lru | fifo: which session a full tier gives up
+    prefetch_interval_s: float = 0.05  # scheduler-aware fetch: how often the queue is scanned
+    async_save: bool = True  # a finished turn's KV is written by a background thread
+    write_buffer_bytes: int = 1 << 30  # turns waiting for that thread; full = engine waits
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -77,6 +81,12 @@ class Config:
             raise ValueError(f"max_context_tokens must be positive, got {self.max_context_tokens}")
         if not 0 < self.truncation_ratio < 1:
             raise ValueError(f"truncation_ratio must be in (0, 1), got {self.truncation_ratio}")
+        if self.policy not in ("aware", "lru", "fifo"):
+            raise ValueError(f"policy must be one of aware, lru, fifo, got {self.policy!r}")
+        if self.prefetch_interval_s <= 0:
+            raise ValueError(f"prefetch_interval_s must be > 0, got {self.prefetch_interval_s}")
+        if self.write_buffer_bytes <= 0:
+            raise ValueError(f"write_buffer_bytes must be > 0, got {self.write_buffer_bytes}")
 
 
 def load_config(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import httpx
 import pytest
@@ -210,3 +211,45 @@ def test_long_session_is_truncated_and_keeps_its_cache(alice):
     assert truncated >= 1
     info = alice.get(f"/v1/sessions/{sid}").json()
     assert info["num_messages"] == 11  # the history itself is kept whole
+
+
+def _kv_store(server):
+    return server.app.state.service.store.store  # the AttentionStore behind the adapter
+
+
+def _poll_location(client, sid: str, want: str, timeout: float = 10.0) -> str | None:
+    deadline = time.monotonic() + timeout
+    while True:
+        where = client.get(f"/v1/sessions/{sid}").json()["kv_location"]
+        if where == want or time.monotonic() > deadline:
+            return where
+        time.sleep(0.02)
+
+
+def test_prefetch_hint_moves_kv_up_and_is_tenant_checked(server, alice, bob, admin):
+    sid = alice.post("/v1/sessions", json={}).json()["id"]
+    assert alice.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi.", **GREEDY}).is_success
+    store = _kv_store(server)
+    assert store.settings.async_save and store.hierarchy.chooser.policy.name == "aware"
+    assert alice.get(f"/v1/sessions/{sid}").json()["kv_location"] == "dram"
+    store.hierarchy.demote_all(0)  # as if DRAM had filled up: the session is on SSD now
+    assert alice.get(f"/v1/sessions/{sid}").json()["kv_location"] == "ssd"
+    before = _prefetches(admin)
+    assert bob.post(f"/v1/sessions/{sid}/prefetch").status_code == 404  # another tenant's
+    assert alice.post("/v1/sessions/nope-unknown/prefetch").status_code == 404
+    assert _kv_store(server).hierarchy.tier_of(_key("alice", sid)) == "ssd"  # bob moved nothing
+    accepted = alice.post(f"/v1/sessions/{sid}/prefetch")
+    assert accepted.status_code == 202 and accepted.json()["accepted"] is True
+    assert _poll_location(alice, sid, "dram") == "dram"
+    assert _prefetches(admin) == before + 1
+
+
+def _prefetches(admin) -> int:
+    tiers = admin.get("/admin/cache").json()["tiers"]
+    return sum(t["prefetches"] for t in tiers)
+
+
+def _key(tenant: str, sid: str):
+    from chatstore.store.session_kv import SessionKey
+
+    return SessionKey(tenant, sid)

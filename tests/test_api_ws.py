@@ -135,3 +135,20 @@ def test_non_stream_disconnect_frees_blocks(server, http):
         httpx.post(server.url + "/v1/chat/completions", json=body, timeout=1.5)
     engine = wait_idle(http)
     assert engine["running"] == 0 and engine["free_blocks"] == engine["num_blocks"]
+
+
+def test_ws_typing_prefetches_the_session(server, http):
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    turn = {"type": "message", "content": "Hi.", "max_tokens": 4, "temperature": 0}
+    with ws_connect(server, sid) as ws:
+        assert recv(ws)["type"] == "ready"
+        ws.send(json.dumps(turn))
+        assert until(ws, "done")[0]["type"] == "done"
+        assert http.get(f"/v1/sessions/{sid}").json()["kv_location"] == "dram"
+        server.app.state.service.store.store.hierarchy.demote_all(0)  # pushed down to SSD
+        assert http.get(f"/v1/sessions/{sid}").json()["kv_location"] == "ssd"
+        ws.send(json.dumps({"type": "typing"}))
+        deadline = time.monotonic() + 10
+        while http.get(f"/v1/sessions/{sid}").json()["kv_location"] != "dram":
+            assert time.monotonic() < deadline, "typing did not bring the KV up to DRAM"
+            time.sleep(0.02)

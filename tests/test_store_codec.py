@@ -69,3 +69,19 @@ def test_common_prefix_len():
     assert common_prefix_len([1, 2], [1, 2, 3]) == 2
     assert common_prefix_len([], [1]) == 0
     assert common_prefix_len([5], [6]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "chunk"), [(0, 16), (1, 16), (5, 7), (100, 4096), (50, 1 << 20)]
+)
+def test_encode_chunks_is_split_encode_without_copies(dtype, tokens, chunk):
+    from chatstore.store.codec import decode, encode, encode_chunks, split_chunks
+    from chatstore.store.session_kv import SessionKV
+
+    v = SessionKV(list(range(tokens)), torch.randn(2, 2, tokens, 3, 4).to(dtype))
+    chunks = encode_chunks(v, "fp", chunk)
+    blob = b"".join(bytes(c) for c in chunks)
+    assert blob == b"".join(split_chunks(encode(v, "fp"), chunk))
+    assert all(len(c) <= chunk for c in chunks)
+    assert decode(blob, "fp").equal(v)

@@ -31,10 +31,18 @@ def _engine(tmp_path, prefix_cache: bool, **store_kw):
 
 
 @pytest.mark.parametrize(
-    "prefix_cache,dram", [(False, 1 << 20), (True, 1 << 20), (False, 0)], ids=["dram", "apc", "ssd"]
+    "prefix_cache,dram,async_save",
+    [
+        (False, 1 << 20, False),
+        (True, 1 << 20, False),
+        (False, 0, False),
+        (False, 1 << 20, True),
+        (True, 0, True),
+    ],
+    ids=["dram", "apc", "ssd", "dram-async", "apc-ssd-async"],
 )
-def test_interleaved_sessions_reuse_history(tmp_path, prefix_cache, dram):
-    engine, store = _engine(tmp_path, prefix_cache, dram_bytes=dram)
+def test_interleaved_sessions_reuse_history(tmp_path, prefix_cache, dram, async_save):
+    engine, store = _engine(tmp_path, prefix_cache, dram_bytes=dram, async_save=async_save)
     history = {sid: prompt(seed, 9 + 4 * seed) for seed, sid in enumerate(("a", "b", "c"))}
     computed: dict[str, int] = {}  # tokens of the previous turn (prompt + output)
     for turn in range(3):

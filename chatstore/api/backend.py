@@ -3,6 +3,7 @@
 runtime = create_runtime(config)                 model + device KV pool + runner
 store   = create_store(config, spec, fingerprint)   None when kv_store = "off"
 engine  = AsyncEngine(runtime, EngineConfig.from_config(config), connector(store))
+store.set_waiting_queue(engine's waiting sessions)  look-ahead for eviction and prefetch
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
     else:
         records = _records_only(config)
     engine = AsyncEngine(runtime, EngineConfig.from_config(config), connector)
+    if store is not None:
+        store.set_waiting_queue(lambda: waiting_keys(engine))
     max_context = model.spec.max_context
     if store is not None:
         max_context = min(max_context, store.settings.max_context_tokens)
@@ -45,6 +48,17 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
         vocab_size=model.spec.vocab_size,
         model_name=_model_name(config.model),
     )
+
+
+def waiting_keys(engine: Any) -> list[Any]:
+    """The engine's waiting queue as store session keys, in admission order (thread-safe)."""
+    from chatstore.store.session_kv import SessionKey
+
+    return [
+        SessionKey(e.tenant, e.session_id)
+        for e in engine.waiting_sessions()
+        if e.session_id is not None
+    ]
 
 
 def _records_only(config: Any) -> Any:

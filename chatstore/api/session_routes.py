@@ -5,6 +5,7 @@
     GET    /v1/sessions/{id}             messages, token count, where its KV sits now
     POST   /v1/sessions/{id}/messages    one turn: JSON reply, or SSE with stream=true
     DELETE /v1/sessions/{id}             history and KV gone from every tier
+    POST   /v1/sessions/{id}/prefetch    hint: the user is about to write; move the KV up (202)
 
 Another tenant's session is "not found" (404), never "forbidden": its existence is not leaked.
 """
@@ -96,6 +97,17 @@ def get_session(session_id: SessionPath, request: Request, principal: Tenant) ->
 def delete_session(session_id: SessionPath, request: Request, principal: Tenant) -> Any:
     _service(request).delete_session(principal.tenant, session_id)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+
+@router.post("/{session_id}/prefetch", status_code=202, responses=ERRORS)
+def prefetch_session(session_id: SessionPath, request: Request, principal: Tenant) -> Any:
+    """Start moving the session's KV up to DRAM (returns at once; see kv_location)."""
+    service = _service(request)
+    service.get_session(principal.tenant, session_id)  # 404 for unknown / another tenant's
+    service.store.prefetch(principal.tenant, session_id)
+    return JSONResponse(
+        {"id": session_id, "object": "session.prefetch", "accepted": True}, status_code=202
+    )
 
 
 @router.post("/{session_id}/messages", response_model=SessionReply, responses=ERRORS)

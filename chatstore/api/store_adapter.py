@@ -37,11 +37,13 @@ class StoreAdapter:
     # -- records ----------------------------------------------------------------------------
 
     def get(self, tenant: str, session_id: str) -> SessionRecord | None:
+        self._wait_saved(tenant, session_id)
         raw = self.records.get(SessionKey(tenant, session_id))
         return None if raw is None else self._to_port(raw)
 
     def put(self, record: SessionRecord) -> None:
         key = SessionKey(record.tenant, record.session_id)
+        self._wait_saved(record.tenant, record.session_id)  # token_ids of the turn just ended
         changes: dict[str, Any] = {"messages": record.messages}
         if self._has_metadata:
             changes["metadata"] = record.metadata
@@ -90,11 +92,12 @@ class StoreAdapter:
     def kv_location(self, tenant: str, session_id: str) -> str | None:
         if self.store is None:
             return None
-        return self.store.hierarchy.tier_of(SessionKey(tenant, session_id))
+        return self.store.tier_of(tenant, session_id)
 
     def prefetch(self, tenant: str, session_id: str) -> None:
+        """Returns at once: the store's prefetch thread moves the KV up to DRAM."""
         if self.store is not None:
-            self.store.hierarchy.prefetch(SessionKey(tenant, session_id))
+            self.store.prefetch(tenant, session_id)
 
     def fit_context(
         self, tenant: str, session_id: str, prompt: list[int], head: int, tail: int, reserve: int
@@ -146,6 +149,10 @@ class StoreAdapter:
             self.records.close()
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _wait_saved(self, tenant: str, session_id: str) -> None:
+        if self.store is not None:
+            self.store.wait_saved(tenant, session_id)
 
     def _tenant_index(self, tenant: str) -> dict[str, list[int]]:
         index = self._index.get(tenant)

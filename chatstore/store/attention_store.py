@@ -5,11 +5,18 @@ under `data_dir`:
 
     <data_dir>/kv.lmdb        SSD tier (session KV; remembers the model fingerprint)
     <data_dir>/records.lmdb   session records (when no Redis is configured)
+
+Placement (`policy`): a `PolicyChooser` over `make_policy(policy, tier capacities)` decides which
+session a full tier gives up; its look-ahead is the engine's waiting queue, handed in with
+`set_waiting_queue` (scheduler-aware eviction, §3.3.2). Two background threads, both started on
+first use: `Prefetcher` moves queued / hinted sessions up to DRAM (§3.3.1) and `WriteBuffer`
+commits finished turns saved with `save_later` (async save, §3.2.2).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,11 +30,16 @@ from chatstore.store.dram_tier import DramTier, KVLayout
 from chatstore.store.events import EventLog, Listener, StoreStats
 from chatstore.store.hierarchy import TierHierarchy
 from chatstore.store.lmdb_tier import LmdbTier
+from chatstore.store.policy import PolicyChooser, make_policy
+from chatstore.store.prefetcher import Prefetcher
 from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordStore
 from chatstore.store.redis_tier import RedisTier
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 from chatstore.store.tier import StorageTier, TierOccupancy
 from chatstore.store.victims import VictimChooser
+from chatstore.store.writer import WriteBuffer
+
+WAIT_SAVED_S = 30.0  # the longest a reader waits for a session's pending write
 
 
 def default_data_dir() -> Path:
@@ -48,6 +60,10 @@ class StoreSettings:
     max_context_tokens: int = 8192
     truncation_ratio: float = 0.5
     block_size: int = 16
+    policy: str = "aware"  # aware | lru | fifo
+    prefetch_interval_s: float = 0.05
+    async_save: bool = False  # save_later() writes in the background (the server turns it on)
+    write_buffer_bytes: int = 1 << 30
 
     @classmethod
     def from_config(cls, config: Config) -> StoreSettings:
@@ -63,6 +79,10 @@ class StoreSettings:
             max_context_tokens=config.max_context_tokens,
             truncation_ratio=config.truncation_ratio,
             block_size=config.block_size,
+            policy=config.policy,
+            prefetch_interval_s=config.prefetch_interval_s,
+            async_save=config.async_save,
+            write_buffer_bytes=config.write_buffer_bytes,
         )
 
 
@@ -92,7 +112,21 @@ class AttentionStore:
                 RedisTier(remote, settings.redis_bytes, fingerprint, settings.session_ttl_s)
             )
         self.events = EventLog()
+        self._queue_source: Callable[[], Iterable[SessionKey]] = tuple
+        if chooser is None:
+            chooser = PolicyChooser(
+                make_policy(settings.policy, [t.capacity for t in tiers]),
+                queue=lambda: self._queue_source(),
+                mean_kv_bytes=lambda: self.hierarchy.mean_kv_bytes(),
+            )
         self.hierarchy = TierHierarchy(tiers, chooser, self.events)
+        self.writer = WriteBuffer(self._commit, settings.write_buffer_bytes)
+        self.prefetcher = Prefetcher(
+            self.hierarchy,
+            self._prefetch_candidates,
+            settings.prefetch_interval_s,
+            busy=self.writer.is_pending,
+        )
         self.records: RecordStore = (
             RedisRecordStore(remote, settings.session_ttl_s)
             if remote
@@ -106,9 +140,45 @@ class AttentionStore:
     def tier(self, name: str) -> StorageTier | None:
         return next((t for t in self.hierarchy.tiers if t.name == name), None)
 
+    # -- scheduler-aware placement --------------------------------------------------------
+
+    def set_waiting_queue(self, source: Callable[[], Iterable[SessionKey]]) -> None:
+        """The engine's waiting queue as session keys, soonest first (thread-safe callable):
+        the look-ahead for eviction and for the prefetch thread, which starts now."""
+        self._queue_source = source
+        if len(self.hierarchy.tiers) > 1:
+            self.prefetcher.start()
+
+    def prefetch(self, tenant: str, session_id: str) -> None:
+        """Hint: this session runs soon; move its KV up to DRAM in the background."""
+        if len(self.hierarchy.tiers) > 1:
+            self.prefetcher.hint(self.key(tenant, session_id))
+
+    def _prefetch_candidates(self) -> list[Hashable]:
+        candidates = getattr(self.hierarchy.chooser, "prefetch_candidates", None)
+        if candidates is None:
+            return []
+        with self.hierarchy.lock:
+            return candidates(self.hierarchy.tier_of, top=self.hierarchy.tiers[0].name)
+
+    # -- KV ---------------------------------------------------------------------------------
+
+    def wait_saved(self, tenant: str, session_id: str, timeout: float = WAIT_SAVED_S) -> bool:
+        """Until no write of the session is pending (its newest turn is fully stored)."""
+        return self.writer.wait(self.key(tenant, session_id), timeout)
+
+    def flush_writes(self, timeout: float | None = None) -> bool:
+        return self.writer.flush(timeout)
+
+    def tier_of(self, tenant: str, session_id: str) -> str | None:
+        self.wait_saved(tenant, session_id)
+        return self.hierarchy.tier_of(self.key(tenant, session_id))
+
     def lookup(self, tenant: str, session_id: str) -> SessionKV | None:
-        """The session's saved KV (moved up to DRAM), or None; an expired session is forgotten."""
+        """The session's saved KV (moved up to DRAM), or None; an expired session is forgotten.
+        A turn still being written is waited for: the answer is always a complete turn."""
         key = self.key(tenant, session_id)
+        self.writer.wait(key, WAIT_SAVED_S)
         record = self.records._load(key)
         if record is not None and self.records.expired(record):
             self.delete_session(tenant, session_id)
@@ -118,28 +188,47 @@ class AttentionStore:
     def save(self, tenant: str, session_id: str, value: SessionKV) -> str | None:
         """Keep value as the session's KV (whole turn at once); the tier it landed in."""
         key = self.key(tenant, session_id)
+        self.writer.wait(key, WAIT_SAVED_S)  # keep the order of turns
+        return self._commit(key, value)
+
+    def save_later(
+        self, tenant: str, session_id: str, build: Callable[[], SessionKV], nbytes: int
+    ) -> None:
+        """Save `build()` as the session's KV: in the writer thread with `async_save` (blocking
+        only while the write buffer holds `write_buffer_bytes`), else right here."""
+        if not self.settings.async_save:
+            self.save(tenant, session_id, build())
+            return
+        self.writer.submit(self.key(tenant, session_id), build, nbytes)
+
+    def _commit(self, key: Hashable, value: SessionKV) -> str | None:
+        assert isinstance(key, SessionKey)
         value = value.to(self.settings.storage_dtype)
         landed = self.hierarchy.put(key, value)
         self.records.upsert(key, token_ids=list(value.token_ids) if landed else [])
         return landed
 
     def saved_tokens(self, tenant: str, session_id: str) -> list[int]:
+        self.wait_saved(tenant, session_id)
         record = self.records.get(self.key(tenant, session_id))
         return list(record.token_ids) if record else []
 
     def delete_session(self, tenant: str, session_id: str) -> bool:
         """Remove the session's KV from every tier and its record."""
         key = self.key(tenant, session_id)
+        self.writer.wait(key, WAIT_SAVED_S)
         found = self.hierarchy.delete(key)
         return self.records.delete(key) or found
 
     def purge_expired(self) -> list[SessionKey]:
+        self.writer.flush(WAIT_SAVED_S)
         gone = self.records.purge_expired()
         for key in gone:
             self.hierarchy.delete(key)
         return gone
 
     def invalidate_all(self) -> None:
+        self.writer.flush(WAIT_SAVED_S)
         self.hierarchy.clear()
 
     def fit_context(
@@ -172,7 +261,10 @@ class AttentionStore:
         self.events.add_listener(listener)
 
     def close(self, flush_dram: bool = True) -> None:
-        """Graceful shutdown: DRAM sessions move to LMDB (so a restart finds them), then close."""
+        """Graceful shutdown: pending writes land, DRAM sessions move to LMDB (so a restart
+        finds them), then close."""
+        self.prefetcher.close()
+        self.writer.close()
         if flush_dram and len(self.hierarchy.tiers) > 1 and self.tier("dram") is not None:
             self.hierarchy.demote_all(0)
         for tier in self.hierarchy.tiers:

@@ -56,6 +56,35 @@ def encode(value: SessionKV, fingerprint: str) -> bytes:
     return MAGIC + struct.pack("<I", zlib.crc32(body)) + body
 
 
+def encode_chunks(
+    value: SessionKV, fingerprint: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> list[bytes | memoryview]:
+    """`split_chunks(encode(value, fingerprint), chunk_bytes)` without building the blob: the
+    chunks after the first are views of the value's own KV memory (keep `value` alive while
+    they are in use). Saves three full copies of the KV on every LMDB write."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    kv = value.kv.detach().to("cpu").contiguous()
+    header = json.dumps(
+        {
+            "fingerprint": fingerprint,
+            "dtype": dtype_name(kv.dtype),
+            "shape": list(kv.shape),
+            "num_tokens": value.num_tokens,
+        }
+    ).encode()
+    tokens = torch.tensor(value.token_ids, dtype=torch.int32).numpy().astype("<i4").tobytes()
+    head = struct.pack("<I", len(header)) + header + tokens
+    body = memoryview(kv.view(torch.uint8).reshape(-1).numpy()).cast("B")
+    prefix = MAGIC + struct.pack("<I", zlib.crc32(body, zlib.crc32(head))) + head
+    first = max(chunk_bytes - len(prefix), 0)
+    chunks: list[bytes | memoryview] = []
+    lead = prefix + bytes(body[:first])
+    chunks.extend(lead[i : i + chunk_bytes] for i in range(0, len(lead), chunk_bytes))
+    chunks.extend(body[i : i + chunk_bytes] for i in range(first, len(body), chunk_bytes))
+    return chunks
+
+
 def decode(blob: bytes | bytearray | memoryview, fingerprint: str) -> SessionKV:
     """The SessionKV in `blob`; CorruptValueError or FingerprintMismatch when it is not usable."""
     header, payload = _verified_parts(blob)

@@ -6,6 +6,11 @@
     request_finished: saved prefix + computed rows (+ device blocks un-rotated for any gap)
                       -> one SessionKV, committed to the store as a whole turn
 
+Async save: on the engine thread `request_finished` only copies what lives in the device pool
+(rows the connector never saw computed, usually none); assembling the SessionKV and writing it
+to the tiers is handed to the store's writer thread (`AttentionStore.save_later`) when the
+store runs with `async_save`.
+
 What the engine must give: `num_external_tokens` is called (once or more) for every new request
 before `load`; in `save_layer`, the batch's rows must be attributable to requests, either by a
 `request_ids: list[str]` attribute on ForwardBatch (one per sequence, in chunk order) or by
@@ -15,6 +20,7 @@ calling `begin_step(request_ids)` before each forward. Rows of ids the connector
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -115,9 +121,10 @@ class StoreConnector:
             self._step_ids = None
         if request.session_id is None or not token_ids:
             return
-        value = self._assemble(pending, token_ids, block_table)
-        if value.num_tokens > 0:
-            self.store.save(request.tenant, request.session_id, value)
+        n, build = self._assembler(pending, token_ids, block_table)
+        if n > 0:
+            nbytes = n * self.store.layout.bytes_per_token
+            self.store.save_later(request.tenant, request.session_id, build, nbytes)
 
     def forget(self, request_id: str) -> None:
         """Drop what the connector holds for a request that will never finish normally."""
@@ -126,43 +133,64 @@ class StoreConnector:
     def _assemble(
         self, pending: _Pending | None, token_ids: list[int], block_table: list[int]
     ) -> SessionKV:
+        return self._assembler(pending, token_ids, block_table)[1]()
+
+    def _assembler(
+        self, pending: _Pending | None, token_ids: list[int], block_table: list[int]
+    ) -> tuple[int, Callable[[], SessionKV]]:
+        """(tokens to save, a builder of their SessionKV). What the device pool alone holds is
+        copied now (its blocks are freed after request_finished); the builder touches only
+        CPU tensors it owns, so it may run on another thread."""
         spec, B = self.kv_cache.spec, self.kv_cache.block_size
         n = min(len(token_ids), len(block_table) * B)
-        if pending is not None and pending.rows.get(0):
+        rows = pending.rows if pending is not None else {}
+        if rows.get(0):
             # The last sampled token is never fed back: its KV does not exist.
-            n = min(n, 1 + max(int(p.max()) for p, _, _ in pending.rows[0]))
-        shape = (spec.num_layers, 2, n, spec.num_kv_heads, spec.head_dim)
-        kv = torch.empty(shape, dtype=self.store.settings.storage_dtype)
+            n = min(n, 1 + max(int(p.max()) for p, _, _ in rows[0]))
+        saved = pending.saved if pending is not None else None
+        m = min(pending.reusable, n) if pending is not None and saved is not None else 0
         have = torch.zeros(n, dtype=torch.bool)
-        if pending is not None and pending.saved is not None:
-            m = min(pending.reusable, n)
-            kv[:, :, :m] = pending.saved.kv[:, :, :m]
-            have[:m] = True
-        for layer, rows in (pending.rows if pending is not None else {}).items():
-            pos = torch.cat([p for p, _, _ in rows])
-            keep = pos < n
-            kv[layer, 0, pos[keep]] = torch.cat([k for _, k, _ in rows])[keep]
-            kv[layer, 1, pos[keep]] = torch.cat([v for _, _, v in rows])[keep]
-            if layer == 0:
-                have[pos[keep]] = True
+        have[:m] = True
+        for p, _, _ in rows.get(0, []):
+            have[p[p < n]] = True
         missing = (~have).nonzero().flatten()
-        if len(missing):
-            self._fill_from_device(kv, missing, block_table)
-        return SessionKV(list(token_ids[:n]), kv)
+        device_rows = self._copy_from_device(missing, block_table) if len(missing) else None
+        ids = list(token_ids[:n])
+        dtype = self.store.settings.storage_dtype
 
-    def _fill_from_device(
-        self, kv: torch.Tensor, positions: torch.Tensor, block_table: list[int]
-    ) -> None:
-        """Tokens the connector never saw computed (device prefix cache): un-rotate pool K."""
+        def build() -> SessionKV:
+            shape = (spec.num_layers, 2, n, spec.num_kv_heads, spec.head_dim)
+            kv = torch.empty(shape, dtype=dtype)
+            if saved is not None and m:
+                kv[:, :, :m] = saved.kv[:, :, :m]
+            for layer, chunks in rows.items():
+                pos = torch.cat([p for p, _, _ in chunks])
+                keep = pos < n
+                kv[layer, 0, pos[keep]] = torch.cat([k for _, k, _ in chunks])[keep].to(dtype)
+                kv[layer, 1, pos[keep]] = torch.cat([v for _, _, v in chunks])[keep].to(dtype)
+            if device_rows is not None:
+                kv[:, :, missing] = device_rows.to(dtype)
+            return SessionKV(ids, kv)
+
+        return n, build
+
+    def _copy_from_device(self, positions: torch.Tensor, block_table: list[int]) -> torch.Tensor:
+        """Tokens the connector never saw computed (device prefix cache): un-rotated pool K and
+        V, [L, 2, len(positions), Hkv, D] on the CPU."""
         cache = self.kv_cache
         slots = _slots(block_table, positions, cache.block_size).to(cache.device)
         flat = (cache.num_blocks * cache.block_size, cache.spec.num_kv_heads, cache.spec.head_dim)
         dev_positions = positions.to(cache.device)
+        out = torch.empty(
+            (cache.spec.num_layers, 2, len(positions), *flat[1:]),
+            dtype=self.store.settings.storage_dtype,
+        )
         for layer in range(cache.spec.num_layers):
             k = cache.k(layer).reshape(flat).index_select(0, slots)
             v = cache.v(layer).reshape(flat).index_select(0, slots)
-            kv[layer, 0, positions] = unrope(k, dev_positions, self.rope).to("cpu", kv.dtype)
-            kv[layer, 1, positions] = v.to("cpu", kv.dtype)
+            out[layer, 0] = unrope(k, dev_positions, self.rope).to("cpu", out.dtype)
+            out[layer, 1] = v.to("cpu", out.dtype)
+        return out
 
 
 def _slots(block_table: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:

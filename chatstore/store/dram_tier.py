@@ -75,15 +75,22 @@ class DramTier(StorageTier):
             raise TierFull(f"DRAM tier: {n} blocks needed, {len(self._free)} free")
         self.delete(key)
         blocks = [self._free.popleft() for _ in range(n)]
-        self.pool.index_copy_(0, torch.tensor(blocks), self._to_blocks(value.kv, n))
+        self._write_blocks(blocks, value.kv.to(self.layout.dtype))
         self._entries[key] = _Entry(blocks, list(value.token_ids))
 
-    def _to_blocks(self, kv: torch.Tensor, n: int) -> torch.Tensor:
-        # kv [L, 2, T, H, D] -> padded [L, 2, n*B, H, D] -> [n, L, 2, B, H, D]
-        L, _, T, H, D = kv.shape
-        padded = torch.zeros((L, 2, n * self.block_size, H, D), dtype=self.layout.dtype)
-        padded[:, :, :T] = kv
-        return padded.view(L, 2, n, self.block_size, H, D).permute(2, 0, 1, 3, 4, 5)
+    def _write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """kv [L, 2, T, H, D] into the pool's blocks: one strided copy of the full blocks, the
+        last partial block zero-padded (no padded temporary of the whole value)."""
+        T, B = kv.shape[2], self.block_size
+        full = T // B
+        if full:
+            src = kv[:, :, : full * B].unflatten(2, (full, B)).permute(2, 0, 1, 3, 4, 5)
+            self.pool[torch.tensor(blocks[:full])] = src
+        rest = T - full * B
+        if rest or not T:
+            tail = self.pool[blocks[full]]  # [L, 2, B, H, D], a view
+            tail[:, :, rest:].zero_()
+            tail[:, :, :rest] = kv[:, :, full * B :]
 
     def get(self, key: SessionKey) -> SessionKV | None:
         entry = self._entries.get(key)

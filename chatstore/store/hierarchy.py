@@ -45,11 +45,18 @@ class TierHierarchy:
             return None
 
     def put(self, key: SessionKey, value: SessionKV) -> str | None:
-        """Store value as key's KV (replacing any old one); the tier it landed in, or None."""
+        """Store value as key's KV (replacing any old one); the tier it landed in, or None.
+
+        The old value is replaced, not removed first: in the tier the new one lands in, the
+        tier's own put swaps them atomically (LMDB: one write transaction), and copies in other
+        tiers go only after it landed. A crash mid-put leaves the old or the new value."""
         with self._lock:
-            self._remove(key)
             self.chooser.touch(key)
-            return self._place(key, value, 0, "stored")
+            landed = self._place(key, value, 0, "stored")
+            for tier in self.tiers:
+                if tier.name != landed:
+                    tier.delete(key)
+            return landed
 
     def get(self, key: SessionKey) -> SessionKV | None:
         """key's KV from the fastest tier holding it, moved up to tier 0; None on a miss."""
@@ -68,14 +75,22 @@ class TierHierarchy:
             self._emit("miss", key)
             return None
 
-    def prefetch(self, key: SessionKey) -> bool:
-        """Move key up to tier 0 ahead of use (scheduler-aware fetch); True if it moved."""
+    def prefetch(self, key: SessionKey, touch: bool = False) -> bool:
+        """Move key up to tier 0 ahead of use (scheduler-aware fetch); True if it moved.
+
+        touch: count it as used (an explicit hint), so the chooser does not send it back down
+        before its turn comes. A chooser with `ranked_below(key, keys)` (PolicyChooser) vetoes a
+        prefetch that would push out a session it values at least as much as key."""
         with self._lock:
             for level, tier in enumerate(self.tiers[1:], start=1):
                 if not tier.contains(key):
                     continue
+                if touch:
+                    self.chooser.touch(key)
+                if not self._room_below(key, 1):  # cheap veto before reading it
+                    return False
                 value = self._read(tier, key)
-                if value is None:
+                if value is None or not self._room_below(key, self.tiers[0].footprint(value)):
                     return False
                 self.counters.prefetches += 1
                 return self._move_up(level, key, value, "prefetched") == self.tiers[0].name
@@ -101,6 +116,17 @@ class TierHierarchy:
         with self._lock:
             while self.tiers[level].keys():
                 self._demote(level, self.tiers[level].keys()[0])
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every public method holds (for callers that combine several reads)."""
+        return self._lock  # type: ignore[return-value]
+
+    def mean_kv_bytes(self) -> float:
+        """S_kv: mean bytes of a stored session over all tiers (0 when empty)."""
+        with self._lock:
+            n = sum(len(t.keys()) for t in self.tiers)
+            return sum(t.used_bytes() for t in self.tiers) / n if n else 0.0
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -151,9 +177,20 @@ class TierHierarchy:
         self._emit("dropped", key, None, value.nbytes)
         return None
 
+    def _room_below(self, key: SessionKey, nbytes: int) -> bool:
+        """Whether tier 0 can take about nbytes for key by evicting only sessions the chooser
+        values less than key (always True for a chooser without `ranked_below`)."""
+        ranked_below = getattr(self.chooser, "ranked_below", None)
+        top = self.tiers[0]
+        need = nbytes - (top.capacity - top.used_bytes())
+        if ranked_below is None or need <= 0:
+            return True
+        lower = ranked_below(key, [k for k in top.keys() if k != key])  # noqa: SIM118
+        return sum(top.size_of(k) for k in lower) >= need
+
     def _make_room(self, level: int, value: SessionKV, key: SessionKey) -> bool:
         tier = self.tiers[level]
-        need = tier.footprint(value)
+        need = tier.footprint(value) - tier.size_of(key)  # a value it replaces frees its room
         while tier.used_bytes() + need > tier.capacity:
             candidates = [k for k in tier.keys() if k != key]  # noqa: SIM118
             victim = self.chooser.choose_victim(tier.name, candidates)

@@ -79,7 +79,7 @@ class LmdbTier(StorageTier):
         if self.used_bytes() - self.size_of(key) + need > self._capacity:
             raise TierFull(f"LMDB tier: {need} bytes do not fit")
         digest = key_digest(key).encode()
-        chunks = codec.split_chunks(codec.encode(value, self.fingerprint), self.chunk_bytes)
+        chunks = codec.encode_chunks(value, self.fingerprint, self.chunk_bytes)
         meta = {
             "tenant": key.tenant,
             "session_id": key.session_id,

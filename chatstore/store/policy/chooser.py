@@ -18,7 +18,8 @@ Sessions the adapter has never seen touched (found on disk at start-up) go first
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from contextlib import contextmanager
 
 from chatstore.store.policy.base import EvictionPolicy
 from chatstore.store.policy.lookahead import QueueLookahead
@@ -36,8 +37,23 @@ class PolicyChooser:
         self.policy = policy
         self._queue = queue
         self._seen: set[Hashable] = set()
+        self._mean_kv_bytes = mean_kv_bytes
         if mean_kv_bytes is not None:
             policy.kv_bytes_source = mean_kv_bytes
+
+    @contextmanager
+    def _pinned(self) -> Iterator[None]:
+        """S_kv asked once per decision, not once per session ranked (it may cost O(sessions))."""
+        source = self._mean_kv_bytes
+        if source is None:
+            yield
+            return
+        s_kv = source()
+        self.policy.kv_bytes_source = lambda: s_kv
+        try:
+            yield
+        finally:
+            self.policy.kv_bytes_source = source
 
     def touch(self, key: Hashable) -> None:
         self._seen.add(key)
@@ -54,11 +70,23 @@ class PolicyChooser:
             if key not in self._seen:
                 return key
         lk = QueueLookahead(self._queue())
-        return min(candidates, key=lambda key: self.policy.value(key, lk))
+        with self._pinned():
+            return min(candidates, key=lambda key: self.policy.value(key, lk))
+
+    def ranked_below(self, key: Hashable, candidates: list[Hashable]) -> list[Hashable]:
+        """The candidates `key` outranks (what a prefetch of `key` may push out). A key never
+        touched (found on disk at start-up) outranks nothing unless its next turn is queued."""
+        lk = QueueLookahead(self._queue())
+        if key not in self._seen and lk.position(key) is None:
+            return []
+        with self._pinned():
+            mine = self.policy.value(key, lk)
+            return [c for c in candidates if c not in self._seen or self.policy.value(c, lk) < mine]
 
     def prefetch_candidates(
         self, tier_of: Callable[[Hashable], str | None], top: str
     ) -> list[Hashable]:
         """Queued sessions inside the prefetch window that sit below tier `top`, soonest first."""
-        head = QueueLookahead(self._queue()).head(self.policy.prefetch_window())
+        with self._pinned():
+            head = QueueLookahead(self._queue()).head(self.policy.prefetch_window())
         return [key for key in head if tier_of(key) not in (None, top)]

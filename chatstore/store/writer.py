@@ -1,0 +1,164 @@
+"""Asynchronous save with a write buffer (CachedAttention §3.2.2).
+
+The engine thread hands a finished turn to `WriteBuffer.submit` and goes on with the next step;
+one writer thread builds the turn's SessionKV and commits it to the tiers, in submission order.
+
+    engine thread:  request_finished ──submit(key, build, nbytes)──► [ write buffer ] ──► writer
+    writer thread:  value = build(); commit(key, value)      (DRAM put, LMDB in one transaction)
+
+Visibility: a key is "pending" from `submit` until its commit returned. Readers that must not see
+a half-saved turn call `wait(key)` first (the store's `lookup` does), so a later turn sees the
+previous complete KV only if it asks before `submit`, and the new complete KV after it — never a
+torn one (each tier's put is atomic: DRAM under the hierarchy lock, LMDB in one write txn).
+
+Back-pressure: the buffer holds at most `capacity_bytes` of pending turns; `submit` blocks the
+caller (the engine thread) until the writer has drained enough. A single turn larger than the
+whole buffer is accepted once the buffer is empty, so nothing waits forever.
+
+CPU: the writer's torch ops run on `intra_op_threads` (1) threads of their own. Left at the
+process setting, each of its big copies starts a second OpenMP team as wide as the engine's,
+and on a CPU host the two teams fight over the same cores: measured with bench/save.py on 2
+cores, async save cost ~10% per request that way, ~2-3% with one writer thread. Optionally the
+thread also runs at a lower priority (`nice`, Linux only; off by default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    key: Hashable
+    build: Callable[[], object]
+    nbytes: int
+
+
+class WriteBuffer:
+    def __init__(
+        self,
+        commit: Callable[[Hashable, object], None],
+        capacity_bytes: int = 1 << 30,
+        name: str = "chatstore-writer",
+        nice: int = 0,
+        intra_op_threads: int | None = 1,
+    ) -> None:
+        self._commit = commit
+        self.capacity_bytes = capacity_bytes
+        self._name = name
+        self._nice = nice
+        self._intra_op_threads = intra_op_threads
+        self._jobs: deque[_Job] = deque()
+        self._pending: dict[Hashable, int] = {}  # key -> jobs not yet committed
+        self._bytes = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.writes = 0
+        self.failures = 0
+        self.stalls = 0  # submits that had to wait for room (back-pressure)
+
+    @property
+    def pending_bytes(self) -> int:
+        with self._cond:
+            return self._bytes
+
+    def submit(self, key: Hashable, build: Callable[[], object], nbytes: int) -> None:
+        """Queue one write; blocks while the buffer is full (see module doc)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("write buffer is closed")
+            if self._bytes and self._bytes + nbytes > self.capacity_bytes:
+                self.stalls += 1
+                self._cond.wait_for(
+                    lambda: not self._bytes or self._bytes + nbytes <= self.capacity_bytes
+                )
+            self._jobs.append(_Job(key, build, nbytes))
+            self._pending[key] = self._pending.get(key, 0) + 1
+            self._bytes += nbytes
+            self._ensure_thread()
+            self._cond.notify_all()
+
+    def is_pending(self, key: Hashable) -> bool:
+        with self._cond:
+            return key in self._pending
+
+    def wait(self, key: Hashable, timeout: float | None = None) -> bool:
+        """Until no write of `key` is pending; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: key not in self._pending, timeout)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Until every submitted write is committed; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout)
+
+    def close(self) -> None:
+        """Commit what is pending, then stop the writer thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    # -- the writer thread -------------------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        if self._intra_op_threads:
+            _own_torch_threads(self._intra_op_threads)
+        if self._nice and hasattr(os, "setpriority"):
+            with contextlib.suppress(OSError):  # Linux: a thread's nice value is its own
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._jobs or self._closed)
+                if not self._jobs:
+                    return  # closed and drained
+                job = self._jobs[0]
+            try:
+                self._commit(job.key, job.build())
+                ok = True
+            except Exception:
+                log.exception("async save of %s failed", job.key)
+                ok = False
+            with self._cond:
+                self._jobs.popleft()
+                self._bytes -= job.nbytes
+                left = self._pending[job.key] - 1
+                if left:
+                    self._pending[job.key] = left
+                else:
+                    del self._pending[job.key]
+                self.writes += ok
+                self.failures += not ok
+                self._cond.notify_all()
+
+
+def _own_torch_threads(n: int) -> None:
+    """This thread's torch ops on n intra-op threads; the process setting (the engine thread,
+    threads started later) is put back. torch keeps the size per thread once a thread has
+    used it, and takes it from one process-wide value the first time: set, use, restore."""
+    import torch
+
+    before = torch.get_num_threads()
+    if before == n:
+        return
+    torch.set_num_threads(n)
+    torch.get_num_threads()  # this thread's pool size is fixed now, at n
+    restore = threading.Thread(target=torch.set_num_threads, args=(before,), daemon=True)
+    restore.start()
+    restore.join()
