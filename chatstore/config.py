@@ -96,13 +96,16 @@ def load_config(
 ) -> Config:
     """Defaults < config file sections < CHATSTORE_* environment < explicit overrides (CLI)."""
     values: dict[str, Any] = {}
-    for file in (DEFAULT_CONFIG_FILE, Path(path) if path else None):
-        if file is not None and file.is_file():
-            with file.open("rb") as fh:
-                for section in tomllib.load(fh).values():
-                    values.update(section if isinstance(section, dict) else {})
-        elif file is not None:
-            raise FileNotFoundError(f"config file {file} does not exist")
+    # An installed wheel has no config/ beside the package: the dataclass defaults mirror it.
+    files = [DEFAULT_CONFIG_FILE] if DEFAULT_CONFIG_FILE.is_file() else []
+    if path:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        files.append(Path(path))
+    for file in files:
+        with file.open("rb") as fh:
+            for section in tomllib.load(fh).values():
+                values.update(section if isinstance(section, dict) else {})
     env = os.environ if env is None else env
     types = {f.name: f.type for f in fields(Config)}
     for name in types:

@@ -118,3 +118,16 @@ def test_cli_generate_answers(default_model) -> None:
     )  # fmt: skip
     assert bad.returncode == 1 and "does not exist" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_config_dataclass_defaults_mirror_default_toml() -> None:
+    """An installed wheel has no config/ folder: the dataclass defaults must say the same."""
+    import tomllib
+
+    from chatstore.config import DEFAULT_CONFIG_FILE, Config
+
+    with DEFAULT_CONFIG_FILE.open("rb") as fh:
+        sections = tomllib.load(fh).values()
+    values = {k: v for section in sections for k, v in section.items()}
+    defaults = Config()
+    assert {k: v for k, v in values.items() if getattr(defaults, k) != v} == {}

@@ -92,8 +92,9 @@ async def chat_completions(
     return JSONResponse(_completion(turn, result, model), headers=headers)
 
 
-def _completion(turn: Turn, result: TurnResult, model: str) -> dict[str, Any]:
-    choices = [
+def message_choices(result: TurnResult) -> list[dict[str, Any]]:
+    """One OpenAI `choices` entry per sample of a finished turn."""
+    return [
         {
             "index": i,
             "message": {"role": "assistant", "content": text},
@@ -102,6 +103,10 @@ def _completion(turn: Turn, result: TurnResult, model: str) -> dict[str, Any]:
         }
         for i, text in enumerate(result.texts)
     ]
+
+
+def _completion(turn: Turn, result: TurnResult, model: str) -> dict[str, Any]:
+    choices = message_choices(result)
     return {
         "id": turn.request_id,
         "object": "chat.completion",

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from chatstore.api.auth import Principal, tenant_principal
 from chatstore.api.chat_service import ChatService, TurnSpec
 from chatstore.api.errors import APIError, error_body
-from chatstore.api.openai_routes import ERRORS, finish_reason, usage_body
+from chatstore.api.openai_routes import ERRORS, finish_reason, message_choices, usage_body
 from chatstore.api.sampling import to_sampling
 from chatstore.api.schemas import (
     SESSION_ID_PATTERN,
@@ -149,15 +149,7 @@ def timings(result: TurnResult) -> dict[str, float | None]:
 
 
 def reply_body(turn: Turn, result: TurnResult) -> dict[str, Any]:
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish_reason(result.finish_reasons[i]),
-            "logprobs": None,
-        }
-        for i, text in enumerate(result.texts)
-    ]
+    choices = message_choices(result)
     return {
         "id": turn.request_id,
         "object": "session.message",
