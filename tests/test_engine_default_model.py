@@ -86,3 +86,39 @@ def test_stop_string_across_tokens_and_shared_system_prompt(default_model) -> No
         EngineConfig(enable_prefix_cache=False), default_model, [Request("b", second, greedy(8))]
     )
     assert tokens(outs["b"]) == tokens(uncached["b"])
+
+
+def test_three_turns_restored_from_device_tier_equal_recompute(default_model) -> None:
+    """Store off, device prefix cache on: the history of turns 2 and 3 stays in the block pool
+    between turns (the device tier) and gives the same greedy tokens as full recompute."""
+    tok = default_model.tokenizer
+    users = ["Name a large ocean.", "How deep is it?", "Name an animal that lives there."]
+
+    def converse(engine_config: EngineConfig) -> list[tuple[list[int], int]]:
+        runtime = create_runtime(Config(kv_cache_bytes=64 << 20), model=default_model)
+
+        async def main() -> list[tuple[list[int], int]]:
+            engine = AsyncEngine(runtime, engine_config)
+            engine.start()
+            messages = [{"role": "system", "content": SYSTEM}]
+            turns = []
+            try:
+                for i, user in enumerate(users):
+                    messages.append({"role": "user", "content": user})
+                    request = Request(f"t{i}", chat_ids(tok, messages), greedy(12))
+                    outs = [o async for o in engine.submit(request)]
+                    turns.append((tokens(outs), outs[-1].usage.cached_tokens))
+                    messages.append({"role": "assistant", "content": text(outs)})
+            finally:
+                await engine.shutdown()
+            assert runtime.pool.num_free == runtime.pool.num_blocks
+            return turns
+
+        return asyncio.run(main())
+
+    cached = converse(EngineConfig())
+    recomputed = converse(EngineConfig(enable_prefix_cache=False))
+    assert [t for t, _ in cached] == [t for t, _ in recomputed]
+    assert all(c == 0 for _, c in recomputed)
+    # Turn 1 reuses nothing; later turns find their history's full blocks in the pool.
+    assert cached[0][1] == 0 and cached[1][1] >= 32 and cached[2][1] > cached[1][1]
