@@ -216,3 +216,22 @@ def test_config_switches_and_data_dir(tmp_path):
     store.close()
     with pytest.raises(ValueError):
         load_config(env={"CHATSTORE_KV_STORE": "maybe"})
+
+
+def test_session_metadata_survives_reopen(tmp_path) -> None:
+    from chatstore.store.records import LmdbRecordStore, SessionRecord
+    from chatstore.store.session_kv import SessionKey
+
+    key = SessionKey("t1", "s1")
+    records = LmdbRecordStore(tmp_path / "records.lmdb")
+    records.upsert(
+        key, metadata={"title": "trip plans"}, messages=[{"role": "user", "content": "hi"}]
+    )
+    records.close()
+    reopened = LmdbRecordStore(tmp_path / "records.lmdb")
+    got = reopened.get(key)
+    assert got is not None and got.metadata == {"title": "trip plans"}
+    # Records written before the field existed still load.
+    legacy = b'{"tenant": "t", "session_id": "s", "messages": [], "token_ids": [1]}'
+    assert SessionRecord.from_json(legacy).metadata == {}
+    reopened.close()

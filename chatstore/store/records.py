@@ -27,6 +27,7 @@ class SessionRecord:
     token_ids: list[int] = field(default_factory=list)  # the history whose KV is saved
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
+    metadata: dict[str, Any] = field(default_factory=dict)  # the client's, from POST /v1/sessions
 
     @property
     def key(self) -> SessionKey:
