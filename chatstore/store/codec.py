@@ -39,7 +39,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def encode(value: SessionKV, fingerprint: str) -> bytes:
+def _kv_and_head(value: SessionKV, fingerprint: str) -> tuple[torch.Tensor, bytes]:
+    """The value's KV on the CPU, and the bytes before it: header length, header, token ids."""
     kv = value.kv.detach().to("cpu").contiguous()
     header = json.dumps(
         {
@@ -50,9 +51,12 @@ def encode(value: SessionKV, fingerprint: str) -> bytes:
         }
     ).encode()
     tokens = torch.tensor(value.token_ids, dtype=torch.int32).numpy().astype("<i4").tobytes()
-    body = b"".join(
-        (struct.pack("<I", len(header)), header, tokens, kv.view(torch.uint8).numpy().tobytes())
-    )
+    return kv, struct.pack("<I", len(header)) + header + tokens
+
+
+def encode(value: SessionKV, fingerprint: str) -> bytes:
+    kv, head = _kv_and_head(value, fingerprint)
+    body = head + kv.view(torch.uint8).numpy().tobytes()
     return MAGIC + struct.pack("<I", zlib.crc32(body)) + body
 
 
@@ -64,17 +68,7 @@ def encode_chunks(
     they are in use). Saves three full copies of the KV on every LMDB write."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    kv = value.kv.detach().to("cpu").contiguous()
-    header = json.dumps(
-        {
-            "fingerprint": fingerprint,
-            "dtype": dtype_name(kv.dtype),
-            "shape": list(kv.shape),
-            "num_tokens": value.num_tokens,
-        }
-    ).encode()
-    tokens = torch.tensor(value.token_ids, dtype=torch.int32).numpy().astype("<i4").tobytes()
-    head = struct.pack("<I", len(header)) + header + tokens
+    kv, head = _kv_and_head(value, fingerprint)
     body = memoryview(kv.view(torch.uint8).reshape(-1).numpy()).cast("B")
     prefix = MAGIC + struct.pack("<I", zlib.crc32(body, zlib.crc32(head))) + head
     first = max(chunk_bytes - len(prefix), 0)
