@@ -106,33 +106,68 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for seq, message in plan.failed:
             self._finish_group(seq.group, "error", message, touched)
+        # Layer-wise pre-load when the connector has it: the copies run during the forward,
+        # which waits per layer (layer_ready); they are all joined in this step, before any
+        # block can be freed (aborts are applied at the start of a step).
+        start_load = getattr(self.connector, "start_load", None)
+        preloading = False
         for load in plan.loads:
             try:
-                self.connector.load(
-                    load.seq.request, load.start, load.num_tokens, load.seq.block_table
-                )
+                if start_load is not None:
+                    start_load(load.seq.request, load.start, load.num_tokens, load.seq.block_table)
+                    preloading = True
+                else:
+                    self.connector.load(
+                        load.seq.request, load.start, load.num_tokens, load.seq.block_table
+                    )
             except Exception as exc:
-                log.exception("KV load failed for %s", load.seq.request.request_id)
-                self._finish_group(load.seq.group, "error", f"KV load failed: {exc}", touched)
+                self._load_failed(load.seq.group, exc, touched)
         items = [s for s in plan.scheduled if not s.seq.finished]
         if items:
-            self._run_step(items, touched)
+            self._run_step(items, touched, preloading)
+        elif preloading:
+            self._finish_loads(touched)
         outputs = [self._make_output(g) for g in touched.values()]
         return [o for o in outputs if o is not None]
 
-    def _run_step(self, items: list[ScheduledSeq], touched: dict[str, RequestState]) -> None:
+    def _load_failed(self, group: RequestState, exc: Exception, touched) -> None:
+        log.error("KV load failed for %s", group.request_id, exc_info=exc)
+        self._finish_group(group, "error", f"KV load failed: {exc}", touched)
+
+    def _finish_loads(self, touched: dict[str, RequestState]) -> None:
+        """Join the step's pre-loads; a request whose load failed ends with an error."""
         try:
-            logits = self._forward(items)
+            errors = self.connector.finish_loads()  # type: ignore[attr-defined]
+        except Exception as exc:
+            log.exception("connector.finish_loads failed")
+            errors = {rid: exc for rid in self._groups}  # unknown state: fail them all
+        for rid, exc in errors.items():
+            group = self._groups.get(rid)
+            if group is not None:
+                self._load_failed(group, exc, touched)
+
+    def _run_step(
+        self, items: list[ScheduledSeq], touched: dict[str, RequestState], preloading: bool = False
+    ) -> None:
+        layer_ready = getattr(self.connector, "wait_for_layer", None) if preloading else None
+        try:
+            logits = self._forward(items, layer_ready)
         except Exception as exc:
             log.exception("forward failed")
+            if preloading:
+                self._finish_loads(touched)  # before any of their blocks is freed
             for it in items:
                 self._finish_group(it.seq.group, "error", f"engine error: {exc}", touched)
             return
+        if preloading:
+            self._finish_loads(touched)
         self.steps += 1
         self._seqs_stepped += len(items)
         to_sample: list[tuple[Sequence, int]] = []
         for row, it in enumerate(items):
             seq = it.seq
+            if seq.finished:  # its KV pre-load failed: the row is garbage, nothing to keep
+                continue
             seq.num_computed += it.num_tokens
             self.tokens_computed += it.num_tokens
             self.blocks.register_computed(seq)
@@ -146,19 +181,21 @@ class LLMEngine:
             self._append(seq, token)
             touched[seq.group.request_id] = seq.group
 
-    def _forward(self, items: list[ScheduledSeq]) -> torch.Tensor:
+    def _forward(self, items: list[ScheduledSeq], layer_ready=None) -> torch.Tensor:
         """Logits [len(items), V] of each item's last token."""
         decode = [i for i, it in enumerate(items) if it.num_tokens == 1]
         if not self.config.split_mixed_batches or len(decode) in (0, len(items)):
-            return self._run(items)
+            return self._run(items, layer_ready)
         prefill = [i for i in range(len(items)) if i not in set(decode)]
-        first = self._run([items[i] for i in decode])
+        # layer_ready for both: a loaded prompt may leave a one-token chunk, taken for a decode.
+        first = self._run([items[i] for i in decode], layer_ready)
         logits = torch.empty((len(items), first.shape[1]), dtype=first.dtype, device=first.device)
         logits[torch.tensor(decode, device=first.device)] = first
-        logits[torch.tensor(prefill, device=first.device)] = self._run([items[i] for i in prefill])
+        rest = self._run([items[i] for i in prefill], layer_ready)
+        logits[torch.tensor(prefill, device=first.device)] = rest
         return logits
 
-    def _run(self, items: list[ScheduledSeq]) -> torch.Tensor:
+    def _run(self, items: list[ScheduledSeq], layer_ready=None) -> torch.Tensor:
         chunks = []
         for it in items:
             seq, start = it.seq, it.seq.num_computed
@@ -172,7 +209,9 @@ class LLMEngine:
             # first of n > 1 get their own "<id>#<index>" so they are not taken for sample 0.
             batch.request_ids = [_row_id(it.seq) for it in items]
             sink = self.connector.save_layer
-        return runner.forward(batch, kv_sink=sink)
+        if layer_ready is None:
+            return runner.forward(batch, kv_sink=sink)
+        return runner.forward(batch, kv_sink=sink, layer_ready=layer_ready)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """When a request's prompt is computed: its n samples, sharing the prompt's blocks."""

@@ -89,8 +89,17 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_sink: KVSink | None = None) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), V] in fp32."""
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_sink: KVSink | None = None,
+        layer_ready: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), V] in fp32.
+
+        `layer_ready(i)`, when given, is called right before layer i's attention reads the pool
+        (after the step's own K, V are written): a layer-wise KV pre-load blocks there until
+        layer i's history is in place (StoreConnector.wait_for_layer)."""
         spec = self.spec
         h = F.embedding(batch.input_ids, self.embed)  # [T, H]
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
@@ -108,6 +117,8 @@ class ModelRunner:
             )
             q, k = apply_rope(qk, cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
             self.kv_cache.write(i, k, v, batch.slot_mapping)
+            if layer_ready is not None:
+                layer_ready(i)
             attn = self._attention(i, q, k, v, batch)  # [T, Hq, D]
             h = h + torch.mm(attn.reshape(-1, q_dim), w.o_proj)
             x = rms_norm(h, w.post_norm, spec.rms_norm_eps)

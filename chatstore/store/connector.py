@@ -11,6 +11,15 @@ Async save: on the engine thread `request_finished` only copies what lives in th
 to the tiers is handed to the store's writer thread (`AttentionStore.save_later`) when the
 store runs with `async_save`.
 
+Layer-wise pre-load (CachedAttention §3.2.1, without the HBM read buffer): instead of `load`
+(all layers, synchronously, before the prefill) the engine may call `start_load` for each of the
+step's loads; a loader thread writes the history KV layer 0, 1, ..., L-1 and sets a per-layer
+event after each, while the forward runs. The runner calls `wait_for_layer(i)` right before layer
+i's attention reads the pool, so the copy of layer i+1.. overlaps the compute of layer i. After
+the forward the engine calls `finish_loads()` (joins, returns per-request errors). Not done:
+the read buffer (starting the next job's pre-load while the current job runs) and the larger
+pre-load buffer of Fig. 7(b); a load starts when its step starts.
+
 What the engine must give: `num_external_tokens` is called (once or more) for every new request
 before `load`; in `save_layer`, the batch's rows must be attributable to requests, either by a
 `request_ids: list[str]` attribute on ForwardBatch (one per sequence, in chunk order) or by
@@ -20,6 +29,10 @@ calling `begin_step(request_ids)` before each forward. Rows of ids the connector
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +45,9 @@ from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store.attention_store import AttentionStore
 from chatstore.store.decoupled import rope_at, unrope
 from chatstore.store.session_kv import SessionKV, common_prefix_len
+from chatstore.store.writer import _own_torch_threads
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,13 +60,43 @@ class _Pending:
     )  # layer -> [(positions [t], k_pre [t, H, D], v [t, H, D])]
 
 
+@dataclass
+class _LoadJob:
+    request_id: str
+    saved: SessionKV
+    start: int
+    end: int
+    slots: torch.Tensor  # flat pool slots of positions [start, end), on the pool's device
+    layers: list[threading.Event]  # layer i's history KV is in the pool (or the load failed)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None
+
+
 class StoreConnector:
-    def __init__(self, store: AttentionStore, kv_cache: PagedKVCache, rope: RotaryEmbedding):
+    def __init__(
+        self,
+        store: AttentionStore,
+        kv_cache: PagedKVCache,
+        rope: RotaryEmbedding,
+        layer_delay_s: float = 0.0,
+        loader_threads: int | None = 1,
+    ):
         self.store = store
         self.kv_cache = kv_cache
         self.rope = rope
         self._pending: dict[str, _Pending] = {}
         self._step_ids: list[str] | None = None
+        # Layer-wise pre-load. layer_delay_s: an extra sleep per layer copied (per load),
+        # simulating a slower tier (tests, bench/preload.py). loader_threads: torch intra-op
+        # threads of the loader thread (1: it does not fight the forward for the cores).
+        self.layer_delay_s = layer_delay_s
+        self.loader_threads = loader_threads
+        self._jobs: list[_LoadJob] = []  # loads started this step
+        self._queue: queue.SimpleQueue[_LoadJob] = queue.SimpleQueue()
+        self._loader: threading.Thread | None = None
+        self.loads_started = 0
+        self.load_wait_s = 0.0  # cumulative time wait_for_layer blocked the forward
+        self.load_copy_s = 0.0  # cumulative time the loader spent copying (delays included)
 
     # -- before the prefill -------------------------------------------------------------------
 
@@ -72,18 +118,108 @@ class StoreConnector:
         return pending
 
     def load(self, request: Request, start: int, num_tokens: int, block_table: list[int]) -> None:
+        """Synchronous: every layer's history KV is in the pool when this returns."""
+        job = self._job(request, start, num_tokens, block_table)
+        for layer in range(self.kv_cache.spec.num_layers):
+            self._copy_layer(job, layer)
+
+    def _job(
+        self, request: Request, start: int, num_tokens: int, block_table: list[int]
+    ) -> _LoadJob:
         pending = self._pending.get(request.request_id)
         end = start + num_tokens
         if pending is None or pending.saved is None or end > pending.reusable:
             raise RuntimeError(f"request {request.request_id}: no saved KV for [{start}, {end})")
         positions = torch.arange(start, end)
         slots = _slots(block_table, positions, self.kv_cache.block_size).to(self.kv_cache.device)
-        dev_positions = positions.to(self.kv_cache.device)
-        for layer in range(self.kv_cache.spec.num_layers):
-            k = pending.saved.k(layer)[start:end].to(self.kv_cache.device)
-            v = pending.saved.v(layer)[start:end].to(self.kv_cache.device)
-            k = rope_at(k, dev_positions, self.rope, self.kv_cache.dtype)
-            self.kv_cache.write(layer, k, v, slots)
+        layers = [threading.Event() for _ in range(self.kv_cache.spec.num_layers)]
+        return _LoadJob(request.request_id, pending.saved, start, end, slots, layers)
+
+    def _copy_layer(self, job: _LoadJob, layer: int) -> None:
+        dev = self.kv_cache.device
+        k = job.saved.k(layer)[job.start : job.end].to(dev)
+        v = job.saved.v(layer)[job.start : job.end].to(dev)
+        positions = torch.arange(job.start, job.end, device=dev)
+        k = rope_at(k, positions, self.rope, self.kv_cache.dtype)
+        self.kv_cache.write(layer, k, v, job.slots)
+        if self.layer_delay_s > 0:
+            time.sleep(self.layer_delay_s)
+
+    # -- layer-wise pre-load --------------------------------------------------------------------
+
+    def start_load(
+        self, request: Request, start: int, num_tokens: int, block_table: list[int]
+    ) -> None:
+        """Queue the history KV of [start, start + num_tokens) to the loader thread; raises at
+        once (nothing queued) when the connector holds no such KV."""
+        job = self._job(request, start, num_tokens, block_table)
+        self._jobs.append(job)
+        self.loads_started += 1
+        if self._loader is None or not self._loader.is_alive():
+            self._loader = threading.Thread(
+                target=self._load_loop, name="chatstore-loader", daemon=True
+            )
+            self._loader.start()
+        self._queue.put(job)
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Block until every load started this step has written `layer` (or failed)."""
+        pending = [job.layers[layer] for job in self._jobs if not job.layers[layer].is_set()]
+        if not pending:
+            return
+        t0 = time.perf_counter()
+        for event in pending:
+            event.wait()
+        self.load_wait_s += time.perf_counter() - t0
+
+    def finish_loads(self) -> dict[str, Exception]:
+        """Join this step's loads; {request_id: error} of those that failed."""
+        jobs, self._jobs = self._jobs, []
+        t0 = time.perf_counter()
+        for job in jobs:
+            job.done.wait()
+        self.load_wait_s += time.perf_counter() - t0
+        return {job.request_id: job.error for job in jobs if job.error is not None}
+
+    def _load_loop(self) -> None:
+        if self.loader_threads:
+            _own_torch_threads(self.loader_threads)
+        stream = None
+        if torch.device(self.kv_cache.device).type == "cuda":
+            stream = torch.cuda.Stream(device=self.kv_cache.device)
+        while True:
+            jobs = [self._queue.get()]
+            while True:  # loads queued together are copied layer-major, side by side
+                try:
+                    jobs.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    for layer in range(self.kv_cache.spec.num_layers):
+                        for job in jobs:
+                            self._load_layer(job, layer, stream)
+            finally:
+                for job in jobs:  # never leave the forward waiting
+                    for event in job.layers:
+                        event.set()
+                    job.done.set()
+                self.load_copy_s += time.perf_counter() - t0
+
+    def _load_layer(self, job: _LoadJob, layer: int, stream) -> None:
+        if job.error is None:
+            try:
+                if stream is None:
+                    self._copy_layer(job, layer)
+                else:
+                    with torch.cuda.stream(stream):
+                        self._copy_layer(job, layer)
+                    stream.synchronize()  # the event means: readable by the forward's stream
+            except Exception as exc:
+                log.exception("KV pre-load of %s failed at layer %d", job.request_id, layer)
+                job.error = exc
+        job.layers[layer].set()
 
     # -- during the forward -------------------------------------------------------------------
 
