@@ -75,9 +75,7 @@ class LmdbTier(StorageTier):
         return encoded_footprint(value)
 
     def put(self, key: SessionKey, value: SessionKV) -> None:
-        need = self.footprint(value)
-        if self.used_bytes() - self.size_of(key) + need > self._capacity:
-            raise TierFull(f"LMDB tier: {need} bytes do not fit")
+        need = self.check_fits(key, value)
         digest = key_digest(key).encode()
         chunks = codec.encode_chunks(value, self.fingerprint, self.chunk_bytes)
         meta = {

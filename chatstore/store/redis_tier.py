@@ -17,7 +17,7 @@ from chatstore.store import codec
 from chatstore.store.keys import key_digest, redis_prefix
 from chatstore.store.lmdb_tier import encoded_footprint
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.tier import StorageTier, TierFull
+from chatstore.store.tier import StorageTier
 
 NAMESPACE = "chatstore:kv"
 
@@ -65,9 +65,7 @@ class RedisTier(StorageTier):
         return encoded_footprint(value)
 
     def put(self, key: SessionKey, value: SessionKV) -> None:
-        need = self.footprint(value)
-        if self.used_bytes() - self.size_of(key) + need > self._capacity:
-            raise TierFull(f"Redis tier: {need} bytes do not fit")
+        need = self.check_fits(key, value)
         base = self._base(key)
         chunks = codec.split_chunks(codec.encode(value, self.fingerprint), self.chunk_bytes)
         meta = {"tenant": key.tenant, "session_id": key.session_id, "chunks": len(chunks)}

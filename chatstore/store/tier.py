@@ -61,6 +61,13 @@ class StorageTier(ABC):
         """Bytes key occupies here (0 when absent)."""
         return 0
 
+    def check_fits(self, key: SessionKey, value: SessionKV) -> int:
+        """Bytes `value` needs here in place of key's current value; TierFull if over capacity."""
+        need = self.footprint(value)
+        if self.used_bytes() - self.size_of(key) + need > self.capacity:
+            raise TierFull(f"{self.name} tier: {need} bytes do not fit")
+        return need
+
     def can_put(self, value: SessionKV) -> bool:
         return self.used_bytes() + self.footprint(value) <= self.capacity
 
