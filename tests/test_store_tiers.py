@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import time
+from collections import deque
 
 import pytest
 import redis as redis_lib
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from chatstore.store import codec
 from chatstore.store.dram_tier import DramTier, KVLayout
@@ -193,3 +196,42 @@ def test_redis_flipped_byte_is_detected_and_dropped(redis_client):
     with pytest.raises(codec.CorruptValueError):
         tier.get(key)
     assert not tier.contains(key)
+
+
+class _ElementsWritten(TorchDispatchMode):
+    """Counts the tensor elements torch ops write (new results and in-place targets; views and
+    uninitialised allocations write nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        is_view = not schema.is_mutable and any(r.alias_info for r in schema.returns)
+        if not is_view and "empty" not in schema.name:
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            self.elements += sum(o.numel() for o in outs if isinstance(o, torch.Tensor))
+        return out
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_dram_get_copies_each_element_once(scatter):
+    """get() builds its [L, 2, T, H, D] answer with one copy of the value (it used to gather,
+    reshape and make contiguous: three copies), from consecutive or scattered blocks, and the
+    answer is its own memory, not a view of the pool."""
+    tier = DramTier(64 * BLOCK_BYTES, LAYOUT, BLOCK)
+    if scatter:  # blocks handed out in no order, as after many puts and deletes
+        tier._free = deque(random.Random(0).sample(list(tier._free), len(tier._free)))
+    for num_tokens in (0, 1, 3, 4, 9, 37):
+        key, v = SessionKey("t", str(num_tokens)), value(num_tokens, seed=num_tokens)
+        tier.put(key, v)
+        with _ElementsWritten() as counter:
+            got = tier.get(key)
+        assert got.equal(v) and got.kv.is_contiguous()
+        assert counter.elements == v.kv.numel()
+        if num_tokens:
+            pool = tier.pool.untyped_storage().data_ptr()
+            assert got.kv.untyped_storage().data_ptr() != pool
+    tier.check_integrity()

@@ -11,11 +11,21 @@ session a full tier gives up; its look-ahead is the engine's waiting queue, hand
 `set_waiting_queue` (scheduler-aware eviction, §3.3.2). Two background threads, both started on
 first use: `Prefetcher` moves queued / hinted sessions up to DRAM (§3.3.1) and `WriteBuffer`
 commits finished turns saved with `save_later` (async save, §3.2.2).
+
+Reads of a session with a turn still queued in the write buffer get that turn from the buffer
+(`WriteBuffer.peek`: the very value the writer commits), not after waiting for the commit.
+
+`version(tenant, session_id)` changes whenever the session's saved KV may have changed (save,
+save_later at submit, delete, truncation, expiry purge, invalidate_all) and not when it only
+moves between tiers: a component holding a copy of a session's KV compares versions to know
+whether its copy is stale.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +142,11 @@ class AttentionStore:
             if remote
             else LmdbRecordStore(settings.data_dir / "records.lmdb", settings.session_ttl_s)
         )
+        # version(): one counter for every key and the epoch, so max(key's, epoch) only grows.
+        self._version_clock = itertools.count(1)
+        self._versions: dict[SessionKey, int] = {}
+        self._epoch = 0
+        self._version_lock = threading.Lock()
 
     @staticmethod
     def key(tenant: str, session_id: str) -> SessionKey:
@@ -176,8 +191,15 @@ class AttentionStore:
 
     def lookup(self, tenant: str, session_id: str) -> SessionKV | None:
         """The session's saved KV (moved up to DRAM), or None; an expired session is forgotten.
-        A turn still being written is waited for: the answer is always a complete turn."""
+
+        A turn still queued in the write buffer is returned from there (built now if the
+        writer has not built it yet): it is the newest complete turn, the same object the
+        writer commits — read-only. Its record is refreshed by that commit, so it is not
+        checked for expiry. Only if its build failed is the commit waited for."""
         key = self.key(tenant, session_id)
+        pending = self.writer.peek(key)
+        if isinstance(pending, SessionKV):
+            return pending
         self.writer.wait(key, WAIT_SAVED_S)
         record = self.records._load(key)
         if record is not None and self.records.expired(record):
@@ -189,7 +211,9 @@ class AttentionStore:
         """Keep value as the session's KV (whole turn at once); the tier it landed in."""
         key = self.key(tenant, session_id)
         self.writer.wait(key, WAIT_SAVED_S)  # keep the order of turns
-        return self._commit(key, value)
+        landed = self._commit(key, value)
+        self._bump_version(key)  # after: a version read before it sees the old number
+        return landed
 
     def save_later(
         self, tenant: str, session_id: str, build: Callable[[], SessionKV], nbytes: int
@@ -199,7 +223,10 @@ class AttentionStore:
         if not self.settings.async_save:
             self.save(tenant, session_id, build())
             return
-        self.writer.submit(self.key(tenant, session_id), build, nbytes)
+        key, dtype = self.key(tenant, session_id), self.settings.storage_dtype
+        # In the storage dtype already: what lookup() peeks is exactly what gets committed.
+        self.writer.submit(key, lambda: build().to(dtype), nbytes)
+        self._bump_version(key)  # after submit: lookup() finds the new turn from now on
 
     def _commit(self, key: Hashable, value: SessionKV) -> str | None:
         assert isinstance(key, SessionKey)
@@ -218,6 +245,7 @@ class AttentionStore:
         key = self.key(tenant, session_id)
         self.writer.wait(key, WAIT_SAVED_S)
         found = self.hierarchy.delete(key)
+        self._bump_version(key)
         return self.records.delete(key) or found
 
     def purge_expired(self) -> list[SessionKey]:
@@ -225,11 +253,28 @@ class AttentionStore:
         gone = self.records.purge_expired()
         for key in gone:
             self.hierarchy.delete(key)
+            self._bump_version(key)
         return gone
 
     def invalidate_all(self) -> None:
         self.writer.flush(WAIT_SAVED_S)
         self.hierarchy.clear()
+        with self._version_lock:
+            self._epoch = next(self._version_clock)
+            self._versions.clear()  # every entry is below the new epoch: max() ignores it
+
+    def version(self, tenant: str, session_id: str) -> int:
+        """A number that changes whenever the session's saved KV may have changed (saved,
+        queued for saving, deleted, truncated, purged, everything invalidated) and stays the
+        same while it only moves between tiers. Read it *before* looking the session up:
+        a copy looked up after reading version v is at least as new as v."""
+        with self._version_lock:
+            return max(self._versions.get(self.key(tenant, session_id), 0), self._epoch)
+
+    def _bump_version(self, key: SessionKey) -> None:
+        # Kept for deleted sessions too: forgetting one could hand back an old number.
+        with self._version_lock:
+            self._versions[key] = next(self._version_clock)
 
     def fit_context(
         self, tenant: str, session_id: str | None, prompt_ids: list[int], head: int, tail: int
@@ -267,6 +312,7 @@ class AttentionStore:
         self.writer.close()
         if flush_dram and len(self.hierarchy.tiers) > 1 and self.tier("dram") is not None:
             self.hierarchy.demote_all(0)
+        self.hierarchy.settle()  # deferred deletions of stale copies land before closing
         for tier in self.hierarchy.tiers:
             tier.close()
         self.records.close()

@@ -35,6 +35,7 @@ class TierCounters:
     hits: int = 0
     evictions: int = 0  # sessions moved out of this tier to make room
     corrupt: int = 0  # values dropped because they failed their checksum
+    errors: int = 0  # writes into this tier that raised (the value went elsewhere or stayed)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class StoreStats:
                     "hits": c.tier(o.name).hits,
                     "evictions": c.tier(o.name).evictions,
                     "corrupt": c.tier(o.name).corrupt,
+                    "errors": c.tier(o.name).errors,
                 }
                 for o in self.occupancy
             ],

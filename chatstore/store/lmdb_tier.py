@@ -7,12 +7,18 @@
 A put replaces chunks and meta in one write transaction, so a reader sees the old value or the new
 one, never half. Opening an environment written by another model (fingerprint) empties it: KV of
 another model or dtype is never reused. Sessions found at open are served again (warm restart).
+
+Threads: the hierarchy writes and deletes from one thread at a time (its I/O lock) while other
+threads read, outside any lock of the hierarchy. LMDB itself allows that (MVCC readers, one
+writer); the in-memory index and its byte total are guarded by a small lock of their own, so
+`used_bytes`, `keys` and `contains` are cheap and safe from any thread.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +59,8 @@ class LmdbTier(StorageTier):
         self._chunks = self.env.open_db(b"chunks")
         self._info = self.env.open_db(b"info")
         self._index: dict[SessionKey, tuple[bytes, int]] = {}  # key -> (digest, footprint)
+        self._used = 0  # sum of the index's footprints
+        self._index_lock = threading.Lock()
         self._open_for_model()
 
     def _open_for_model(self) -> None:
@@ -65,7 +73,20 @@ class LmdbTier(StorageTier):
             for digest, raw in txn.cursor(db=self._meta):
                 meta = json.loads(raw)
                 key = SessionKey(meta["tenant"], meta["session_id"])
-                self._index[key] = (bytes(digest), int(meta["footprint"]))
+                self._set_index(key, bytes(digest), int(meta["footprint"]))
+
+    def _set_index(self, key: SessionKey, digest: bytes, footprint: int) -> None:
+        with self._index_lock:
+            old = self._index.get(key)
+            self._used += footprint - (old[1] if old else 0)
+            self._index[key] = (digest, footprint)
+
+    def _pop_index(self, key: SessionKey) -> tuple[bytes, int] | None:
+        with self._index_lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry[1]
+            return entry
 
     @property
     def capacity(self) -> int:
@@ -93,16 +114,17 @@ class LmdbTier(StorageTier):
                 txn.put(digest, json.dumps(meta).encode(), db=self._meta)
         except lmdb.MapFullError as exc:
             raise TierFull(f"LMDB map full: {exc}") from exc
-        self._index[key] = (digest, need)
+        self._set_index(key, digest, need)
 
     def get(self, key: SessionKey) -> SessionKV | None:
-        if key not in self._index:
+        entry = self._index.get(key)
+        if entry is None:
             return None
-        digest = self._index[key][0]
+        digest = entry[0]
         with self.env.begin() as txn:
             raw = txn.get(digest, db=self._meta)
             if raw is None:
-                self._index.pop(key, None)
+                self._pop_index(key)
                 return None
             n = int(json.loads(raw)["chunks"])
             chunks = [txn.get(_chunk_key(digest, i), db=self._chunks) for i in range(n)]
@@ -115,7 +137,7 @@ class LmdbTier(StorageTier):
             raise
 
     def delete(self, key: SessionKey) -> bool:
-        entry = self._index.pop(key, None)
+        entry = self._pop_index(key)
         if entry is None:
             return False
         with self.env.begin(write=True) as txn:
@@ -134,10 +156,11 @@ class LmdbTier(StorageTier):
         return key in self._index
 
     def used_bytes(self) -> int:
-        return sum(size for _, size in self._index.values())
+        return self._used
 
     def keys(self) -> list[SessionKey]:
-        return list(self._index)
+        with self._index_lock:
+            return list(self._index)
 
     def size_of(self, key: SessionKey) -> int:
         entry = self._index.get(key)

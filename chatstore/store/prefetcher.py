@@ -7,9 +7,10 @@ before the engine schedules them.
                 (L_pw = C_mem / S_kv) that sit below DRAM   (policy "aware"; none for lru/fifo)
         for key in keys: hierarchy.prefetch(key)     LMDB/Redis -> DRAM, counted as `prefetches`
 
-Thread safety: `TierHierarchy` serialises every tier access with one lock, so a prefetch and the
-engine thread's lookup of the same session are ordered: the lookup finds the session in DRAM or
-where it was, never half-moved. Keys with a save in flight are skipped (the save lands in DRAM).
+Thread safety: `TierHierarchy` orders a prefetch and the engine thread's lookup of the same
+session (memory state under its lock, slow-tier reads validated by a per-key generation): the
+lookup finds the session in DRAM, in transit or where it was, never half-moved. Keys with a save
+in flight are skipped (the save lands in DRAM).
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ A tier holds whole sessions (the paper's eviction unit is one session's KV). Cap
 in the bytes a value occupies in that tier (`footprint`); the hierarchy makes room before `put`,
 so `used_bytes() <= capacity` always holds. `get` raises CorruptValueError for a value that fails
 its checksum (the tier has already dropped it) and returns None for a plain miss.
+
+`in_memory` tiers (DRAM) are only touched under the hierarchy's lock: their operations are memory
+copies. The others (LMDB, Redis) are slow: the hierarchy writes and deletes there outside its lock,
+from one thread at a time, while other threads may read. Such a tier keeps `contains`, `keys`,
+`size_of` and `used_bytes` safe to call from any thread at any time.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class TierOccupancy:
 
 class StorageTier(ABC):
     name: str = "tier"
+    in_memory: bool = False  # a DRAM-like tier: fast, volatile, guarded by the hierarchy's lock
 
     @property
     @abstractmethod

@@ -6,10 +6,15 @@ one writer thread builds the turn's SessionKV and commits it to the tiers, in su
     engine thread:  request_finished ──submit(key, build, nbytes)──► [ write buffer ] ──► writer
     writer thread:  value = build(); commit(key, value)      (DRAM put, LMDB in one transaction)
 
-Visibility: a key is "pending" from `submit` until its commit returned. Readers that must not see
-a half-saved turn call `wait(key)` first (the store's `lookup` does), so a later turn sees the
-previous complete KV only if it asks before `submit`, and the new complete KV after it — never a
-torn one (each tier's put is atomic: DRAM under the hierarchy lock, LMDB in one write txn).
+Visibility: a key is "pending" from `submit` until its commit returned. A reader that wants the
+session's newest turn asks `peek(key)` first: the value of the newest pending job, built on
+demand. A job's build runs once (memoized, under the job's own lock): whichever thread needs the
+value first — the writer about to commit it, or a reader — builds it, the other reuses it, so
+the reader gets exactly the value the writer commits, without waiting for the commits queued
+before it (an LMDB write of a long session takes 50-300 ms). `wait(key)` waits for the commit
+itself (readers that need the stored state: tier, record). Either way a reader sees the previous
+complete KV only if it asks before `submit`, and the new complete KV after it — never a torn one
+(each tier's put is atomic: DRAM under the hierarchy lock, LMDB in one write txn).
 
 Back-pressure: the buffer holds at most `capacity_bytes` of pending turns; `submit` blocks the
 caller (the engine thread) until the writer has drained enough. A single turn larger than the
@@ -30,16 +35,35 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+_UNBUILT = object()
+
+
+@dataclass(eq=False)
 class _Job:
     key: Hashable
     build: Callable[[], object]
     nbytes: int
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _value: object = field(default=_UNBUILT, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
+
+    def value(self) -> object:
+        """build(), run once whichever thread asks first; later callers get the same object
+        (or the same exception)."""
+        with self._lock:
+            if self._value is _UNBUILT and self._error is None:
+                try:
+                    self._value = self.build()
+                except BaseException as exc:  # re-raised to every caller
+                    self._error = exc
+            if self._error is not None:
+                raise self._error
+            return self._value
 
 
 class WriteBuffer:
@@ -91,6 +115,19 @@ class WriteBuffer:
         with self._cond:
             return key in self._pending
 
+    def peek(self, key: Hashable) -> object | None:
+        """The value of the newest pending (not yet committed) job of `key`, or None when
+        none is pending or its build failed. Built here if the writer has not built it yet
+        (then the writer commits this very object). Treat it as read-only."""
+        with self._cond:
+            job = next((j for j in reversed(self._jobs) if j.key == key), None)
+        if job is None:
+            return None
+        try:
+            return job.value()
+        except Exception:
+            return None  # the writer logs the failure; the caller falls back to the store
+
     def wait(self, key: Hashable, timeout: float | None = None) -> bool:
         """Until no write of `key` is pending; False on timeout."""
         with self._cond:
@@ -130,7 +167,7 @@ class WriteBuffer:
                     return  # closed and drained
                 job = self._jobs[0]
             try:
-                self._commit(job.key, job.build())
+                self._commit(job.key, job.value())
                 ok = True
             except Exception:
                 log.exception("async save of %s failed", job.key)
@@ -146,6 +183,7 @@ class WriteBuffer:
                 self.writes += ok
                 self.failures += not ok
                 self._cond.notify_all()
+            del job  # do not keep the last turn's KV alive while idle
 
 
 def _own_torch_threads(n: int) -> None:
