@@ -50,6 +50,8 @@ class Config:
     prefetch_interval_s: float = 0.05  # scheduler-aware fetch: how often the queue is scanned
     async_save: bool = True  # a finished turn's KV is written by a background thread
     write_buffer_bytes: int = 1 << 30  # turns waiting for that thread; full = engine waits
+    read_buffer_layers: int = -1  # layers of queued/hinted sessions staged ahead (-1 all, 0 off)
+    read_buffer_bytes: int = 512 << 20  # what the read buffer may hold
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -87,6 +89,11 @@ class Config:
             raise ValueError(f"prefetch_interval_s must be > 0, got {self.prefetch_interval_s}")
         if self.write_buffer_bytes <= 0:
             raise ValueError(f"write_buffer_bytes must be > 0, got {self.write_buffer_bytes}")
+        if self.read_buffer_layers < -1:
+            layers = self.read_buffer_layers
+            raise ValueError(f"read_buffer_layers must be -1 (all), 0 (off) or more, got {layers}")
+        if self.read_buffer_bytes < 0:
+            raise ValueError(f"read_buffer_bytes must be >= 0, got {self.read_buffer_bytes}")
 
 
 def load_config(

@@ -78,13 +78,13 @@ def test_preload_is_token_identical_to_sync_load_and_recompute(tmp_path):
 def test_no_layer_is_read_before_its_copy_finished(tmp_path):
     engine, store, conn = _engine(tmp_path, layer_delay_s=DELAY_S)
     copied: set[tuple[str, int]] = set()
-    copy_layer = conn._copy_layer
+    copy_layer = conn.loader.copy_layer
 
     def recording_copy(job, layer):
         copy_layer(job, layer)  # includes the delay: the layer counts as done after it
         copied.add((job.request_id, layer))
 
-    conn._copy_layer = recording_copy  # type: ignore[method-assign]
+    conn.loader.copy_layer = recording_copy  # type: ignore[method-assign]
     wait = conn.wait_for_layer
     checks: list[tuple[int, bool, int]] = []  # (layer, complete, layers complete at the call)
 
@@ -111,14 +111,14 @@ def test_failed_preload_ends_only_that_request_with_an_error(tmp_path):
     history = prompt(1, 14)
     engine.add_request(Request("a0", history, greedy(4), tenant="t", session_id="a"))
     out = tokens_of(run_all(engine)["a0"])
-    copy_layer = conn._copy_layer
+    copy_layer = conn.loader.copy_layer
 
     def broken(job, layer):
         if job.request_id == "a1" and layer == 1:
             raise OSError("tier on fire")
         copy_layer(job, layer)
 
-    conn._copy_layer = broken  # type: ignore[method-assign]
+    conn.loader.copy_layer = broken  # type: ignore[method-assign]
     engine.add_request(Request("a1", [*history, *out, 5, 6], greedy(4), tenant="t", session_id="a"))
     engine.add_request(Request("b", prompt(2, 7), greedy(4)))
     outs = run_all(engine)

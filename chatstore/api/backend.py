@@ -27,7 +27,13 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
     runtime = runtime or create_runtime(config)
     model = runtime.model
     store = create_store(config, model.spec, model.fingerprint)
-    connector = create_connector(store, runtime.kv_cache, runtime.runner.rope)
+    connector = create_connector(
+        store,
+        runtime.kv_cache,
+        runtime.runner.rope,
+        read_buffer_layers=config.read_buffer_layers,
+        read_buffer_bytes=config.read_buffer_bytes,
+    )
     records = None
     if store is not None:
         block_bytes = bytes_per_block(model.spec, runtime.block_size, runtime.kv_cache.dtype)

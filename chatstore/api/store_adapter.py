@@ -95,9 +95,13 @@ class StoreAdapter:
         return self.store.tier_of(tenant, session_id)
 
     def prefetch(self, tenant: str, session_id: str) -> None:
-        """Returns at once: the store's prefetch thread moves the KV up to DRAM."""
+        """Returns at once: the store's prefetch thread moves the KV up to DRAM and the
+        connector's loader stages it in the read buffer (when it has one)."""
         if self.store is not None:
             self.store.prefetch(tenant, session_id)
+            stage = getattr(self.connector, "stage", None)
+            if stage is not None:
+                stage(tenant, session_id)
 
     def fit_context(
         self, tenant: str, session_id: str, prompt: list[int], head: int, tail: int, reserve: int

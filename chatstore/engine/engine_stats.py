@@ -31,3 +31,13 @@ class EngineStats:
     tokens_generated: int
     requests_finished: int
     mean_batch_size: float  # sequences per forward step
+    # Loading saved history KV into the pool (zeros without a KV store).
+    kv_loads: int = 0  # history loads (synchronous and layer-wise)
+    kv_layerwise_loads: int = 0  # of them, copied layer by layer during the forward
+    kv_load_wait_s: float = 0.0  # time the forward blocked on a layer not yet copied
+    kv_load_copy_s: float = 0.0  # loader-thread time spent copying into the pool
+    read_buffer_layers: int = 0  # layers staged ahead per queued session (0 = no read buffer)
+    read_buffer_staged: int = 0  # sessions staged before their job started
+    read_buffer_hits: int = 0  # loads that found their session staged
+    read_buffer_layers_used: int = 0  # layers copied from the buffer, not the tier
+    read_buffer_bytes: int = 0  # held by the read buffer now

@@ -28,6 +28,8 @@ from chatstore.engine.swap import HostSwapSpace
 
 log = logging.getLogger(__name__)
 
+STAGE_AHEAD = 4  # queued requests offered to the connector's read buffer each step
+
 
 class LLMEngine:
     def __init__(
@@ -97,7 +99,25 @@ class LLMEngine:
             tokens_generated=self.tokens_generated,
             requests_finished=self.requests_finished,
             mean_batch_size=self._seqs_stepped / self.steps if self.steps else 0.0,
+            **self._load_stats(),
         )
+
+    def _load_stats(self) -> dict[str, float | int]:
+        load_stats = getattr(self.connector, "load_stats", None)
+        if load_stats is None:
+            return {}
+        s = load_stats()
+        return {
+            "kv_loads": s.loads,
+            "kv_layerwise_loads": s.layerwise_loads,
+            "kv_load_wait_s": round(s.load_wait_s, 6),
+            "kv_load_copy_s": round(s.load_copy_s, 6),
+            "read_buffer_layers": s.read_buffer_layers,
+            "read_buffer_staged": s.read_buffer_staged,
+            "read_buffer_hits": s.read_buffer_hits,
+            "read_buffer_layers_used": s.read_buffer_layers_used,
+            "read_buffer_bytes": s.read_buffer_bytes,
+        }
 
     # -- the model thread ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -122,6 +142,9 @@ class LLMEngine:
                     )
             except Exception as exc:
                 self._load_failed(load.seq.group, exc, touched)
+        prepare = getattr(self.connector, "prepare", None)
+        if prepare is not None:  # the read buffer: the next jobs' KV staged during this one
+            prepare(self.scheduler.next_waiting(STAGE_AHEAD))
         items = [s for s in plan.scheduled if not s.seq.finished]
         if items:
             self._run_step(items, touched, preloading)

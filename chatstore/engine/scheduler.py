@@ -16,6 +16,7 @@ ahead for prefetch and eviction.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import deque
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.engine.prefix_cache import BlockManager
-from chatstore.engine.request import EngineOverloadedError
+from chatstore.engine.request import EngineOverloadedError, Request
 from chatstore.engine.sequence import Sequence, SequenceStatus
 from chatstore.engine.swap import HostSwapSpace
 
@@ -134,6 +135,12 @@ class Scheduler:
         return list(entries.values())
 
     # -- one step ------------------------------------------------------------------------------
+    def next_waiting(self, n: int) -> list[Request]:
+        """The first n queued requests that have not started (a read buffer stages them)."""
+        with self._lock:
+            seqs = list(itertools.islice(self.waiting, n))
+        return [seq.request for seq in seqs if seq.num_computed == 0]
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._scheduled = {}

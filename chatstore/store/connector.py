@@ -1,24 +1,23 @@
 """StoreConnector: the engine's KVConnector backed by the AttentionStore.
 
     turn n+1 prompt  [ saved history (LCP with the session's tokens) | new tokens ]
-                       load(): pre-RoPE K rotated to   | prefill computes these;
-                       positions 0.., V as is          | save_layer() keeps their pre-RoPE K, V
+                       loaded: pre-RoPE K rotated to       | prefill computes these; save_layer
+                       positions 0.., V as is              | keeps their pre-RoPE K, V (LayerSaver)
     request_finished: saved prefix + computed rows (+ device blocks un-rotated for any gap)
                       -> one SessionKV, committed to the store as a whole turn
 
-Async save: on the engine thread `request_finished` only copies what lives in the device pool
-(rows the connector never saw computed, usually none); assembling the SessionKV and writing it
-to the tiers is handed to the store's writer thread (`AttentionStore.save_later`) when the
-store runs with `async_save`.
+Load, three ways (CachedAttention §3.2.1):
+  - `load`: every layer, synchronously, before the prefill (no pre-load);
+  - `start_load` + `wait_for_layer(i)` + `finish_loads`: the loader thread (LayerLoader) copies
+    layer 0, 1, ... while the forward runs; the runner waits right before layer i's attention;
+  - with a read buffer (`read_buffer_layers` > 0): `prepare(next requests)` after each schedule
+    and `stage(tenant, session)` on a client hint look the sessions up on the loader thread and
+    stage their first layers, rotated, before their job starts (ReadBuffer).
 
-Layer-wise pre-load (CachedAttention §3.2.1, without the HBM read buffer): instead of `load`
-(all layers, synchronously, before the prefill) the engine may call `start_load` for each of the
-step's loads; a loader thread writes the history KV layer 0, 1, ..., L-1 and sets a per-layer
-event after each, while the forward runs. The runner calls `wait_for_layer(i)` right before layer
-i's attention reads the pool, so the copy of layer i+1.. overlaps the compute of layer i. After
-the forward the engine calls `finish_loads()` (joins, returns per-request errors). Not done:
-the read buffer (starting the next job's pre-load while the current job runs) and the larger
-pre-load buffer of Fig. 7(b); a load starts when its step starts.
+Save (§3.2.2): save_layer makes one copy of the step's rows per layer (LayerSaver); at the end of
+the turn the engine thread copies only what lives in the device pool alone (rows never seen
+computed, usually none); assembling the SessionKV and writing it to the tiers is handed to the
+store's writer thread (`AttentionStore.save_later`) when the store runs with `async_save`.
 
 What the engine must give: `num_external_tokens` is called (once or more) for every new request
 before `load`; in `save_layer`, the batch's rows must be attributable to requests, either by a
@@ -30,11 +29,10 @@ calling `begin_step(request_ids)` before each forward. Rows of ids the connector
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,11 +41,15 @@ from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store.attention_store import AttentionStore
-from chatstore.store.decoupled import rope_at, unrope
-from chatstore.store.session_kv import SessionKV, common_prefix_len
-from chatstore.store.writer import _own_torch_threads
+from chatstore.store.decoupled import unrope
+from chatstore.store.layer_loader import LayerLoader, LoadJob
+from chatstore.store.layer_saver import LayerSaver, TurnRows
+from chatstore.store.read_buffer import ReadBuffer, StagedKV
+from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 
 log = logging.getLogger(__name__)
+
+STAGE_AHEAD = 4  # queued requests whose sessions the read buffer stages (soonest first)
 
 
 @dataclass
@@ -55,21 +57,22 @@ class _Pending:
     request: Request
     saved: SessionKV | None
     reusable: int  # leading prompt tokens the saved KV covers (LCP)
-    rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(
-        default_factory=dict
-    )  # layer -> [(positions [t], k_pre [t, H, D], v [t, H, D])]
+    staged: StagedKV | None = None  # read-buffer entry claimed for this request
 
 
-@dataclass
-class _LoadJob:
-    request_id: str
-    saved: SessionKV
-    start: int
-    end: int
-    slots: torch.Tensor  # flat pool slots of positions [start, end), on the pool's device
-    layers: list[threading.Event]  # layer i's history KV is in the pool (or the load failed)
-    done: threading.Event = field(default_factory=threading.Event)
-    error: Exception | None = None
+@dataclass(frozen=True)
+class LoadStats:
+    """What layer-wise pre-load did (EngineStats and /admin/cache show it)."""
+
+    loads: int  # history loads into the pool (sync and layer-wise)
+    layerwise_loads: int
+    load_wait_s: float  # time the forward blocked waiting for a layer's copy
+    load_copy_s: float  # loader time spent copying into the pool
+    read_buffer_layers: int
+    read_buffer_staged: int  # sessions looked up and staged ahead of their job
+    read_buffer_hits: int  # loads that found their session in the read buffer
+    read_buffer_layers_used: int  # layers written from the buffer instead of the tier
+    read_buffer_bytes: int
 
 
 class StoreConnector:
@@ -80,23 +83,48 @@ class StoreConnector:
         rope: RotaryEmbedding,
         layer_delay_s: float = 0.0,
         loader_threads: int | None = 1,
+        read_buffer_layers: int = 0,
+        read_buffer_bytes: int = 512 << 20,
     ):
         self.store = store
         self.kv_cache = kv_cache
         self.rope = rope
         self._pending: dict[str, _Pending] = {}
         self._step_ids: list[str] | None = None
-        # Layer-wise pre-load. layer_delay_s: an extra sleep per layer copied (per load),
-        # simulating a slower tier (tests, bench/preload.py). loader_threads: torch intra-op
-        # threads of the loader thread (1: it does not fight the forward for the cores).
-        self.layer_delay_s = layer_delay_s
-        self.loader_threads = loader_threads
-        self._jobs: list[_LoadJob] = []  # loads started this step
-        self._queue: queue.SimpleQueue[_LoadJob] = queue.SimpleQueue()
-        self._loader: threading.Thread | None = None
-        self.loads_started = 0
-        self.load_wait_s = 0.0  # cumulative time wait_for_layer blocked the forward
-        self.load_copy_s = 0.0  # cumulative time the loader spent copying (delays included)
+        self.read_buffer = ReadBuffer(read_buffer_layers, read_buffer_bytes)
+        self.loader = LayerLoader(
+            kv_cache, rope, self._lookup, self.read_buffer, layer_delay_s, loader_threads
+        )
+        self.saver = LayerSaver(
+            kv_cache.spec.num_layers, store.settings.storage_dtype, kv_cache.device
+        )
+        self._jobs: list[LoadJob] = []  # loads started this step
+        self.loads = 0
+        self.loads_started = 0  # layer-wise ones
+        self.load_wait_s = 0.0  # cumulative time wait_for_layer / finish_loads blocked
+        self.staged_layers_used = 0
+
+    @property
+    def layer_delay_s(self) -> float:
+        return self.loader.layer_delay_s
+
+    @property
+    def load_copy_s(self) -> float:
+        return self.loader.copy_s
+
+    def load_stats(self) -> LoadStats:
+        buffer = self.read_buffer
+        return LoadStats(
+            loads=self.loads,
+            layerwise_loads=self.loads_started,
+            load_wait_s=self.load_wait_s,
+            load_copy_s=self.loader.copy_s,
+            read_buffer_layers=buffer.layers,
+            read_buffer_staged=buffer.staged,
+            read_buffer_hits=buffer.claimed,
+            read_buffer_layers_used=self.staged_layers_used,
+            read_buffer_bytes=buffer.used_bytes(),
+        )
 
     # -- before the prefill -------------------------------------------------------------------
 
@@ -105,27 +133,45 @@ class StoreConnector:
         return max(0, pending.reusable - num_computed)
 
     def _start(self, request: Request) -> _Pending:
-        saved = None
+        saved, staged = None, None
         if request.session_id is not None:
-            saved = self.store.lookup(request.tenant, request.session_id)
+            key = SessionKey(request.tenant, request.session_id)
+            staged = self.read_buffer.claim(key, self._version(key))
+            if staged is not None:
+                staged.looked_up.wait()
+                saved = staged.saved
+                if saved is None:  # looked up, nothing there (or dropped): no use
+                    self.read_buffer.release(staged)
+                    staged = None
+            if staged is None:
+                saved = self._lookup(key)
         reusable = 0
         if saved is not None:
             # Keep at least one prompt token to compute: its logits give the first new token.
             lcp = common_prefix_len(saved.token_ids, request.prompt_token_ids)
             reusable = min(lcp, len(request.prompt_token_ids) - 1)
-        pending = _Pending(request, saved, reusable)
+        pending = _Pending(request, saved, reusable, staged)
         self._pending[request.request_id] = pending
+        if request.session_id is not None:
+            self.saver.track(request.request_id)
         return pending
+
+    def _lookup(self, key: SessionKey) -> SessionKV | None:
+        return self.store.lookup(key.tenant, key.session_id)
+
+    def _version(self, key: SessionKey) -> int:
+        return self.store.version(key.tenant, key.session_id)
 
     def load(self, request: Request, start: int, num_tokens: int, block_table: list[int]) -> None:
         """Synchronous: every layer's history KV is in the pool when this returns."""
         job = self._job(request, start, num_tokens, block_table)
         for layer in range(self.kv_cache.spec.num_layers):
-            self._copy_layer(job, layer)
+            self.loader.copy_layer(job, layer)
+        self._done(job)
 
     def _job(
         self, request: Request, start: int, num_tokens: int, block_table: list[int]
-    ) -> _LoadJob:
+    ) -> LoadJob:
         pending = self._pending.get(request.request_id)
         end = start + num_tokens
         if pending is None or pending.saved is None or end > pending.reusable:
@@ -133,17 +179,16 @@ class StoreConnector:
         positions = torch.arange(start, end)
         slots = _slots(block_table, positions, self.kv_cache.block_size).to(self.kv_cache.device)
         layers = [threading.Event() for _ in range(self.kv_cache.spec.num_layers)]
-        return _LoadJob(request.request_id, pending.saved, start, end, slots, layers)
+        self.loads += 1
+        return LoadJob(request.request_id, pending.saved, start, end, slots, layers, pending.staged)
 
-    def _copy_layer(self, job: _LoadJob, layer: int) -> None:
-        dev = self.kv_cache.device
-        k = job.saved.k(layer)[job.start : job.end].to(dev)
-        v = job.saved.v(layer)[job.start : job.end].to(dev)
-        positions = torch.arange(job.start, job.end, device=dev)
-        k = rope_at(k, positions, self.rope, self.kv_cache.dtype)
-        self.kv_cache.write(layer, k, v, job.slots)
-        if self.layer_delay_s > 0:
-            time.sleep(self.layer_delay_s)
+    def _done(self, job: LoadJob) -> None:
+        """The job's KV is in the pool: its read-buffer entry has served its purpose."""
+        self.staged_layers_used += job.staged_layers_used
+        pending = self._pending.get(job.request_id)
+        if pending is not None and pending.staged is not None:
+            self.read_buffer.release(pending.staged)
+            pending.staged = None
 
     # -- layer-wise pre-load --------------------------------------------------------------------
 
@@ -155,12 +200,7 @@ class StoreConnector:
         job = self._job(request, start, num_tokens, block_table)
         self._jobs.append(job)
         self.loads_started += 1
-        if self._loader is None or not self._loader.is_alive():
-            self._loader = threading.Thread(
-                target=self._load_loop, name="chatstore-loader", daemon=True
-            )
-            self._loader.start()
-        self._queue.put(job)
+        self.loader.submit(job)
 
     def wait_for_layer(self, layer: int) -> None:
         """Block until every load started this step has written `layer` (or failed)."""
@@ -179,47 +219,29 @@ class StoreConnector:
         for job in jobs:
             job.done.wait()
         self.load_wait_s += time.perf_counter() - t0
+        for job in jobs:
+            self._done(job)
         return {job.request_id: job.error for job in jobs if job.error is not None}
 
-    def _load_loop(self) -> None:
-        if self.loader_threads:
-            _own_torch_threads(self.loader_threads)
-        stream = None
-        if torch.device(self.kv_cache.device).type == "cuda":
-            stream = torch.cuda.Stream(device=self.kv_cache.device)
-        while True:
-            jobs = [self._queue.get()]
-            while True:  # loads queued together are copied layer-major, side by side
-                try:
-                    jobs.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            t0 = time.perf_counter()
-            try:
-                with torch.no_grad():
-                    for layer in range(self.kv_cache.spec.num_layers):
-                        for job in jobs:
-                            self._load_layer(job, layer, stream)
-            finally:
-                for job in jobs:  # never leave the forward waiting
-                    for event in job.layers:
-                        event.set()
-                    job.done.set()
-                self.load_copy_s += time.perf_counter() - t0
+    # -- read buffer ----------------------------------------------------------------------------
 
-    def _load_layer(self, job: _LoadJob, layer: int, stream) -> None:
-        if job.error is None:
-            try:
-                if stream is None:
-                    self._copy_layer(job, layer)
-                else:
-                    with torch.cuda.stream(stream):
-                        self._copy_layer(job, layer)
-                    stream.synchronize()  # the event means: readable by the forward's stream
-            except Exception as exc:
-                log.exception("KV pre-load of %s failed at layer %d", job.request_id, layer)
-                job.error = exc
-        job.layers[layer].set()
+    def prepare(self, upcoming: list[Request]) -> None:
+        """The requests queued next (soonest first): stage their sessions in the read buffer."""
+        if not self.read_buffer.enabled:
+            return
+        for request in upcoming[:STAGE_AHEAD]:
+            if request.session_id is not None and request.request_id not in self._pending:
+                self.stage(request.tenant, request.session_id)
+
+    def stage(self, tenant: str, session_id: str) -> bool:
+        """Look the session up and stage its first layers on the loader thread (a hint that it
+        runs soon); False when the read buffer is off or holds it already."""
+        key = SessionKey(tenant, session_id)
+        entry = self.read_buffer.want(key, self._version(key))
+        if entry is None:
+            return False
+        self.loader.stage(entry)
+        return True
 
     # -- during the forward -------------------------------------------------------------------
 
@@ -233,62 +255,57 @@ class StoreConnector:
         ids = getattr(batch, "request_ids", None) or self._step_ids
         if not ids or len(ids) != batch.num_seqs:
             return
-        dtype = self.store.settings.storage_dtype
-        row = 0
-        for rid, n in zip(ids, batch.query_lens, strict=True):
-            pending = self._pending.get(rid)
-            if pending is not None and pending.request.session_id is not None:
-                pending.rows.setdefault(layer, []).append(
-                    (
-                        batch.positions[row : row + n].cpu(),
-                        k_pre_rope[row : row + n].to("cpu", dtype, copy=True),
-                        v[row : row + n].to("cpu", dtype, copy=True),
-                    )
-                )
-            row += n
+        self.saver.save_layer(layer, k_pre_rope, v, batch.positions, ids, batch.query_lens)
 
     # -- after the turn -----------------------------------------------------------------------
 
     def request_finished(
         self, request: Request, token_ids: list[int], block_table: list[int]
     ) -> None:
-        pending = self._pending.pop(request.request_id, None)
+        pending = self._drop(request.request_id)
+        rows = self.saver.take(request.request_id)
         if self._step_ids is not None and request.request_id in self._step_ids:
             self._step_ids = None
         if request.session_id is None or not token_ids:
             return
-        n, build = self._assembler(pending, token_ids, block_table)
+        n, build = self._assembler(pending, rows, token_ids, block_table)
         if n > 0:
             nbytes = n * self.store.layout.bytes_per_token
             self.store.save_later(request.tenant, request.session_id, build, nbytes)
 
     def forget(self, request_id: str) -> None:
         """Drop what the connector holds for a request that will never finish normally."""
-        self._pending.pop(request_id, None)
+        self._drop(request_id)
+        self.saver.drop(request_id)
 
-    def _assemble(
-        self, pending: _Pending | None, token_ids: list[int], block_table: list[int]
-    ) -> SessionKV:
-        return self._assembler(pending, token_ids, block_table)[1]()
+    def _drop(self, request_id: str) -> _Pending | None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None and pending.staged is not None:
+            self.read_buffer.release(pending.staged)
+            pending.staged = None
+        return pending
 
     def _assembler(
-        self, pending: _Pending | None, token_ids: list[int], block_table: list[int]
+        self,
+        pending: _Pending | None,
+        rows: TurnRows,
+        token_ids: list[int],
+        block_table: list[int],
     ) -> tuple[int, Callable[[], SessionKV]]:
         """(tokens to save, a builder of their SessionKV). What the device pool alone holds is
         copied now (its blocks are freed after request_finished); the builder touches only
         CPU tensors it owns, so it may run on another thread."""
         spec, B = self.kv_cache.spec, self.kv_cache.block_size
         n = min(len(token_ids), len(block_table) * B)
-        rows = pending.rows if pending is not None else {}
-        if rows.get(0):
+        if rows.chunks:
             # The last sampled token is never fed back: its KV does not exist.
-            n = min(n, 1 + max(int(p.max()) for p, _, _ in rows[0]))
+            n = min(n, 1 + rows.max_position())
         saved = pending.saved if pending is not None else None
         m = min(pending.reusable, n) if pending is not None and saved is not None else 0
         have = torch.zeros(n, dtype=torch.bool)
         have[:m] = True
-        for p, _, _ in rows.get(0, []):
-            have[p[p < n]] = True
+        computed = rows.positions()
+        have[computed[computed < n]] = True
         missing = (~have).nonzero().flatten()
         device_rows = self._copy_from_device(missing, block_table) if len(missing) else None
         ids = list(token_ids[:n])
@@ -299,11 +316,7 @@ class StoreConnector:
             kv = torch.empty(shape, dtype=dtype)
             if saved is not None and m:
                 kv[:, :, :m] = saved.kv[:, :, :m]
-            for layer, chunks in rows.items():
-                pos = torch.cat([p for p, _, _ in chunks])
-                keep = pos < n
-                kv[layer, 0, pos[keep]] = torch.cat([k for _, k, _ in chunks])[keep].to(dtype)
-                kv[layer, 1, pos[keep]] = torch.cat([v for _, _, v in chunks])[keep].to(dtype)
+            rows.scatter_into(kv, n)
             if device_rows is not None:
                 kv[:, :, missing] = device_rows.to(dtype)
             return SessionKV(ids, kv)
@@ -334,8 +347,24 @@ def _slots(block_table: list[int], positions: torch.Tensor, block_size: int) -> 
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def create_connector(store: AttentionStore | None, kv_cache: PagedKVCache, rope: RotaryEmbedding):
+def create_connector(
+    store: AttentionStore | None,
+    kv_cache: PagedKVCache,
+    rope: RotaryEmbedding,
+    read_buffer_layers: int = 0,
+    read_buffer_bytes: int = 512 << 20,
+):
     """StoreConnector over `store`, or the recompute baseline (NullConnector) when it is None."""
     from chatstore.engine.kv_connector import NullConnector
 
-    return NullConnector() if store is None else StoreConnector(store, kv_cache, rope)
+    if store is None:
+        return NullConnector()
+    if read_buffer_layers < 0:  # -1: every layer
+        read_buffer_layers = kv_cache.spec.num_layers
+    return StoreConnector(
+        store,
+        kv_cache,
+        rope,
+        read_buffer_layers=read_buffer_layers,
+        read_buffer_bytes=read_buffer_bytes,
+    )

@@ -1,0 +1,208 @@
+"""The read stream of layer-wise pre-load (CachedAttention §3.2.1): one loader thread that writes
+history KV into the device pool layer by layer while the forward runs, and fills the read
+buffer for the jobs queued next when it has nothing else to do.
+
+    engine thread                          loader thread
+    submit(job) x loads of this step  ──►  layer 0 of every job, layer 1, ..., L-1
+    forward: layer i waits job.layers[i]   (per layer: read buffer copy, or tier copy + RoPE)
+    finish: join(jobs)                     idle: stage(entry) = lookup + layers 0..N-1 rotated,
+                                           pausing between layers whenever a load arrives
+
+Loads always come first: staging checks for them between layers. On CUDA the copies run on a
+stream of the loader's own and a layer's event is set only once that stream is done with it; on
+a CPU host the thread runs torch with `threads` intra-op threads (1: it does not start an OpenMP
+team as wide as the forward's on the same cores).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from chatstore.engine.kv_cache import PagedKVCache
+from chatstore.engine.rope import RotaryEmbedding, apply_rope
+from chatstore.store.read_buffer import ReadBuffer, StagedKV
+from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.writer import _own_torch_threads
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadJob:
+    """Write the saved history KV of positions [start, end) into `slots` of the pool."""
+
+    request_id: str
+    saved: SessionKV
+    start: int
+    end: int
+    slots: torch.Tensor  # flat pool slots of positions [start, end), on the pool's device
+    layers: list[threading.Event]  # layer i's history KV is in the pool (or the load failed)
+    staged: StagedKV | None = None  # read-buffer entry: its layers need no RoPE, no tier read
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None
+    staged_layers_used: int = 0
+    _cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class LayerLoader:
+    def __init__(
+        self,
+        kv_cache: PagedKVCache,
+        rope: RotaryEmbedding,
+        lookup: Callable[[SessionKey], SessionKV | None],
+        buffer: ReadBuffer,
+        layer_delay_s: float = 0.0,
+        threads: int | None = 1,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.rope = rope
+        self.lookup = lookup
+        self.buffer = buffer
+        # An extra sleep per layer read from the store (not from the read buffer): a tier slower
+        # than DRAM, for tests and bench/preload.py.
+        self.layer_delay_s = layer_delay_s
+        self.threads = threads
+        self._loads: deque[LoadJob] = deque()
+        self._stages: deque[StagedKV] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stream = None
+        self.copy_s = 0.0  # time spent writing loads into the pool (delays included)
+        self.stage_s = 0.0  # time spent staging (lookups included)
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    def submit(self, job: LoadJob) -> None:
+        with self._cond:
+            self._loads.append(job)
+            self._ensure_thread()
+            self._cond.notify_all()
+
+    def stage(self, entry: StagedKV) -> None:
+        with self._cond:
+            self._stages.append(entry)
+            self._ensure_thread()
+            self._cond.notify_all()
+
+    def copy_layer(self, job: LoadJob, layer: int) -> None:
+        """Layer `layer` of the job into the pool, on the calling thread."""
+        staged = job.staged
+        if staged is not None and layer < staged.num_staged_layers:
+            k = staged.k[layer][job.start : job.end]
+            v = staged.v[layer][job.start : job.end]
+            self.kv_cache.write(layer, k, v, job.slots)
+            job.staged_layers_used += 1
+            return
+        dev = self.kv_cache.device
+        if job._cos_sin is None:  # once per job, not per layer
+            positions = torch.arange(job.start, job.end, device=dev)
+            job._cos_sin = self.rope.cos_sin(positions, self.kv_cache.dtype)
+        cos, sin = job._cos_sin
+        k = job.saved.k(layer)[job.start : job.end].to(dev, self.kv_cache.dtype)
+        v = job.saved.v(layer)[job.start : job.end].to(dev)
+        self.kv_cache.write(layer, apply_rope(k, cos, sin), v, job.slots)
+        if self.layer_delay_s > 0:
+            time.sleep(self.layer_delay_s)
+
+    # -- loader thread -----------------------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="chatstore-loader", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        if self.threads:
+            _own_torch_threads(self.threads)
+        if self.kv_cache.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self.kv_cache.device)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._loads or self._stages)
+                entry = None if self._loads else self._stages.popleft()
+            if entry is None:
+                self._serve_loads()
+            else:
+                t0 = time.perf_counter()
+                try:
+                    with torch.no_grad():
+                        self._stage(entry)
+                except Exception:
+                    log.exception("read-buffer staging of %s failed", entry.key)
+                finally:
+                    entry.looked_up.set()
+                    self.stage_s += time.perf_counter() - t0
+
+    def _serve_loads(self) -> None:
+        """Every queued load, layer-major (side by side, so layer 0 of each is done first)."""
+        with self._cond:
+            jobs = list(self._loads)
+            self._loads.clear()
+        if not jobs:
+            return
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                for layer in range(self.kv_cache.spec.num_layers):
+                    for job in jobs:
+                        self._load_layer(job, layer)
+        finally:
+            for job in jobs:  # never leave the forward waiting
+                for event in job.layers:
+                    event.set()
+                job.done.set()
+            self.copy_s += time.perf_counter() - t0
+
+    def _load_layer(self, job: LoadJob, layer: int) -> None:
+        if job.error is None:
+            try:
+                self._on_stream(lambda: self.copy_layer(job, layer))
+            except Exception as exc:
+                log.exception("KV pre-load of %s failed at layer %d", job.request_id, layer)
+                job.error = exc
+        job.layers[layer].set()
+
+    def _stage(self, entry: StagedKV) -> None:
+        if not self.buffer.begin(entry):
+            return
+        saved = self.lookup(entry.key)
+        entry.saved = saved
+        entry.looked_up.set()
+        layers = min(self.buffer.layers, self.kv_cache.spec.num_layers)
+        if saved is None or saved.num_tokens == 0 or layers == 0:
+            return
+        per_layer = 2 * saved.k(0).numel() * self.kv_cache.kv.element_size()
+        if not self.buffer.reserve(entry, saved.nbytes + layers * per_layer):
+            return
+        self.buffer.staged += 1
+        dev, dtype = self.kv_cache.device, self.kv_cache.dtype
+        cos, sin = self.rope.cos_sin(torch.arange(saved.num_tokens, device=dev), dtype)
+        for layer in range(layers):
+            self._serve_loads()  # the running step's loads go first
+            if entry.cancelled:
+                return
+
+            def stage_layer(layer: int = layer) -> None:
+                k = apply_rope(saved.k(layer).to(dev, dtype), cos, sin)
+                v = saved.v(layer).to(dev, dtype)  # on a CPU host: a view, no copy
+                if self.layer_delay_s > 0:
+                    time.sleep(self.layer_delay_s)
+                entry.k.append(k)
+                entry.v.append(v)
+
+            self._on_stream(stage_layer)
+
+    def _on_stream(self, fn: Callable[[], None]) -> None:
+        if self._stream is None:
+            fn()
+            return
+        with torch.cuda.stream(self._stream):
+            fn()
+        self._stream.synchronize()  # done means: readable from the forward's stream

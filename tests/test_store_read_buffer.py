@@ -1,0 +1,167 @@
+"""The read buffer of layer-wise pre-load (CachedAttention Fig. 6(c)): the sessions queued next
+(or hinted) are looked up and their first layers staged, rotated, before their job starts.
+
+With a tier made slow (a delay per layer read from it), staged layers cost the forward no wait:
+the measured wait falls with the buffer's size, and the outputs stay those of a recompute."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from chatstore.engine.engine_config import EngineConfig
+from chatstore.engine.llm_engine import LLMEngine
+from chatstore.engine.request import Request
+from chatstore.store import AttentionStore, StoreConnector, StoreSettings
+from chatstore.store.read_buffer import ReadBuffer
+from chatstore.store.session_kv import SessionKey, SessionKV
+from tests.engine_support import (  # noqa: F401 (single_thread is an autouse fixture)
+    assert_pool_clean,
+    greedy,
+    prompt,
+    run_all,
+    run_alone,
+    single_thread,
+    tiny_runtime,
+    tokens_of,
+)
+
+DELAY_S = 0.03
+
+
+def _engine(tmp_path, read_buffer_layers: int, max_running: int = 32):
+    runtime = tiny_runtime(num_blocks=128)
+    settings = StoreSettings(data_dir=tmp_path, dram_bytes=1 << 20, ssd_bytes=1 << 22, block_size=4)
+    store = AttentionStore(settings, runtime.model.spec, runtime.model.fingerprint)
+    conn = StoreConnector(
+        store,
+        runtime.kv_cache,
+        runtime.runner.rope,
+        layer_delay_s=DELAY_S,
+        read_buffer_layers=read_buffer_layers,
+    )
+    config = EngineConfig(enable_prefix_cache=False, max_running=max_running)
+    return LLMEngine(runtime, config, conn), store, conn
+
+
+def _first_turn(engine, sid: str, seed: int) -> list[int]:
+    """Run a session's first turn; the prompt of its second."""
+    history = prompt(seed, 12 + seed)
+    req = Request(f"{sid}-0", history, greedy(5), tenant="t", session_id=sid)
+    engine.add_request(req)
+    out = tokens_of(run_all(engine)[req.request_id])
+    return [*history, *out, *prompt(90 + seed, 4)]
+
+
+def _wait_staged(conn: StoreConnector, sid: str, layers: int, timeout: float = 10.0) -> None:
+    entry = conn.read_buffer._entries[SessionKey("t", sid)]
+    deadline = time.monotonic() + timeout
+    while entry.num_staged_layers < layers:
+        assert time.monotonic() < deadline, "staging never finished"
+        time.sleep(0.005)
+
+
+def test_staged_layers_cut_the_wait_and_keep_the_output(tmp_path):
+    waits = {}
+    for layers in (0, 1, 2):  # the tiny model has 2 layers: none, half, all of them staged
+        engine, store, conn = _engine(tmp_path / str(layers), layers)
+        second = _first_turn(engine, "a", 1)
+        store.flush_writes()
+        if layers:
+            assert conn.stage("t", "a")  # the client's hint ("typing")
+            _wait_staged(conn, "a", layers)
+        wait_before = conn.load_wait_s
+        req = Request("a-1", second, greedy(5), tenant="t", session_id="a")
+        engine.add_request(req)
+        outs = run_all(engine)
+        waits[layers] = conn.load_wait_s - wait_before
+        assert tokens_of(outs["a-1"]) == run_alone(req)
+        assert outs["a-1"][-1].usage.cached_tokens > 0
+        stats = engine.stats()
+        assert stats.read_buffer_hits == (1 if layers else 0)
+        assert stats.read_buffer_layers_used == layers
+        assert stats.read_buffer_bytes == 0  # consumed
+        assert_pool_clean(engine)
+        store.close()
+    # Unstaged layers each cost the forward about one tier delay; staged ones none.
+    assert waits[0] > 1.5 * DELAY_S
+    assert waits[1] < waits[0] - 0.5 * DELAY_S
+    assert waits[2] < 0.5 * DELAY_S
+
+
+def test_queued_sessions_are_staged_while_the_running_job_computes(tmp_path):
+    engine, store, _ = _engine(tmp_path, read_buffer_layers=2, max_running=1)
+    seconds = {sid: _first_turn(engine, sid, seed) for seed, sid in enumerate("abc", start=1)}
+    store.flush_writes()
+    reqs = [
+        Request(f"{sid}-1", p, greedy(5), tenant="t", session_id=sid) for sid, p in seconds.items()
+    ]
+    for req in reqs:
+        engine.add_request(req)
+    outs = run_all(engine)
+    for req in reqs:
+        assert tokens_of(outs[req.request_id]) == run_alone(req), req.request_id
+    stats = engine.stats()
+    # a runs first (nothing ahead of it to stage it); b is staged while a runs (c too, when
+    # the loader gets to it before c's turn comes: these jobs are short).
+    assert stats.read_buffer_staged >= 1 and stats.read_buffer_hits >= 1
+    assert stats.read_buffer_layers_used >= 1
+    assert stats.kv_loads == 3 and stats.read_buffer_bytes == 0
+    assert_pool_clean(engine)
+    store.close()
+
+
+def test_a_staged_copy_older_than_the_saved_kv_is_not_used(tmp_path):
+    engine, store, conn = _engine(tmp_path, read_buffer_layers=2)
+    second = _first_turn(engine, "a", 1)
+    store.flush_writes()
+    assert conn.stage("t", "a")
+    _wait_staged(conn, "a", 2)
+    # The session's KV changes after staging (here: cut to its first 8 tokens, as a
+    # truncation re-save would): the staged copy is stale.
+    saved = store.lookup("t", "a")
+    store.save("t", "a", SessionKV(saved.token_ids[:8], saved.kv[:, :, :8].clone()))
+    req = Request("a-1", second, greedy(5), tenant="t", session_id="a")
+    engine.add_request(req)
+    outs = run_all(engine)
+    assert tokens_of(outs["a-1"]) == run_alone(req)
+    assert outs["a-1"][-1].usage.cached_tokens == 8  # what the store holds now, not the stage
+    assert engine.stats().read_buffer_hits == 0
+    store.close()
+
+
+def _entry_kv(n: int) -> SessionKV:
+    return SessionKV(list(range(n)), torch.zeros(1, 2, n, 1, 1))
+
+
+def test_read_buffer_budget_evicts_idle_entries_only():
+    buffer = ReadBuffer(layers=1, capacity_bytes=100)
+    a = buffer.want(SessionKey("t", "a"), 0)
+    b = buffer.want(SessionKey("t", "b"), 0)
+    assert a is not None and b is not None
+    assert buffer.want(SessionKey("t", "a"), 0) is None  # fresh already
+    assert buffer.begin(a) and buffer.reserve(a, 60)
+    assert buffer.claim(SessionKey("t", "a"), 0) is a  # in use from here on
+    assert buffer.begin(b)
+    assert not buffer.reserve(b, 60)  # a is in use: no room, nothing evicted
+    assert buffer.used_bytes() == 60
+    buffer.release(a)  # consumed
+    assert len(buffer) == 1 and buffer.reserve(b, 60)
+    c = buffer.want(SessionKey("t", "c"), 0)
+    assert c is not None and buffer.begin(c) and buffer.reserve(c, 70)  # b (idle) evicted
+    assert buffer.evicted == 1 and b.cancelled and buffer.used_bytes() == 70
+
+
+def test_claim_before_the_lookup_began_cancels_and_a_new_version_replaces():
+    buffer = ReadBuffer(layers=2, capacity_bytes=1 << 20)
+    key = SessionKey("t", "a")
+    entry = buffer.want(key, 3)
+    assert buffer.claim(key, 3) is None and entry.cancelled  # caller looks up itself
+    assert not buffer.begin(entry)  # the loader then skips it
+    old = buffer.want(key, 3)
+    assert buffer.begin(old)
+    new = buffer.want(key, 4)  # the session was saved again: the old stage is dropped
+    assert new is not None and old.cancelled
+    assert buffer.claim(key, 3) is None
+    assert ReadBuffer(0, 1 << 20).want(key, 0) is None  # read buffer off
