@@ -52,6 +52,7 @@ class Config:
     write_buffer_bytes: int = 1 << 30  # turns waiting for that thread; full = engine waits
     read_buffer_layers: int = -1  # layers of queued/hinted sessions staged ahead (-1 all, 0 off)
     read_buffer_bytes: int = 512 << 20  # what the read buffer may hold
+    read_buffer_queue: str = "auto"  # stage queued sessions too: on | off | auto (GPU only)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -92,6 +93,10 @@ class Config:
         if self.read_buffer_layers < -1:
             layers = self.read_buffer_layers
             raise ValueError(f"read_buffer_layers must be -1 (all), 0 (off) or more, got {layers}")
+        if self.read_buffer_queue not in ("auto", "on", "off"):
+            raise ValueError(
+                f"read_buffer_queue must be auto, on or off, got {self.read_buffer_queue!r}"
+            )
         if self.read_buffer_bytes < 0:
             raise ValueError(f"read_buffer_bytes must be >= 0, got {self.read_buffer_bytes}")
 

@@ -66,7 +66,8 @@ def test_preload_is_token_identical_to_sync_load_and_recompute(tmp_path):
     pre = _turns(engine)
     assert conn.loads_started == 4  # 2 sessions x turns 1, 2
     assert conn.load_wait_s > 0  # the forward did wait for the slow copies
-    assert conn.load_copy_s >= 4 * engine.spec.num_layers * DELAY_S * 0.9
+    # Each slow copy ran on the loader or, when the forward got there first, on the forward.
+    assert conn.load_copy_s + conn.load_wait_s >= 4 * engine.spec.num_layers * DELAY_S * 0.9
     assert_pool_clean(engine)
     store.close()
     engine_s, store_s, conn_s = _engine(tmp_path / "sync", cls=SyncConnector)

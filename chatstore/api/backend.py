@@ -33,6 +33,7 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
         runtime.runner.rope,
         read_buffer_layers=config.read_buffer_layers,
         read_buffer_bytes=config.read_buffer_bytes,
+        read_buffer_queue=config.read_buffer_queue,
     )
     records = None
     if store is not None:

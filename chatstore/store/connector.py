@@ -10,9 +10,10 @@ Load, three ways (CachedAttention §3.2.1):
   - `load`: every layer, synchronously, before the prefill (no pre-load);
   - `start_load` + `wait_for_layer(i)` + `finish_loads`: the loader thread (LayerLoader) copies
     layer 0, 1, ... while the forward runs; the runner waits right before layer i's attention;
-  - with a read buffer (`read_buffer_layers` > 0): `prepare(next requests)` after each schedule
-    and `stage(tenant, session)` on a client hint look the sessions up on the loader thread and
-    stage their first layers, rotated, before their job starts (ReadBuffer).
+  - with a read buffer (`read_buffer_layers` > 0): `stage(tenant, session)` on a client hint and
+    `prepare(next requests)` after each schedule (`stage_queued`; by default on a GPU only) look
+    the sessions up on the loader thread and stage their first layers, rotated, before their
+    job starts (ReadBuffer).
 
 Save (§3.2.2): save_layer makes one copy of the step's rows per layer (LayerSaver); at the end of
 the turn the engine thread copies only what lives in the device pool alone (rows never seen
@@ -85,6 +86,7 @@ class StoreConnector:
         loader_threads: int | None = 1,
         read_buffer_layers: int = 0,
         read_buffer_bytes: int = 512 << 20,
+        stage_queued: bool | None = None,
     ):
         self.store = store
         self.kv_cache = kv_cache
@@ -92,6 +94,12 @@ class StoreConnector:
         self._pending: dict[str, _Pending] = {}
         self._step_ids: list[str] | None = None
         self.read_buffer = ReadBuffer(read_buffer_layers, read_buffer_bytes)
+        # Staging queued sessions while another job computes pays off when the copy has an
+        # engine of its own (a GPU's); on a CPU host it shares the forward's cores and measured
+        # a net loss (bench/preload.py, job sequence), so by default only hints stage there.
+        if stage_queued is None:
+            stage_queued = kv_cache.device.type == "cuda"
+        self.stage_queued = stage_queued
         self.loader = LayerLoader(
             kv_cache, rope, self._lookup, self.read_buffer, layer_delay_s, loader_threads
         )
@@ -167,6 +175,7 @@ class StoreConnector:
         job = self._job(request, start, num_tokens, block_table)
         for layer in range(self.kv_cache.spec.num_layers):
             self.loader.copy_layer(job, layer)
+        job.done.set()
         self._done(job)
 
     def _job(
@@ -203,13 +212,15 @@ class StoreConnector:
         self.loader.submit(job)
 
     def wait_for_layer(self, layer: int) -> None:
-        """Block until every load started this step has written `layer` (or failed)."""
-        pending = [job.layers[layer] for job in self._jobs if not job.layers[layer].is_set()]
+        """Until every load started this step has written `layer` (or failed): a layer the
+        loader has not begun is copied right here, one it is copying is waited for."""
+        pending = [job for job in self._jobs if not job.layers[layer].is_set()]
         if not pending:
             return
         t0 = time.perf_counter()
-        for event in pending:
-            event.wait()
+        for job in pending:
+            if not self.loader.take_layer(job, layer):
+                job.layers[layer].wait()
         self.load_wait_s += time.perf_counter() - t0
 
     def finish_loads(self) -> dict[str, Exception]:
@@ -227,7 +238,7 @@ class StoreConnector:
 
     def prepare(self, upcoming: list[Request]) -> None:
         """The requests queued next (soonest first): stage their sessions in the read buffer."""
-        if not self.read_buffer.enabled:
+        if not (self.read_buffer.enabled and self.stage_queued):
             return
         for request in upcoming[:STAGE_AHEAD]:
             if request.session_id is not None and request.request_id not in self._pending:
@@ -353,8 +364,11 @@ def create_connector(
     rope: RotaryEmbedding,
     read_buffer_layers: int = 0,
     read_buffer_bytes: int = 512 << 20,
+    read_buffer_queue: str = "auto",
 ):
-    """StoreConnector over `store`, or the recompute baseline (NullConnector) when it is None."""
+    """StoreConnector over `store`, or the recompute baseline (NullConnector) when it is None.
+    read_buffer_queue: stage queued sessions too ("on"), only hinted ones ("off"), or "auto"
+    (queued ones only when the pool is on a GPU)."""
     from chatstore.engine.kv_connector import NullConnector
 
     if store is None:
@@ -367,4 +381,5 @@ def create_connector(
         rope,
         read_buffer_layers=read_buffer_layers,
         read_buffer_bytes=read_buffer_bytes,
+        stage_queued={"on": True, "off": False}.get(read_buffer_queue),
     )

@@ -4,7 +4,8 @@ buffer for the jobs queued next when it has nothing else to do.
 
     engine thread                          loader thread
     submit(job) x loads of this step  ──►  layer 0 of every job, layer 1, ..., L-1
-    forward: layer i waits job.layers[i]   (per layer: read buffer copy, or tier copy + RoPE)
+    forward: layer i waits job.layers[i],  (per layer: read buffer copy, or tier copy + RoPE)
+      or copies it itself if the loader has not started it (take_layer: one claim per layer)
     finish: join(jobs)                     idle: stage(entry) = lookup + layers 0..N-1 rotated,
                                            pausing between layers whenever a load arrives
 
@@ -47,8 +48,17 @@ class LoadJob:
     staged: StagedKV | None = None  # read-buffer entry: its layers need no RoPE, no tier read
     done: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None
-    staged_layers_used: int = 0
+    claims: list[threading.Lock] = field(default_factory=list)  # who copies layer i
+    from_buffer: list[bool] = field(default_factory=list)
     _cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        self.claims = [threading.Lock() for _ in self.layers]
+        self.from_buffer = [False] * len(self.layers)
+
+    @property
+    def staged_layers_used(self) -> int:
+        return sum(self.from_buffer)
 
 
 class LayerLoader:
@@ -91,6 +101,23 @@ class LayerLoader:
             self._ensure_thread()
             self._cond.notify_all()
 
+    def take_layer(self, job: LoadJob, layer: int) -> bool:
+        """Copy layer `layer` of the job now, on the calling thread, unless another thread has
+        taken it (then False: wait for `job.layers[layer]`). The forward takes a layer the
+        loader has not reached rather than wait for the loader to be scheduled: on a CPU host
+        the loader shares the cores with the forward's own threads."""
+        if not job.claims[layer].acquire(blocking=False):
+            return False
+        try:
+            if job.error is None:
+                self._on_stream(lambda: self.copy_layer(job, layer))
+        except Exception as exc:
+            log.exception("KV pre-load of %s failed at layer %d", job.request_id, layer)
+            job.error = exc
+        finally:
+            job.layers[layer].set()
+        return True
+
     def copy_layer(self, job: LoadJob, layer: int) -> None:
         """Layer `layer` of the job into the pool, on the calling thread."""
         staged = job.staged
@@ -98,7 +125,7 @@ class LayerLoader:
             k = staged.k[layer][job.start : job.end]
             v = staged.v[layer][job.start : job.end]
             self.kv_cache.write(layer, k, v, job.slots)
-            job.staged_layers_used += 1
+            job.from_buffer[layer] = True
             return
         dev = self.kv_cache.device
         if job._cos_sin is None:  # once per job, not per layer
@@ -152,22 +179,15 @@ class LayerLoader:
             with torch.no_grad():
                 for layer in range(self.kv_cache.spec.num_layers):
                     for job in jobs:
-                        self._load_layer(job, layer)
+                        self.take_layer(job, layer)
         finally:
-            for job in jobs:  # never leave the forward waiting
-                for event in job.layers:
-                    event.set()
+            for job in jobs:
+                for layer, event in enumerate(job.layers):
+                    if job.claims[layer].acquire(blocking=False):  # nobody took it: failed
+                        event.set()
+                    event.wait()  # one the forward took is finished by the forward
                 job.done.set()
             self.copy_s += time.perf_counter() - t0
-
-    def _load_layer(self, job: LoadJob, layer: int) -> None:
-        if job.error is None:
-            try:
-                self._on_stream(lambda: self.copy_layer(job, layer))
-            except Exception as exc:
-                log.exception("KV pre-load of %s failed at layer %d", job.request_id, layer)
-                job.error = exc
-        job.layers[layer].set()
 
     def _stage(self, entry: StagedKV) -> None:
         if not self.buffer.begin(entry):
