@@ -14,7 +14,8 @@ Measured per turn: TTFT (submit -> first token, queueing included), prompt token
   hit_rate                  share of turns >= 2 whose history KV came from the store
 The device prefix cache is off in both runs, so every reuse is the store's (as in the paper).
 
-    python bench/multiturn.py [--sessions 16] [--tier dram|ssd|redis] [--quick]
+    python bench/multiturn.py [--sessions 16] [--tier dram|ssd|redis] [--read-buffer-layers -1]
+                              [--quick]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from chatstore.engine.async_engine import AsyncEngine  # noqa: E402
 from chatstore.engine.engine_config import EngineConfig  # noqa: E402
 from chatstore.engine.request import Request, SamplingParams  # noqa: E402
 from chatstore.engine.runtime import create_runtime  # noqa: E402
-from chatstore.store import StoreConnector, create_store  # noqa: E402
+from chatstore.store import create_connector, create_store  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "declaration_and_lincoln.txt"
 SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -133,7 +134,8 @@ async def run(mode: str, args, runtime, plans: list[SessionPlan], redis_url: str
         overrides |= {"redis_url": url, "kv_store": "on" if mode == "CA" else "off"}
         config = load_config(overrides=overrides)
         store = create_store(config, runtime.model.spec, runtime.model.fingerprint)
-        conn = StoreConnector(store, runtime.kv_cache, runtime.runner.rope) if store else None
+        overrides = {"read_buffer_layers": args.read_buffer_layers}
+        conn = create_connector(store, runtime.kv_cache, runtime.runner.rope, **overrides)
         engine = AsyncEngine(runtime, EngineConfig(enable_prefix_cache=False), conn)
         engine.start()
         t0 = time.monotonic()
@@ -177,6 +179,9 @@ def main() -> None:
     p.add_argument("--reply-tokens", type=int, default=16)
     p.add_argument("--tier", choices=["dram", "ssd", "redis"], default="dram")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--read-buffer-layers", type=int, default=-1, help="-1 = all layers (the default), 0 off"
+    )
     p.add_argument("--quick", action="store_true", help="6 sessions of at most 5 turns")
     args = p.parse_args()
     if args.quick:
@@ -212,6 +217,7 @@ def main() -> None:
     summary = {
         "bench": "multiturn",
         "tier": args.tier,
+        "read_buffer_layers": args.read_buffer_layers,
         "sessions": len(plans),
         "turns": re_s["turns"],
         "ttft_reduction_pct": round(

@@ -15,7 +15,11 @@ up: much more work per save). Printed last, as one JSON line:
     ms_per_request_{none,sync,async}, sync_save_overhead_pct, async_save_overhead_pct
     (time per request vs none), async_flush_ms (writes still pending when the engine went idle).
 
+With --concurrent all requests run together (a decode batch of --requests sessions): what the
+per-layer write stream costs a batched decode step.
+
     python bench/save.py [--requests 6] [--rounds 3] [--dram-sessions N] [--quick]
+                         [--concurrent] [--decode-steps 20]
 """
 
 from __future__ import annotations
@@ -47,7 +51,13 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[in
 
 
 def run(
-    runtime: Runtime, config: Config, mode: str, batch: list[list[int]], tag: str
+    runtime: Runtime,
+    config: Config,
+    mode: str,
+    batch: list[list[int]],
+    tag: str,
+    concurrent: bool = False,
+    decode_steps: int = DECODE_STEPS,
 ) -> tuple[float, float]:
     """(seconds per request with the engine busy, seconds to flush pending writes after)."""
     store = None
@@ -62,11 +72,11 @@ def run(
         assert store is not None
         connector = StoreConnector(store, runtime.kv_cache, runtime.runner.rope)
     engine = LLMEngine(runtime, EngineConfig.from_config(config), connector)
-    sampling = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=decode_steps, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     for i, ids in enumerate(batch):
         engine.add_request(Request(f"{tag}-{i}", ids, sampling, session_id=f"{tag}-{i}"))
-        while engine.has_work():
+        while engine.has_work() and not (concurrent and i < len(batch) - 1):
             engine.step()
     busy = time.perf_counter() - start
     flush = 0.0
@@ -87,6 +97,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=1600)
     parser.add_argument("--dram-sessions", type=int, default=0, help="0 = config default")
     parser.add_argument("--quick", action="store_true", help="3 requests, 1 round")
+    parser.add_argument("--concurrent", action="store_true", help="all requests in one batch")
+    parser.add_argument("--decode-steps", type=int, default=DECODE_STEPS)
     args = parser.parse_args()
     if args.quick:
         args.requests, args.rounds = 3, 1
@@ -108,7 +120,15 @@ def main() -> None:
     flush_s = 0.0
     for r in range(args.rounds):
         for mode in ("none", "sync", "async"):
-            per_request, flush = run(runtime, config, mode, batch, f"r{r}-{mode}")
+            per_request, flush = run(
+                runtime,
+                config,
+                mode,
+                batch,
+                f"r{r}-{mode}",
+                args.concurrent,
+                args.decode_steps,
+            )
             print(f"round {r} {mode:5s} {per_request * 1000:9.1f} ms/request", file=sys.stderr)
             best[mode] = min(best.get(mode, float("inf")), per_request)
             if mode == "async":
@@ -121,7 +141,8 @@ def main() -> None:
         "requests": args.requests,
         "rounds": args.rounds,
         "prompt_tokens": [args.min_tokens, args.max_tokens],
-        "decode_steps": DECODE_STEPS,
+        "decode_steps": args.decode_steps,
+        "concurrent": args.concurrent,
         "dram_bytes": config.dram_bytes,
         **{f"ms_per_request_{m}": round(best[m] * 1000, 1) for m in ("none", "sync", "async")},
         "async_flush_ms": round(flush_s * 1000, 1),

@@ -122,6 +122,7 @@ def test_cli_generate_answers(default_model) -> None:
 
 def test_config_dataclass_defaults_mirror_default_toml() -> None:
     """An installed wheel has no config/ folder: the dataclass defaults must say the same."""
+    import dataclasses
     import tomllib
 
     from chatstore.config import DEFAULT_CONFIG_FILE, Config
@@ -131,3 +132,5 @@ def test_config_dataclass_defaults_mirror_default_toml() -> None:
     values = {k: v for section in sections for k, v in section.items()}
     defaults = Config()
     assert {k: v for k, v in values.items() if getattr(defaults, k) != v} == {}
+    fields = {f.name for f in dataclasses.fields(Config)}
+    assert fields - set(values) == set(), "config keys the default file does not document"
