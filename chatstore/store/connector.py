@@ -228,7 +228,7 @@ class StoreConnector:
         jobs, self._jobs = self._jobs, []
         t0 = time.perf_counter()
         for job in jobs:
-            job.done.wait()
+            self.loader.finish(job)
         self.load_wait_s += time.perf_counter() - t0
         for job in jobs:
             self._done(job)
