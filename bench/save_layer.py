@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.engine_speed import median_seconds  # noqa: E402
 from chatstore.store.layer_saver import LayerSaver  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, Q_HEADS = 30, 3, 64, 9
@@ -62,17 +61,10 @@ def time_batch(batch: int, reps: int) -> dict[str, float]:
         for layer in range(LAYERS):
             per_request_copies(kept, ids, positions, k, v, query_lens, layer)
 
-    ms = {}
-    for name, fn in (("baseline", baseline), ("ours", ours)):
-        for _ in range(10):
-            fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        ms[name] = statistics.median(times) * 1000
-    return ms
+    return {
+        name: median_seconds(fn, reps, warmup=10) * 1000
+        for name, fn in (("baseline", baseline), ("ours", ours))
+    }
 
 
 def main() -> None:

@@ -67,3 +67,30 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
         messages, add_generation_prompt=True, tokenize=True, return_dict=True
     )
     return list(out["input_ids"])
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server on a free loopback port, shared by the run's tests."""
+    from chatstore.store.redis_server import start_local_redis
+
+    server = start_local_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server, redis_client) -> str:
+    """The shared server's URL, emptied first (redis_client flushed it)."""
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    """A client of the shared server, emptied first."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_server.url)
+    client.flushall()
+    yield client
+    client.close()

@@ -17,7 +17,6 @@ from chatstore.engine.kv_connector import NullConnector
 from chatstore.model.spec import ModelSpec
 from chatstore.store import AttentionStore, StoreSettings, create_connector, create_store
 from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
-from chatstore.store.redis_server import start_local_redis
 from chatstore.store.session_kv import SessionKey, SessionKV
 
 SPEC = ModelSpec(
@@ -51,13 +50,6 @@ def make(tmp_path, fingerprint: str = "fp", **kw) -> AttentionStore:
     kw.setdefault("dram_bytes", 64 * 16 * TOKEN_BYTES)
     kw.setdefault("ssd_bytes", 1 << 20)
     return AttentionStore(StoreSettings(data_dir=tmp_path, **kw), SPEC, fingerprint)
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = start_local_redis()
-    yield server.url
-    server.stop()
 
 
 @pytest.fixture(params=["lmdb", "redis"])

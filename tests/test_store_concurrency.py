@@ -18,7 +18,6 @@ from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.dram_tier import DramTier, KVLayout
 from chatstore.store.hierarchy import TierHierarchy
 from chatstore.store.lmdb_tier import LmdbTier, encoded_footprint
-from chatstore.store.redis_server import start_local_redis
 from chatstore.store.redis_tier import RedisTier
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.writer import WriteBuffer
@@ -90,21 +89,6 @@ def slow_pair(tmp_path):
     h = TierHierarchy([dram, ssd])
     yield h, dram, ssd
     ssd.close()
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = start_local_redis()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis_client(redis_server):
-    client = redis_lib.Redis.from_url(redis_server.url)
-    client.flushall()
-    yield client
-    client.close()
 
 
 # -- task: slow-tier I/O outside the lock ---------------------------------------------------
@@ -407,9 +391,12 @@ def test_lookup_returns_the_queued_turn_without_waiting_for_commits(tmp_path):
     store.commit_delay_s = 0.5
     store.save_later("t", "x", lambda: other, other.nbytes)  # queued ahead: 0.5 s
     store.save_later("t", "s", lambda: new, new.nbytes)  # then this one: another 0.5 s
+    top = store.hierarchy.tiers[0].name
+    hits = store.hierarchy.counters.tier(top).hits
     got, took = timed(lambda: store.lookup("t", "s"))
     assert got.equal(new) and took < 0.25, f"lookup waited {took:.3f}s"
     assert store.writer.is_pending(SessionKey("t", "s"))
+    assert store.hierarchy.counters.tier(top).hits == hits + 1  # counted where it will land
     assert store.flush_writes(10)
     committed = store.lookup("t", "s")
     assert committed.equal(got) and store.saved_tokens("t", "s") == new.token_ids

@@ -11,7 +11,6 @@ import torch
 from chatstore.store.dram_tier import DramTier, KVLayout
 from chatstore.store.hierarchy import TierHierarchy
 from chatstore.store.lmdb_tier import LmdbTier, encoded_footprint
-from chatstore.store.redis_server import start_local_redis
 from chatstore.store.redis_tier import RedisTier
 from chatstore.store.session_kv import SessionKey, SessionKV
 
@@ -120,13 +119,6 @@ def test_stats_report_occupancy_and_counters(two_tiers):
     assert [t["name"] for t in stats["tiers"]] == ["dram", "ssd"]
     assert stats["tiers"][0]["used_bytes"] == 2 * BLOCK_BYTES
     assert stats["tiers"][0]["sessions"] == 1 and stats["tiers"][0]["hits"] == 1
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = start_local_redis()
-    yield server
-    server.stop()
 
 
 def test_random_workload_never_exceeds_capacity(tmp_path, redis_server):

@@ -20,7 +20,6 @@ from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.request import Request
 from chatstore.engine.runner import ModelRunner
 from chatstore.store import AttentionStore, StoreConnector, StoreSettings
-from chatstore.store.redis_server import start_local_redis
 from tests.conftest import chat_ids
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -104,13 +103,6 @@ def reference(default_model):
         turns.append(engine.turn(prompt, session=None))
         replies.append(turns[-1].output)
     return turns
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = start_local_redis()
-    yield server.url
-    server.stop()
 
 
 def make_store(model, data_dir: Path, tier: str, redis_url: str = "") -> AttentionStore:

@@ -7,14 +7,12 @@ import time
 from collections import deque
 
 import pytest
-import redis as redis_lib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from chatstore.store import codec
 from chatstore.store.dram_tier import DramTier, KVLayout
 from chatstore.store.lmdb_tier import LmdbTier, encoded_footprint
-from chatstore.store.redis_server import start_local_redis
 from chatstore.store.redis_tier import RedisTier
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.tier import TierFull
@@ -28,21 +26,6 @@ def value(num_tokens: int, seed: int = 0) -> SessionKV:
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn((2, 2, num_tokens, 2, 4), generator=g)
     return SessionKV([seed * 1000 + i for i in range(num_tokens)], kv)
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = start_local_redis()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis_client(redis_server):
-    client = redis_lib.Redis.from_url(redis_server.url)
-    client.flushall()
-    yield client
-    client.close()
 
 
 def make_tier(kind: str, capacity: int, path, client=None, fingerprint: str = "fp"):

@@ -199,6 +199,7 @@ class AttentionStore:
         key = self.key(tenant, session_id)
         pending = self.writer.peek(key)
         if isinstance(pending, SessionKV):
+            self.hierarchy.count_pending_hit(key, pending)
             return pending
         self.writer.wait(key, WAIT_SAVED_S)
         record = self.records._load(key)

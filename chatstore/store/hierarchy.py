@@ -410,6 +410,12 @@ class TierHierarchy:
         self._move_up(read.level, read.key, read.value, "promoted", parked)
         return _Done(read.value)
 
+    def count_pending_hit(self, key: SessionKey, value: SessionKV) -> None:
+        """A lookup served a turn still in the write buffer: counted as a hit of the top tier,
+        where that turn is about to land (hit rates by tier keep adding up to the total)."""
+        with self._lock:
+            self._hit(key, self.tiers[0].name, value)
+
     def _hit(self, key: SessionKey, tier: str, value: SessionKV) -> None:
         self.counters.tier(tier).hits += 1
         self._emit("hit", key, tier, value.nbytes)
