@@ -10,15 +10,14 @@ another model or dtype is never reused. Sessions found at open are served again 
 
 Threads: the hierarchy writes and deletes from one thread at a time (its I/O lock) while other
 threads read, outside any lock of the hierarchy. LMDB itself allows that (MVCC readers, one
-writer); the in-memory index and its byte total are guarded by a small lock of their own, so
-`used_bytes`, `keys` and `contains` are cheap and safe from any thread.
+writer); the in-memory index is a FootprintIndex, so `used_bytes`, `keys` and `contains` are
+cheap and safe from any thread.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-import threading
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import lmdb
 from chatstore.store import codec
 from chatstore.store.keys import key_digest
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.tier import StorageTier, TierFull
+from chatstore.store.tier import FootprintIndex, StorageTier, TierFull
 
 _HEADER_SLACK = 512  # bytes of codec header counted per value
 
@@ -58,9 +57,7 @@ class LmdbTier(StorageTier):
         self._meta = self.env.open_db(b"meta")
         self._chunks = self.env.open_db(b"chunks")
         self._info = self.env.open_db(b"info")
-        self._index: dict[SessionKey, tuple[bytes, int]] = {}  # key -> (digest, footprint)
-        self._used = 0  # sum of the index's footprints
-        self._index_lock = threading.Lock()
+        self._index = FootprintIndex()
         self._open_for_model()
 
     def _open_for_model(self) -> None:
@@ -70,23 +67,10 @@ class LmdbTier(StorageTier):
                 txn.drop(self._meta, delete=False)
                 txn.drop(self._chunks, delete=False)
             txn.put(b"fingerprint", self.fingerprint.encode(), db=self._info)
-            for digest, raw in txn.cursor(db=self._meta):
+            for raw in txn.cursor(db=self._meta).iternext(keys=False, values=True):
                 meta = json.loads(raw)
                 key = SessionKey(meta["tenant"], meta["session_id"])
-                self._set_index(key, bytes(digest), int(meta["footprint"]))
-
-    def _set_index(self, key: SessionKey, digest: bytes, footprint: int) -> None:
-        with self._index_lock:
-            old = self._index.get(key)
-            self._used += footprint - (old[1] if old else 0)
-            self._index[key] = (digest, footprint)
-
-    def _pop_index(self, key: SessionKey) -> tuple[bytes, int] | None:
-        with self._index_lock:
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                self._used -= entry[1]
-            return entry
+                self._index.set(key, int(meta["footprint"]))
 
     @property
     def capacity(self) -> int:
@@ -97,7 +81,7 @@ class LmdbTier(StorageTier):
 
     def put(self, key: SessionKey, value: SessionKV) -> None:
         need = self.check_fits(key, value)
-        digest = key_digest(key).encode()
+        digest = _digest(key)
         chunks = codec.encode_chunks(value, self.fingerprint, self.chunk_bytes)
         meta = {
             "tenant": key.tenant,
@@ -114,17 +98,16 @@ class LmdbTier(StorageTier):
                 txn.put(digest, json.dumps(meta).encode(), db=self._meta)
         except lmdb.MapFullError as exc:
             raise TierFull(f"LMDB map full: {exc}") from exc
-        self._set_index(key, digest, need)
+        self._index.set(key, need)
 
     def get(self, key: SessionKey) -> SessionKV | None:
-        entry = self._index.get(key)
-        if entry is None:
+        if key not in self._index:
             return None
-        digest = entry[0]
+        digest = _digest(key)
         with self.env.begin() as txn:
             raw = txn.get(digest, db=self._meta)
             if raw is None:
-                self._pop_index(key)
+                self._index.pop(key)
                 return None
             n = int(json.loads(raw)["chunks"])
             chunks = [txn.get(_chunk_key(digest, i), db=self._chunks) for i in range(n)]
@@ -137,11 +120,10 @@ class LmdbTier(StorageTier):
             raise
 
     def delete(self, key: SessionKey) -> bool:
-        entry = self._pop_index(key)
-        if entry is None:
+        if not self._index.pop(key):
             return False
         with self.env.begin(write=True) as txn:
-            self._delete_in(txn, entry[0])
+            self._delete_in(txn, _digest(key))
         return True
 
     def _delete_in(self, txn: lmdb.Transaction, digest: bytes) -> None:
@@ -156,31 +138,33 @@ class LmdbTier(StorageTier):
         return key in self._index
 
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.total
 
     def keys(self) -> list[SessionKey]:
-        with self._index_lock:
-            return list(self._index)
+        return self._index.keys()
 
     def size_of(self, key: SessionKey) -> int:
-        entry = self._index.get(key)
-        return entry[1] if entry else 0
+        return self._index.size_of(key)
 
     def raw_chunk(self, key: SessionKey, index: int = 0) -> bytes | None:
         """One stored chunk as bytes (tests and tools: inspect or damage a value)."""
-        digest = self._index[key][0]
+        digest = _digest(key)
         with self.env.begin() as txn:
             value = txn.get(_chunk_key(digest, index), db=self._chunks)
         return bytes(value) if value is not None else None
 
     def write_raw_chunk(self, key: SessionKey, index: int, data: bytes) -> None:
-        digest = self._index[key][0]
+        digest = _digest(key)
         with self.env.begin(write=True) as txn:
             txn.put(_chunk_key(digest, index), data, db=self._chunks)
 
     def close(self) -> None:
         self.env.sync(True)
         self.env.close()
+
+
+def _digest(key: SessionKey) -> bytes:
+    return key_digest(key).encode()
 
 
 def _chunk_key(digest: bytes, index: int) -> bytes:

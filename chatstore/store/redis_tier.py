@@ -7,21 +7,20 @@ Every key has the session TTL. Chunks are written before meta in one MULTI/EXEC,
 that finds a chunk missing (expired, evicted by Redis) treats the value as a miss. Occupancy is
 this process's view of what it wrote (rebuilt by SCAN at start), bounded by `capacity_bytes`.
 
-Threads: the client is thread-safe (a connection pool); the local index and its byte total are
-guarded by a small lock, so reads from one thread and writes from another may overlap.
+Threads: the client is thread-safe (a connection pool) and the local index is a FootprintIndex,
+so reads from one thread and writes from another may overlap.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 from chatstore.store import codec
 from chatstore.store.keys import key_digest, redis_prefix
 from chatstore.store.lmdb_tier import encoded_footprint
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.tier import StorageTier
+from chatstore.store.tier import FootprintIndex, StorageTier
 
 NAMESPACE = "chatstore:kv"
 
@@ -47,9 +46,7 @@ class RedisTier(StorageTier):
         self.ttl_s = ttl_s
         self.chunk_bytes = chunk_bytes
         self._capacity = capacity_bytes
-        self._index: dict[SessionKey, int] = {}
-        self._used = 0  # sum of the index's footprints
-        self._index_lock = threading.Lock()
+        self._index = FootprintIndex()
         self._rebuild_index()
 
     def _base(self, key: SessionKey) -> str:
@@ -62,19 +59,7 @@ class RedisTier(StorageTier):
             if raw is not None:
                 meta = json.loads(raw)
                 key = SessionKey(meta["tenant"], meta["session_id"])
-                self._set_index(key, int(meta["footprint"]))
-
-    def _set_index(self, key: SessionKey, footprint: int) -> None:
-        with self._index_lock:
-            self._used += footprint - self._index.get(key, 0)
-            self._index[key] = footprint
-
-    def _pop_index(self, key: SessionKey) -> bool:
-        with self._index_lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
-            return size is not None
+                self._index.set(key, int(meta["footprint"]))
 
     @property
     def capacity(self) -> int:
@@ -98,7 +83,7 @@ class RedisTier(StorageTier):
                 pipe.set(f"{base}:c:{i}", chunk, ex=ttl)
             pipe.set(f"{base}:meta", json.dumps(meta), ex=ttl)
             pipe.execute()
-        self._set_index(key, need)
+        self._index.set(key, need)
 
     def _chunk_count(self, base: str) -> int:
         raw = self.client.get(f"{base}:meta")
@@ -108,7 +93,7 @@ class RedisTier(StorageTier):
         base = self._base(key)
         n = self._chunk_count(base)
         if n == 0:
-            self._pop_index(key)
+            self._index.pop(key)
             return None
         chunks = self.client.mget([f"{base}:c:{i}" for i in range(n)])
         if any(c is None for c in chunks):
@@ -124,23 +109,22 @@ class RedisTier(StorageTier):
         base = self._base(key)
         n = self._chunk_count(base)
         self.client.delete(f"{base}:meta", *[f"{base}:c:{i}" for i in range(n)])
-        return self._pop_index(key) or n > 0
+        return self._index.pop(key) or n > 0
 
     def contains(self, key: SessionKey) -> bool:
         if self.client.exists(f"{self._base(key)}:meta"):
             return True
-        self._pop_index(key)
+        self._index.pop(key)
         return False
 
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.total
 
     def keys(self) -> list[SessionKey]:
-        with self._index_lock:
-            return list(self._index)
+        return self._index.keys()
 
     def size_of(self, key: SessionKey) -> int:
-        return self._index.get(key, 0)
+        return self._index.size_of(key)
 
     def close(self) -> None:
         self.client.close()

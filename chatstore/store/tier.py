@@ -13,6 +13,7 @@ from one thread at a time, while other threads may read. Such a tier keeps `cont
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -29,6 +30,46 @@ class TierOccupancy:
     used_bytes: int
     capacity_bytes: int
     num_sessions: int
+
+
+class FootprintIndex:
+    """What a slow tier holds, kept in memory: key -> footprint, and their total.
+
+    One thread writes the tier (the hierarchy's I/O lock) while others read its occupancy, so
+    the map and the total change together under a small lock of their own; `used_bytes`,
+    `keys`, `contains` and `size_of` then cost no I/O and are safe from any thread."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[SessionKey, int] = {}
+        self._total = 0
+        self._lock = threading.Lock()
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    def set(self, key: SessionKey, footprint: int) -> None:
+        with self._lock:
+            self._total += footprint - self._sizes.get(key, 0)
+            self._sizes[key] = footprint
+
+    def pop(self, key: SessionKey) -> bool:
+        """Forget key; whether it was there."""
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._total -= size
+            return size is not None
+
+    def size_of(self, key: SessionKey) -> int:
+        return self._sizes.get(key, 0)
+
+    def keys(self) -> list[SessionKey]:
+        with self._lock:
+            return list(self._sizes)
+
+    def __contains__(self, key: SessionKey) -> bool:
+        return key in self._sizes
 
 
 class StorageTier(ABC):
