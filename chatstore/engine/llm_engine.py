@@ -8,6 +8,7 @@ block and connector call is handled by one thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -104,20 +105,7 @@ class LLMEngine:
 
     def _load_stats(self) -> dict[str, float | int]:
         load_stats = getattr(self.connector, "load_stats", None)
-        if load_stats is None:
-            return {}
-        s = load_stats()
-        return {
-            "kv_loads": s.loads,
-            "kv_layerwise_loads": s.layerwise_loads,
-            "kv_load_wait_s": round(s.load_wait_s, 6),
-            "kv_load_copy_s": round(s.load_copy_s, 6),
-            "read_buffer_layers": s.read_buffer_layers,
-            "read_buffer_staged": s.read_buffer_staged,
-            "read_buffer_hits": s.read_buffer_hits,
-            "read_buffer_layers_used": s.read_buffer_layers_used,
-            "read_buffer_bytes": s.read_buffer_bytes,
-        }
+        return dataclasses.asdict(load_stats()) if load_stats is not None else {}
 
     # -- the model thread ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

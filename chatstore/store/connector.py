@@ -50,8 +50,6 @@ from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 
 log = logging.getLogger(__name__)
 
-STAGE_AHEAD = 4  # queued requests whose sessions the read buffer stages (soonest first)
-
 
 @dataclass
 class _Pending:
@@ -63,12 +61,12 @@ class _Pending:
 
 @dataclass(frozen=True)
 class LoadStats:
-    """What layer-wise pre-load did (EngineStats and /admin/cache show it)."""
+    """What loading history KV did; the names are EngineStats' (and /admin/cache's)."""
 
-    loads: int  # history loads into the pool (sync and layer-wise)
-    layerwise_loads: int
-    load_wait_s: float  # time the forward blocked waiting for a layer's copy
-    load_copy_s: float  # loader time spent copying into the pool
+    kv_loads: int  # history loads into the pool (sync and layer-wise)
+    kv_layerwise_loads: int
+    kv_load_wait_s: float  # time the forward blocked waiting for a layer's copy
+    kv_load_copy_s: float  # loader time spent copying into the pool
     read_buffer_layers: int
     read_buffer_staged: int  # sessions looked up and staged ahead of their job
     read_buffer_hits: int  # loads that found their session in the read buffer
@@ -113,20 +111,16 @@ class StoreConnector:
         self.staged_layers_used = 0
 
     @property
-    def layer_delay_s(self) -> float:
-        return self.loader.layer_delay_s
-
-    @property
     def load_copy_s(self) -> float:
         return self.loader.copy_s
 
     def load_stats(self) -> LoadStats:
         buffer = self.read_buffer
         return LoadStats(
-            loads=self.loads,
-            layerwise_loads=self.loads_started,
-            load_wait_s=self.load_wait_s,
-            load_copy_s=self.loader.copy_s,
+            kv_loads=self.loads,
+            kv_layerwise_loads=self.loads_started,
+            kv_load_wait_s=round(self.load_wait_s, 6),
+            kv_load_copy_s=round(self.loader.copy_s, 6),
             read_buffer_layers=buffer.layers,
             read_buffer_staged=buffer.staged,
             read_buffer_hits=buffer.claimed,
@@ -240,7 +234,7 @@ class StoreConnector:
         """The requests queued next (soonest first): stage their sessions in the read buffer."""
         if not (self.read_buffer.enabled and self.stage_queued):
             return
-        for request in upcoming[:STAGE_AHEAD]:
+        for request in upcoming:
             if request.session_id is not None and request.request_id not in self._pending:
                 self.stage(request.tenant, request.session_id)
 
