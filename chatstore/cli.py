@@ -7,14 +7,16 @@ import sys
 import time
 from collections.abc import Sequence
 
-from chatstore.config import load_config
+from chatstore.config import DTYPE_CHOICES, load_config
 from chatstore.model.errors import ModelLoadError
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (defaults: config/default.toml)")
     p.add_argument("--model", help="'default' (embedded SmolLM2-135M-Instruct) or a HF model dir")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, help="compute dtype (auto: bf16 where it is fast)"
+    )
     p.add_argument("--device", help="cpu, cuda or cuda:N")
     p.add_argument("--block-size", type=int, dest="block_size")
     p.add_argument("--kv-cache-bytes", type=int, dest="kv_cache_bytes")

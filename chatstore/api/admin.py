@@ -33,6 +33,8 @@ def engine_body(service: ChatService) -> dict[str, Any]:
     total, free = stats.get("num_blocks"), stats.get("free_blocks")
     if isinstance(total, int) and isinstance(free, int) and total:
         stats["block_usage"] = round((total - free) / total, 4)
+    # The resolved compute dtype: `dtype = "auto"` picks it per machine.
+    stats["dtype"] = str(service.engine.model.dtype).removeprefix("torch.")
     return stats
 
 

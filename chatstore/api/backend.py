@@ -8,6 +8,7 @@ store.set_waiting_queue(engine's waiting sessions)  look-ahead for eviction and 
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 from chatstore.api.app import Backend
 from chatstore.api.chat_template import ChatTemplate
 from chatstore.api.store_adapter import StoreAdapter
+
+log = logging.getLogger("chatstore")
 
 
 def build_backend(config: Any, runtime: Any = None) -> Backend:
@@ -26,6 +29,12 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
 
     runtime = runtime or create_runtime(config)
     model = runtime.model
+    log.info(
+        "compute dtype %s (dtype = %s), KV storage dtype %s",
+        str(model.dtype).removeprefix("torch."),
+        config.dtype,
+        str(config.storage_torch_dtype).removeprefix("torch."),
+    )
     store = create_store(config, model.spec, model.fingerprint)
     connector = create_connector(
         store,

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from chatstore.config import DTYPES, Config
+from chatstore.config import Config
 from chatstore.model.spec import ModelSpec
 from chatstore.store.decoupled import plan_truncation
 from chatstore.store.dram_tier import DramTier, KVLayout
@@ -84,7 +84,7 @@ class StoreSettings:
             ssd_bytes=config.ssd_bytes,
             redis_url=config.redis_url,
             redis_bytes=config.redis_bytes,
-            storage_dtype=DTYPES[config.kv_storage_dtype],
+            storage_dtype=config.storage_torch_dtype,
             session_ttl_s=config.session_ttl_s,
             max_context_tokens=config.max_context_tokens,
             truncation_ratio=config.truncation_ratio,
