@@ -27,7 +27,9 @@ import torch  # noqa: F401  (loads torch's libgomp.so.1 before ours is linked to
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).resolve().parent / "csrc" / "paged_decode.c",)
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "fused_ops.c")
+HEADERS = (CSRC / "common.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 BUILD_TIMEOUT_S = 120
 _OFF = ("0", "false", "no", "off")
@@ -36,6 +38,17 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # int paged_decode(dtype, q, k, v, tables, table_width, ctx_lens, S, Hq, Hkv, D, B, scale, out, n)
 PAGED_DECODE_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
 PAGED_DECODE_ARGTYPES += [_i64] * 5 + [ctypes.c_float, _ptr, ctypes.c_int]
+# int paged_prefill(dtype, q, k, v, tables, table_width, q_start, q_len, ctx_len, S, Hq, Hkv, D,
+#                   B, scale, out, n)
+PAGED_PREFILL_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
+PAGED_PREFILL_ARGTYPES += [_i64] * 5 + [ctypes.c_float, _ptr, ctypes.c_int]
+# The fused element-wise ops of fused_ops.c: (name, argtypes); all return void.
+FUSED_ARGTYPES = {
+    "rms_norm": [ctypes.c_int, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float],
+    "add_rms_norm": [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float],
+    "rope_store_kv": [ctypes.c_int, *[_ptr] * 7, _i64, _i64, _i64, _i64],
+    "silu_mul": [ctypes.c_int, _ptr, _ptr, _i64, _i64],
+}
 
 
 def cache_dir() -> Path:
@@ -61,7 +74,7 @@ def _cpu_identity() -> str:
 
 def _build_key() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     version = subprocess.run(
@@ -101,6 +114,12 @@ def native_library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(build()))
         lib.paged_decode.argtypes = PAGED_DECODE_ARGTYPES
         lib.paged_decode.restype = ctypes.c_int
+        lib.paged_prefill.argtypes = PAGED_PREFILL_ARGTYPES
+        lib.paged_prefill.restype = ctypes.c_int
+        for name, argtypes in FUSED_ARGTYPES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = None
     except Exception as exc:
         log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
         return None

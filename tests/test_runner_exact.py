@@ -14,6 +14,11 @@ from chatstore.model.spec import ModelSpec
 from tests.conftest import TINY_ARCHS, chat_ids, tiny_hf_model
 
 TOL = 1e-4
+# The fast path (prepacked oneDNN GEMMs, fused native kernels, paged attention) sums in another
+# order than transformers' ops, so on the 30-layer real model its fp32 logits differ by rounding
+# alone: measured 1.4e-4 from transformers fp32 (logits up to ~30), while transformers fp32 itself
+# is 7.6e-5 from a float64 run of the same weights. The reference path still meets TOL exactly.
+FAST_TOL_REAL_MODEL = 3e-4
 
 
 def make_runner(hf_model, num_blocks: int = 64, block_size: int = 16, attention: str = "auto"):
@@ -110,12 +115,29 @@ def test_shuffled_block_ids_do_not_matter() -> None:
 
 
 @pytest.mark.model
-def test_default_model_logits_match_transformers(default_model) -> None:
-    runner, pool = make_runner(default_model.hf_model, num_blocks=64)
+@pytest.mark.parametrize(("attention", "tol"), [("reference", TOL), ("auto", FAST_TOL_REAL_MODEL)])
+def test_default_model_logits_match_transformers(default_model, attention: str, tol: float) -> None:
+    runner, pool = make_runner(default_model.hf_model, num_blocks=64, attention=attention)
     messages = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
     ids = chat_ids(default_model.tokenizer, messages)
     ours = full_logits(runner, pool, ids)
-    assert (ours - hf_logits(default_model.hf_model, ids)).abs().max().item() <= TOL
+    assert (ours - hf_logits(default_model.hf_model, ids)).abs().max().item() <= tol
+
+
+@pytest.mark.model
+def test_default_model_fast_path_is_as_close_to_float64_as_transformers(default_model) -> None:
+    """The fast path's distance from the exact (float64) answer is rounding, like transformers'."""
+    import copy
+
+    runner, pool = make_runner(default_model.hf_model, num_blocks=64)
+    ids = chat_ids(default_model.tokenizer, [{"role": "user", "content": "Name three rivers."}])
+    ours = full_logits(runner, pool, ids).double()
+    ref32 = hf_logits(default_model.hf_model, ids).double()
+    exact = copy.deepcopy(default_model.hf_model).double()
+    with torch.no_grad():
+        ref64 = exact(torch.tensor([ids])).logits[0]
+    hf_error = (ref32 - ref64).abs().max().item()
+    assert (ours - ref64).abs().max().item() <= max(4 * hf_error, 1e-4)
 
 
 # Prompts with long answers, so all 64 tokens are compared (generate stops at EOS).
@@ -146,3 +168,38 @@ def test_default_model_greedy_64_tokens_match_generate(default_model, prompt: st
     assert len(ref) == 64
     assert ours == ref
     assert pool.num_free == pool.num_blocks
+
+
+def _ragged_steps(runner, pool, vocab: int) -> list[torch.Tensor]:
+    """Logits of a history prefill, a fresh prompt and a decode token run as one batch."""
+    bs = runner.kv_cache.block_size
+    gen = torch.Generator().manual_seed(9)
+    hist = torch.randint(0, vocab, (39,), generator=gen).tolist()
+    fresh = torch.randint(0, vocab, (13,), generator=gen).tolist()
+    dec = torch.randint(0, vocab, (21,), generator=gen).tolist()
+    ta, tb, tc = pool.allocate(5), pool.allocate(2), pool.allocate(3)
+    first = [SequenceChunk(hist[:30], 0, ta), SequenceChunk(dec[:20], 0, tc)]
+    out = [runner.forward(ForwardBatch.build(first, bs, all_logits=True))]
+    mixed = [
+        SequenceChunk(hist[30:], 30, ta),  # 9 new tokens on 30 pooled
+        SequenceChunk(fresh, 0, tb),  # a fresh prompt
+        SequenceChunk(dec[20:], 20, tc),  # a decode token
+    ]
+    out.append(runner.forward(ForwardBatch.build(mixed, bs, all_logits=True)))
+    return out
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_equals_reference_on_ragged_batches(arch: str, dtype: torch.dtype) -> None:
+    """Packed linears, fused ops and the paged-prefill kernel against the reference path."""
+    model = tiny_hf_model(arch, seed=5, head_dim=16).to(dtype)
+    spec = ModelSpec.from_hf_config(model.config)
+    results = []
+    for attention in ("auto", "reference"):
+        kv = PagedKVCache(spec, 16, 8, dtype=dtype)
+        runner = ModelRunner(model, spec, kv, attention)
+        results.append(_ragged_steps(runner, BlockPool(16), model.config.vocab_size))
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
+    for fast, ref in zip(*results, strict=True):
+        torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)

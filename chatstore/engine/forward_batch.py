@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from chatstore.kernels.paged_decode import DecodePlan, make_decode_plan
+from chatstore.kernels.paged_prefill import PrefillPlan, make_prefill_plan
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,22 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # rows of the hidden state that get logits
     block_size: int
     decode_plan: DecodePlan | None = field(default=None)
+    # Sequence layout for the paged-prefill kernel, made on first use (not needed for decode).
+    _prefill_plan: PrefillPlan | None = field(default=None, repr=False)
     # Who each sequence is (chunk order), so a KV sink can attribute rows to requests.
     request_ids: list[str] | None = field(default=None)
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    @property
+    def prefill_plan(self) -> PrefillPlan:
+        if self._prefill_plan is None:
+            self._prefill_plan = make_prefill_plan(
+                self.block_tables, self.query_lens, self.context_lens
+            )
+        return self._prefill_plan
 
     @property
     def is_decode(self) -> bool:

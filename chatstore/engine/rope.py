@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from chatstore.kernels.fused_ops import rotate
 from chatstore.model.errors import ModelLoadError
 
 # Rope types whose frequencies depend on the sequence length cannot be precomputed once.
@@ -47,6 +48,4 @@ class RotaryEmbedding:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D] rotated by the angles in cos, sin [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return rotate(x, cos, sin)

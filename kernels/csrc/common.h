@@ -1,0 +1,67 @@
+/* Helpers shared by the native CPU kernels: bf16 <-> fp32 and a vectorisable exp. */
+#ifndef CHATSTORE_COMMON_H
+#define CHATSTORE_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch does; NaN stays NaN. */
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* f rounded to bf16 and back: what a bf16 tensor would hold. */
+INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* exp(x), branch-free so that gcc vectorises it: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
+ * degree-7 Taylor polynomial (relative error < 2e-7), 2^n by exponent bits. x is clamped to
+ * [-87, 88]: below, the result is 0; above, the largest finite power it reaches. */
+INLINE float exp_f32(float x) {
+    const float xc = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    /* Round to nearest by the 1.5 * 2^23 trick: vectorises, unlike roundf. */
+    const float n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    const float r = xc - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.f ? 0.f : p * scale;
+}
+
+INLINE float load_elem(int dtype, const void* base, int64_t i) {
+    return dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t*)base)[i]) : ((const float*)base)[i];
+}
+
+INLINE void store_elem(int dtype, void* base, int64_t i, float f) {
+    if (dtype == DTYPE_BF16)
+        ((uint16_t*)base)[i] = f32_to_bf16(f);
+    else
+        ((float*)base)[i] = f;
+}
+
+/* A value as the tensor's dtype holds it (bf16 rounding; fp32 unchanged). */
+INLINE float as_dtype(int dtype, float f) { return dtype == DTYPE_BF16 ? round_bf16(f) : f; }
+
+#endif

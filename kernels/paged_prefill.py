@@ -1,0 +1,118 @@
+"""Causal attention of any batch of new tokens over a paged KV cache, read in place.
+
+The general case of the step: fresh prompts, new turns on top of pooled history (the store's
+main path) and single decode tokens, in one call. The native kernel
+(`csrc/paged_prefill.c`, CPU, fp32/bf16) reads each sequence's K, V blocks where they lie, in
+chunks of one block, with an online softmax; chunks past a tile's last position are never read,
+so history prefill costs what its causal attention costs and no history is copied. Elsewhere (no
+compiler, CUDA, a head dim that is not a multiple of 16) the gather-and-SDPA reference runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chatstore.kernels.native import native_library
+from chatstore.kernels.paged_attention import paged_attention_reference
+
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Per-step sequence layout, built once and shared by every layer."""
+
+    block_tables: torch.Tensor  # [S, W] int64, padded with 0
+    q_start: torch.Tensor  # [S] int64: first row of each sequence in q
+    query_lens: torch.Tensor  # [S] int64
+    context_lens: torch.Tensor  # [S] int64
+    query_len_list: list[int]
+    context_len_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_len_list)
+
+
+def make_prefill_plan(
+    block_tables: torch.Tensor, query_lens: list[int], context_lens: list[int]
+) -> PrefillPlan:
+    starts, total = [], 0
+    for n in query_lens:
+        starts.append(total)
+        total += n
+    device = block_tables.device
+    return PrefillPlan(
+        block_tables=block_tables.to(torch.long).contiguous(),
+        q_start=torch.tensor(starts, dtype=torch.long, device=device),
+        query_lens=torch.tensor(query_lens, dtype=torch.long, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
+        query_len_list=list(query_lens),
+        context_len_list=list(context_lens),
+    )
+
+
+def native_prefill_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _NATIVE_DTYPES
+        and k_cache.dtype == q.dtype == v_cache.dtype
+        and q.shape[-1] % 16 == 0
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and native_library() is not None
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+) -> torch.Tensor:
+    """q [T, Hq, D] (the step's new tokens, their K, V already in the pool) -> [T, Hq, D]."""
+    if native_prefill_applies(q, k_cache, v_cache):
+        return paged_prefill_native(q, k_cache, v_cache, plan, scale)
+    return paged_attention_reference(
+        q,
+        k_cache,
+        v_cache,
+        plan.block_tables,
+        plan.query_len_list,
+        plan.context_len_list,
+        scale,
+    )
+
+
+def paged_prefill_native(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+) -> torch.Tensor:
+    lib = native_library()
+    if lib is None:
+        raise RuntimeError("native kernels are not available")
+    q = q.contiguous()
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    tables = plan.block_tables
+    rc = lib.paged_prefill(
+        _NATIVE_DTYPES[q.dtype],
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        plan.q_start.data_ptr(),
+        plan.query_lens.data_ptr(),
+        plan.context_lens.data_ptr(),
+        plan.num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("paged_prefill: cannot allocate the kernel's scratch buffers")
+    return out

@@ -1,0 +1,98 @@
+"""The paged-prefill kernel (native C) against the gather-and-SDPA reference.
+
+Ragged batches that mix fresh prompts, new tokens on top of pooled history and single decode
+tokens; block sizes that do and do not divide the kernel's 16-key chunks; GQA groups; head dims
+the kernel specialises (64, 128) and a generic one; shuffled block ids with NaN in every slot no
+sequence owns, so a read outside a sequence's blocks or past a query's position shows up.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from chatstore.kernels.native import native_library
+from chatstore.kernels.paged_attention import paged_attention_reference
+from chatstore.kernels.paged_prefill import make_prefill_plan, paged_prefill, paged_prefill_native
+
+pytestmark = pytest.mark.skipif(native_library() is None, reason="no native kernels (no gcc?)")
+
+# (query_len, context_len): decode rows, fresh prompts, history prefill, boundaries.
+MIXED = [(1, 1), (7, 7), (1, 40), (5, 37), (33, 33), (16, 64), (1, 17), (40, 100)]
+
+
+def _case(seqs, hq, hkv, head_dim, block, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    needed = [(c + block - 1) // block for _, c in seqs]
+    num_blocks = 2 * sum(needed) + 5
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, start = [], 0
+    for n in needed:
+        tables.append(ids[start : start + n + 1])  # a spare trailing block, as the engine has
+        start += n + 1
+    shape = (num_blocks, block, hkv, head_dim)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    for table, (_, ctx) in zip(tables, seqs, strict=True):
+        for p in range(ctx):
+            k_cache[table[p // block], p % block] = torch.randn(hkv, head_dim, generator=gen)
+            v_cache[table[p // block], p % block] = torch.randn(hkv, head_dim, generator=gen)
+    total = sum(q for q, _ in seqs)
+    q = torch.randn(total, hq, head_dim, generator=gen)
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), padded
+
+
+def _reference(q, k_cache, v_cache, tables, seqs, scale):
+    return paged_attention_reference(
+        q.float(),
+        torch.nan_to_num(k_cache.float()),  # the reference gathers whole blocks: no NaN there
+        torch.nan_to_num(v_cache.float()),
+        tables,
+        [n for n, _ in seqs],
+        [c for _, c in seqs],
+        scale,
+    )
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("block", [4, 16, 24, 32])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_mixed_batch_matches_reference(hq, hkv, block, head_dim):
+    q, k_cache, v_cache, tables = _case(MIXED, hq, hkv, head_dim, block, torch.float32, seed=block)
+    plan = make_prefill_plan(tables, [n for n, _ in MIXED], [c for _, c in MIXED])
+    out = paged_prefill_native(q, k_cache, v_cache, plan, head_dim**-0.5)
+    ref = _reference(q, k_cache, v_cache, tables, MIXED, head_dim**-0.5)
+    assert out.shape == q.shape and not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_long_history_prefill_matches_reference():
+    seqs = [(100, 1100), (1, 700), (64, 64)]
+    q, k_cache, v_cache, tables = _case(seqs, 9, 3, 64, 16, torch.float32, seed=5)
+    plan = make_prefill_plan(tables, [n for n, _ in seqs], [c for _, c in seqs])
+    out = paged_prefill_native(q, k_cache, v_cache, plan, 0.125)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, seqs, 0.125))
+
+
+def test_bf16_matches_reference_within_bf16_resolution():
+    q, k_cache, v_cache, tables = _case(MIXED, 9, 3, 64, 16, torch.bfloat16, seed=2)
+    plan = make_prefill_plan(tables, [n for n, _ in MIXED], [c for _, c in MIXED])
+    out = paged_prefill(q, k_cache, v_cache, plan, 0.125)
+    assert out.dtype == torch.bfloat16
+    ref = _reference(q, k_cache, v_cache, tables, MIXED, 0.125)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_head_dim_not_multiple_of_16_takes_the_reference_path():
+    seqs = [(3, 10)]
+    q, k_cache, v_cache, tables = _case(seqs, 4, 2, 8, 4, torch.float32)
+    k_cache, v_cache = torch.nan_to_num(k_cache), torch.nan_to_num(v_cache)
+    plan = make_prefill_plan(tables, [3], [10])
+    out = paged_prefill(q, k_cache, v_cache, plan, 0.3)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, seqs, 0.3))
