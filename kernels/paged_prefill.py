@@ -54,15 +54,22 @@ def make_prefill_plan(
     )
 
 
+def native_prefill_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether the native kernel serves a model of this dtype, device and head size."""
+    return (
+        device.type == "cpu"
+        and dtype in _NATIVE_DTYPES
+        and head_dim % 16 == 0
+        and native_library() is not None
+    )
+
+
 def native_prefill_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (
-        q.device.type == "cpu"
-        and q.dtype in _NATIVE_DTYPES
+        native_prefill_supported(q.dtype, q.device, q.shape[-1])
         and k_cache.dtype == q.dtype == v_cache.dtype
-        and q.shape[-1] % 16 == 0
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
-        and native_library() is not None
     )
 
 

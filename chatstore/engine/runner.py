@@ -31,7 +31,11 @@ from chatstore.engine.rope import RotaryEmbedding
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
 from chatstore.kernels.paged_attention import attend, paged_attention_reference
 from chatstore.kernels.paged_decode import paged_decode
-from chatstore.kernels.paged_prefill import native_prefill_applies, paged_prefill
+from chatstore.kernels.paged_prefill import (
+    native_prefill_applies,
+    native_prefill_supported,
+    paged_prefill,
+)
 from chatstore.model.spec import ModelSpec
 
 # Called per layer with the pre-RoPE K and the V of the step's new tokens ([T, Hkv, D] each):
@@ -85,6 +89,9 @@ class ModelRunner:
         self.layers = [self._layer_weights(layer, pack) for layer in inner.layers]
         self.rope = RotaryEmbedding(hf_model.config, spec.head_dim, self.device)
         self.scale = spec.head_dim**-0.5
+        self._native_prefill = fast and native_prefill_supported(
+            self.dtype, self.device, spec.head_dim
+        )
 
     @staticmethod
     def _layer_weights(layer: Any, pack: bool) -> LayerWeights:
@@ -121,7 +128,10 @@ class ModelRunner:
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         cos, sin = cos[:, 0], sin[:, 0]  # [T, D]
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
-        fresh = self._fresh_sequence(batch)
+        # Attention reads the pool in place on the fast path; elsewhere it needs the step's k, v.
+        in_place = self.attention == "auto" and (
+            batch.decode_plan is not None or self._native_prefill
+        )
         for i, w in enumerate(self.layers):
             qkv = w.qkv(x)  # [T, (Hq + 2 Hkv) D]
             if kv_sink is not None:
@@ -136,7 +146,7 @@ class ModelRunner:
                 self.kv_cache.v(i),
                 hq,
                 hkv,
-                want_kv=fresh or self.attention != "auto",
+                want_kv=not in_place,
             )
             if layer_ready is not None:
                 layer_ready(i)

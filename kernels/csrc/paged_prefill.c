@@ -8,12 +8,18 @@
  *   k, v     [N, B, Hkv, D]      one layer's pool; token t of s in block tables[s][t / B]
  *   new token i of s sits at position ctx_len[s] - q_len[s] + i and sees keys 0 .. position
  *
- * A work item is (sequence, KV head, tile of up to TILE new tokens): its TILE * G query rows
- * (G = Hq / Hkv heads share the KV head) stream the keys once, in chunks of up to 16 slots of
- * one block. Per chunk: S = Q K^T by broadcast FMAs over a transposed K chunk, an online
- * softmax (running max and sum per row, flash-attention style), O += P V. Keys past a row's
- * position are masked; chunks no row of the tile can see are never read.
- * Arithmetic is fp32; bf16 K, V are widened per chunk and the output rounded once.
+ * A work item is (sequence, KV head, 16 query rows), a row being (new token i, head g of the
+ * G = Hq / Hkv that share the KV head). The 16 rows are the 16 lanes of a vector, so nothing
+ * is transposed per key: Q is transposed once per item into QT [D][16], then for each chunk of
+ * up to 16 keys of one block, read where they lie,
+ *
+ *   S[o]    = sum_d QT[d] * K[o][d]          (a lane-wise FMA with K[o][d] broadcast)
+ *   m, l    running max and sum per lane     (flash attention's online softmax, lane-wise)
+ *   OT[d]  += sum_o P[o] * V[o][d]           (V[o][d] broadcast)
+ *
+ * and the softmax needs no horizontal operation at all. Keys past a lane's position are
+ * masked; a chunk past every lane's position is never read. Arithmetic is fp32: bf16 K, V are
+ * widened per chunk into a buffer and the output rounded once.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,28 +29,23 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
-/* The same vector at any address: fp32 V rows are read in place, 4-byte aligned. */
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
-#define TILE 32  /* new tokens per work item */
-#define CHUNK 16 /* keys per chunk: one v16 of scores */
-#define ROWS 8   /* query rows computed together: 8 independent FMA chains */
+#define LANES 16 /* query rows per work item */
+#define CHUNK 16 /* keys per chunk */
+#define QK_KEYS 8 /* keys whose scores are accumulated together: independent FMA chains */
 
-typedef struct {
-    int dtype;
-    const void *k, *v;
-    int64_t Hq, Hkv, G, D, B;
-} Pool;
+INLINE v16 splat(float x) { return (v16){0} + x; }
 
-/* exp of 16 lanes (the polynomial of exp_f32 in common.h), lanes below -87 give 0. */
+INLINE v16 select_v(i16 mask, v16 a, v16 b) { return (v16)(((i16)a & mask) | ((i16)b & ~mask)); }
+
+/* exp of 16 lanes (the polynomial of exp_f32 in common.h); lanes below -87 give 0. */
 INLINE v16 exp_v16(v16 x) {
     const i16 under = x < -87.f; /* comparisons give 0 / -1 lanes */
-    v16 xc = (v16)(((i16)x & ~under) | ((i16)((v16){0} - 87.f) & under));
-    const i16 over = xc > 88.f;
-    xc = (v16)(((i16)xc & ~over) | ((i16)((v16){0} + 88.f) & over));
+    v16 xc = select_v(under, splat(-87.f), x);
+    xc = select_v(xc > 88.f, splat(88.f), xc);
     const v16 n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
     const v16 r = xc - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    v16 p = (v16){0} + 1.f / 5040.f;
+    v16 p = splat(1.f / 5040.f);
     p = p * r + 1.f / 720.f;
     p = p * r + 1.f / 120.f;
     p = p * r + 1.f / 24.f;
@@ -56,84 +57,62 @@ INLINE v16 exp_v16(v16 x) {
     return (v16)((i16)(p * (v16)bits) & ~under);
 }
 
-/* Keys o0 .. o0 + n of one block for KV head h: K transposed into kt [D][16] (zero padded);
- * V as fp32 rows: in place for fp32 (*vstride = Hkv D), else widened into vb [16][D]. */
-static const float* load_chunk(const Pool* P, int64_t block, int64_t o0, int64_t n, int64_t h,
-                               float* kt, float* vb, int64_t* vstride) {
-    const int64_t D = P->D, row = P->Hkv * D;
-    const int64_t at = ((block * P->B + o0) * P->Hkv + h) * D;
-    if (P->dtype == DTYPE_F32) {
-        const float* k = (const float*)P->k + at;
-        for (int64_t o = 0; o < n; o++)
-            for (int64_t d = 0; d < D; d++) kt[d * CHUNK + o] = k[o * row + d];
-    } else {
-        const uint16_t* k = (const uint16_t*)P->k + at;
-        const uint16_t* v = (const uint16_t*)P->v + at;
-        for (int64_t o = 0; o < n; o++)
-            for (int64_t d = 0; d < D; d++) {
-                kt[d * CHUNK + o] = bf16_to_f32(k[o * row + d]);
-                vb[o * D + d] = bf16_to_f32(v[o * row + d]);
-            }
-    }
-    for (int64_t o = n; o < CHUNK; o++)
-        for (int64_t d = 0; d < D; d++) kt[d * CHUNK + o] = 0.f;
-    if (P->dtype == DTYPE_F32) {
-        *vstride = row;
-        return (const float*)P->v + at;
-    }
-    *vstride = D;
-    return vb;
-}
-
-/* ROWS query rows against one chunk of n keys: scores, online softmax update, P V.
- * visible[r] = how many of the chunk's keys row r may see (0 .. n); l is kept per lane. */
-INLINE void rows_chunk(const float* q, const float* kt, const float* vr, int64_t vstride,
-                       int64_t n, const int* visible, float* m, v16* l, float* acc,
+/* One chunk of n keys (rows kr + o * stride, vr + o * stride) against the item's 16 lanes. */
+INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_t stride,
+                       int64_t n, int64_t t0, i16 pos, v16* m, v16* l, float* ot,
                        const int64_t D) {
-    static const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    v16 s[ROWS];
-    for (int r = 0; r < ROWS; r++) s[r] = (v16){0};
-    for (int64_t d = 0; d < D; d++) {
-        const v16 k = *(const v16*)(kt + d * CHUNK);
-        for (int r = 0; r < ROWS; r++) s[r] += q[r * D + d] * k;
-    }
-    v16 p[ROWS];
-    float corr[ROWS];
-    for (int r = 0; r < ROWS; r++) {
-        const i16 seen = lane < visible[r];
-        const v16 x = (v16)(((i16)s[r] & seen) | ((i16)((v16){0} - INFINITY) & ~seen));
-        float mx = m[r];
-        for (int o = 0; o < CHUNK; o++) mx = x[o] > mx ? x[o] : mx;
-        if (visible[r] <= 0) { /* nothing to see: p = 0, state unchanged */
-            p[r] = (v16){0};
-            corr[r] = 1.f;
-            continue;
+    v16 s[CHUNK];
+    int64_t o = 0;
+    for (; o + QK_KEYS <= n; o += QK_KEYS) {
+        v16 acc[QK_KEYS];
+        for (int j = 0; j < QK_KEYS; j++) acc[j] = (v16){0};
+        for (int64_t d = 0; d < D; d++) {
+            const v16 q = *(const v16*)(qt + d * LANES);
+            for (int j = 0; j < QK_KEYS; j++) acc[j] += q * kr[(o + j) * stride + d];
         }
-        corr[r] = exp_f32(m[r] - mx); /* 0 on a row's first chunk (m = -inf) */
-        p[r] = (v16)((i16)exp_v16(x - mx) & seen);
-        l[r] = l[r] * corr[r] + p[r];
-        m[r] = mx;
+        for (int j = 0; j < QK_KEYS; j++) s[o + j] = acc[j];
     }
+    for (; o < n; o++) {
+        v16 acc = (v16){0};
+        for (int64_t d = 0; d < D; d++) acc += *(const v16*)(qt + d * LANES) * kr[o * stride + d];
+        s[o] = acc;
+    }
+    v16 mx = *m;
+    for (o = 0; o < n; o++) {
+        s[o] = select_v(pos >= (int32_t)(t0 + o), s[o], splat(-INFINITY));
+        mx = select_v(s[o] > mx, s[o], mx);
+    }
+    /* Lanes that have seen no key yet keep m = -inf: subtract 0 there instead (no inf - inf). */
+    const v16 base = select_v(mx == -INFINITY, (v16){0}, mx);
+    const v16 corr = exp_v16(*m - base);
+    v16 sum = (v16){0};
+    for (o = 0; o < n; o++) {
+        s[o] = exp_v16(s[o] - base);
+        sum += s[o];
+    }
+    *l = *l * corr + sum;
+    *m = mx;
     for (int64_t d = 0; d < D; d += 16) {
-        v16 a[ROWS];
-        for (int r = 0; r < ROWS; r++) a[r] = *(v16*)(acc + r * D + d) * corr[r];
-        for (int64_t o = 0; o < n; o++) {
-            const v16 vv = *(const v16u*)(vr + o * vstride + d);
-            for (int r = 0; r < ROWS; r++) a[r] += p[r][o] * vv;
+        v16 a[16];
+        for (int j = 0; j < 16; j++) a[j] = *(v16*)(ot + (d + j) * LANES) * corr;
+        for (o = 0; o < n; o++) {
+            const v16 p = s[o];
+            const float* vo = vr + o * stride + d;
+            for (int j = 0; j < 16; j++) a[j] += p * vo[j];
         }
-        for (int r = 0; r < ROWS; r++) *(v16*)(acc + r * D + d) = a[r];
+        for (int j = 0; j < 16; j++) *(v16*)(ot + (d + j) * LANES) = a[j];
     }
 }
 
-static void rows_chunk_any(const float* q, const float* kt, const float* vr, int64_t vstride,
-                           int64_t n, const int* visible, float* m, v16* l, float* acc,
+static void chunk_step_any(const float* qt, const float* kr, const float* vr, int64_t stride,
+                           int64_t n, int64_t t0, i16 pos, v16* m, v16* l, float* ot,
                            int64_t D) {
     if (D == 64)
-        rows_chunk(q, kt, vr, vstride, n, visible, m, l, acc, 64);
+        chunk_step(qt, kr, vr, stride, n, t0, pos, m, l, ot, 64);
     else if (D == 128)
-        rows_chunk(q, kt, vr, vstride, n, visible, m, l, acc, 128);
+        chunk_step(qt, kr, vr, stride, n, t0, pos, m, l, ot, 128);
     else
-        rows_chunk(q, kt, vr, vstride, n, visible, m, l, acc, D);
+        chunk_step(qt, kr, vr, stride, n, t0, pos, m, l, ot, D);
 }
 
 /* D must be a multiple of 16 (checked by the caller). Returns 0, or -1 when scratch memory
@@ -142,90 +121,92 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
                   int64_t table_width, const int64_t* q_start, const int64_t* q_len,
                   const int64_t* ctx_len, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
                   int64_t B, float scale, void* out, int nthreads) {
-    const Pool P = {dtype, k, v, Hq, Hkv, Hq / Hkv, D, B};
-    const int64_t G = P.G;
-    /* Work items: (sequence, tile) pairs, each for every KV head. */
-    int64_t* item_seq = malloc(sizeof(int64_t) * (size_t)(S + 1));
-    if (!item_seq) return -1;
-    int64_t tiles = 0;
+    const int64_t G = Hq / Hkv, row_stride = Hkv * D;
+    /* Work items: each sequence's groups of 16 rows, for every KV head. */
+    int64_t* first_group = malloc(sizeof(int64_t) * (size_t)(S + 1));
+    if (!first_group) return -1;
+    int64_t groups = 0;
     for (int64_t s = 0; s < S; s++) {
-        item_seq[s] = tiles;
-        tiles += (q_len[s] + TILE - 1) / TILE;
+        first_group[s] = groups;
+        groups += (q_len[s] * G + LANES - 1) / LANES;
     }
-    item_seq[S] = tiles;
-    const int64_t rows_max = ((TILE * G + ROWS - 1) / ROWS) * ROWS;
+    first_group[S] = groups;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        const size_t floats = (size_t)(2 * CHUNK * D + 2 * rows_max * D + 17 * rows_max);
+        /* QT and OT [D][16], then bf16 chunks widened to K and V [16][D]. */
+        const size_t floats = (size_t)(2 * D * LANES + 2 * CHUNK * D);
         float* scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         failed |= scratch == NULL;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < tiles * Hkv; item++) {
+        for (int64_t item = 0; item < groups * Hkv; item++) {
             if (!scratch) continue;
-            const int64_t tile = item / Hkv, h = item % Hkv;
-            int64_t s = 0; /* the sequence owning this tile: binary search over item_seq */
+            const int64_t group = item / Hkv, h = item % Hkv;
+            int64_t s = 0; /* the sequence owning the group: binary search over first_group */
             for (int64_t lo = 0, hi = S - 1; lo <= hi;) {
                 const int64_t mid = (lo + hi) / 2;
-                if (item_seq[mid] <= tile) { s = mid; lo = mid + 1; } else hi = mid - 1;
-            }
-            const int64_t i0 = (tile - item_seq[s]) * TILE;
-            const int64_t nt = q_len[s] - i0 < TILE ? q_len[s] - i0 : TILE;
-            const int64_t first_pos = ctx_len[s] - q_len[s] + i0;
-            const int64_t rows = nt * G, rows_pad = ((rows + ROWS - 1) / ROWS) * ROWS;
-            float* kt = scratch;
-            float* vb = kt + CHUNK * D;
-            float* qs = vb + CHUNK * D;
-            float* acc = qs + rows_max * D;
-            v16* l = (v16*)(acc + rows_max * D);
-            float* m = (float*)(l + rows_max);
-            /* Row r = (token i, head g): query head h G + g of new token i0 + i. */
-            for (int64_t r = 0; r < rows_pad; r++) {
-                m[r] = -INFINITY;
-                l[r] = (v16){0};
-                for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.f;
-                if (r < rows) {
-                    const int64_t i = r / G, g = r % G;
-                    const int64_t at = ((q_start[s] + i0 + i) * Hq + h * G + g) * D;
-                    for (int64_t d = 0; d < D; d++) qs[r * D + d] = scale * load_elem(dtype, q, at + d);
+                if (first_group[mid] <= group) {
+                    s = mid;
+                    lo = mid + 1;
                 } else {
-                    for (int64_t d = 0; d < D; d++) qs[r * D + d] = 0.f;
+                    hi = mid - 1;
                 }
             }
+            const int64_t r0 = (group - first_group[s]) * LANES;
+            const int64_t rows = q_len[s] * G - r0 < LANES ? q_len[s] * G - r0 : LANES;
+            const int64_t first_pos = ctx_len[s] - q_len[s];
+            float* qt = scratch;
+            float* ot = qt + D * LANES;
+            float* kb = ot + D * LANES;
+            float* vb = kb + CHUNK * D;
+            i16 pos;
+            int64_t last_pos = 0;
+            for (int lane = 0; lane < LANES; lane++) {
+                const int64_t r = r0 + lane, i = r / G, g = r % G;
+                pos[lane] = lane < rows ? (int32_t)(first_pos + i) : -1; /* -1: sees nothing */
+                last_pos = lane < rows ? first_pos + i : last_pos;
+                const int64_t at = ((q_start[s] + i) * Hq + h * G + g) * D;
+                for (int64_t d = 0; d < D; d++) {
+                    qt[d * LANES + lane] = lane < rows ? scale * load_elem(dtype, q, at + d) : 0.f;
+                    ot[d * LANES + lane] = 0.f;
+                }
+            }
+            v16 m = splat(-INFINITY), l = (v16){0};
             const int64_t* table = tables + s * table_width;
-            const int64_t last_pos = first_pos + nt - 1; /* no row sees past it */
             for (int64_t t0 = 0, n; t0 <= last_pos; t0 += n) {
-                const int64_t j = t0 / B, o0 = t0 % B;
+                const int64_t o0 = t0 % B;
                 n = last_pos + 1 - t0;
                 n = n < CHUNK ? n : CHUNK;
                 n = n < B - o0 ? n : B - o0; /* a chunk never crosses a block */
-                int64_t vstride;
-                const float* vr = load_chunk(&P, table[j], o0, n, h, kt, vb, &vstride);
-                for (int64_t r0 = 0; r0 < rows_pad; r0 += ROWS) {
-                    int visible[ROWS], any = 0;
-                    for (int r = 0; r < ROWS; r++) {
-                        const int64_t row = r0 + r;
-                        int64_t vis = row < rows ? first_pos + row / G + 1 - t0 : 0;
-                        vis = vis < n ? vis : n;
-                        visible[r] = vis > 0 ? (int)vis : 0;
-                        any |= visible[r];
-                    }
-                    if (!any) continue; /* causal skip: no row of the group sees this chunk */
-                    rows_chunk_any(qs + r0 * D, kt, vr, vstride, n, visible, m + r0, l + r0,
-                                   acc + r0 * D, D);
+                const int64_t at = ((table[t0 / B] * B + o0) * Hkv + h) * D;
+                const float *kr, *vr;
+                int64_t stride;
+                if (dtype == DTYPE_F32) {
+                    kr = (const float*)k + at;
+                    vr = (const float*)v + at;
+                    stride = row_stride;
+                } else {
+                    for (int64_t o = 0; o < n; o++)
+                        for (int64_t d = 0; d < D; d++) {
+                            kb[o * D + d] = bf16_to_f32(((const uint16_t*)k)[at + o * row_stride + d]);
+                            vb[o * D + d] = bf16_to_f32(((const uint16_t*)v)[at + o * row_stride + d]);
+                        }
+                    kr = kb;
+                    vr = vb;
+                    stride = D;
                 }
+                chunk_step_any(qt, kr, vr, stride, n, t0, pos, &m, &l, ot, D);
             }
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t i = r / G, g = r % G;
-                const int64_t at = ((q_start[s] + i0 + i) * Hq + h * G + g) * D;
-                float sum = 0.f;
-                for (int o = 0; o < CHUNK; o++) sum += l[r][o];
-                const float inv = 1.f / sum;
-                for (int64_t d = 0; d < D; d++) store_elem(dtype, out, at + d, acc[r * D + d] * inv);
+            for (int lane = 0; lane < rows; lane++) {
+                const int64_t r = r0 + lane, i = r / G, g = r % G;
+                const int64_t at = ((q_start[s] + i) * Hq + h * G + g) * D;
+                const float inv = 1.f / l[lane];
+                for (int64_t d = 0; d < D; d++)
+                    store_elem(dtype, out, at + d, ot[d * LANES + lane] * inv);
             }
         }
         free(scratch);
     }
-    free(item_seq);
+    free(first_group);
     return failed ? -1 : 0;
 }
