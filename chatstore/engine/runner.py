@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from chatstore.engine.forward_batch import ForwardBatch
 from chatstore.engine.kv_cache import PagedKVCache
+from chatstore.engine.host_memory import keep_freed_memory
 from chatstore.engine.linear import Linear, packing_available
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
@@ -81,6 +82,8 @@ class ModelRunner:
                 f"KV cache dtype {kv_cache.dtype} differs from model dtype {self.dtype}"
             )
         fast = attention == "auto"
+        if self.device.type == "cpu":
+            keep_freed_memory()
         pack = fast and packing_available(self.device, self.dtype)
         self.ops: NativeOps | type[TorchOps] = TorchOps
         if fast and NativeOps.applies(self.dtype, self.device, spec.head_dim):
