@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from chatstore.engine.forward_batch import ForwardBatch
-from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.host_memory import keep_freed_memory
+from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.linear import Linear, packing_available
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
