@@ -30,9 +30,11 @@
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 
-#define LANES 16 /* query rows per work item */
-#define CHUNK 16 /* keys per chunk */
-#define QK_KEYS 8 /* keys whose scores are accumulated together: independent FMA chains */
+#define NV 2                /* lane vectors per work item */
+#define LANES (16 * NV)     /* query rows per work item */
+#define CHUNK 16            /* keys per chunk */
+#define QK_KEYS 8           /* keys whose scores are accumulated together */
+#define PV_DIMS 8           /* output dims accumulated together */
 
 INLINE v16 splat(float x) { return (v16){0} + x; }
 
@@ -57,55 +59,72 @@ INLINE v16 exp_v16(v16 x) {
     return (v16)((i16)(p * (v16)bits) & ~under);
 }
 
-/* One chunk of n keys (rows kr + o * stride, vr + o * stride) against the item's 16 lanes. */
+/* One chunk of n keys (rows kr + o * stride, vr + o * stride) against the item's lanes:
+ * qt [D][NV][16], ot [D][NV][16], pos / m / l one vector per lane group. */
 INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_t stride,
-                       int64_t n, int64_t t0, i16 pos, v16* m, v16* l, float* ot,
+                       int64_t n, int64_t t0, const i16* pos, v16* m, v16* l, float* ot,
                        const int64_t D) {
-    v16 s[CHUNK];
+    v16 s[CHUNK][NV];
     int64_t o = 0;
     for (; o + QK_KEYS <= n; o += QK_KEYS) {
-        v16 acc[QK_KEYS];
-        for (int j = 0; j < QK_KEYS; j++) acc[j] = (v16){0};
+        v16 acc[QK_KEYS][NV];
+        for (int j = 0; j < QK_KEYS; j++)
+            for (int g = 0; g < NV; g++) acc[j][g] = (v16){0};
         for (int64_t d = 0; d < D; d++) {
-            const v16 q = *(const v16*)(qt + d * LANES);
-            for (int j = 0; j < QK_KEYS; j++) acc[j] += q * kr[(o + j) * stride + d];
+            v16 q[NV];
+            for (int g = 0; g < NV; g++) q[g] = *(const v16*)(qt + (d * NV + g) * 16);
+            for (int j = 0; j < QK_KEYS; j++) {
+                const float kv = kr[(o + j) * stride + d];
+                for (int g = 0; g < NV; g++) acc[j][g] += q[g] * kv;
+            }
         }
-        for (int j = 0; j < QK_KEYS; j++) s[o + j] = acc[j];
+        for (int j = 0; j < QK_KEYS; j++)
+            for (int g = 0; g < NV; g++) s[o + j][g] = acc[j][g];
     }
     for (; o < n; o++) {
-        v16 acc = (v16){0};
-        for (int64_t d = 0; d < D; d++) acc += *(const v16*)(qt + d * LANES) * kr[o * stride + d];
-        s[o] = acc;
+        v16 acc[NV];
+        for (int g = 0; g < NV; g++) acc[g] = (v16){0};
+        for (int64_t d = 0; d < D; d++)
+            for (int g = 0; g < NV; g++)
+                acc[g] += *(const v16*)(qt + (d * NV + g) * 16) * kr[o * stride + d];
+        for (int g = 0; g < NV; g++) s[o][g] = acc[g];
     }
-    v16 mx = *m;
-    for (o = 0; o < n; o++) {
-        s[o] = select_v(pos >= (int32_t)(t0 + o), s[o], splat(-INFINITY));
-        mx = select_v(s[o] > mx, s[o], mx);
-    }
-    /* Lanes that have seen no key yet keep m = -inf: subtract 0 there instead (no inf - inf). */
-    const v16 base = select_v(mx == -INFINITY, (v16){0}, mx);
-    const v16 corr = exp_v16(*m - base);
-    v16 sum = (v16){0};
-    for (o = 0; o < n; o++) {
-        s[o] = exp_v16(s[o] - base);
-        sum += s[o];
-    }
-    *l = *l * corr + sum;
-    *m = mx;
-    for (int64_t d = 0; d < D; d += 16) {
-        v16 a[16];
-        for (int j = 0; j < 16; j++) a[j] = *(v16*)(ot + (d + j) * LANES) * corr;
+    v16 corr[NV];
+    for (int g = 0; g < NV; g++) {
+        v16 mx = m[g];
         for (o = 0; o < n; o++) {
-            const v16 p = s[o];
-            const float* vo = vr + o * stride + d;
-            for (int j = 0; j < 16; j++) a[j] += p * vo[j];
+            s[o][g] = select_v(pos[g] >= (int32_t)(t0 + o), s[o][g], splat(-INFINITY));
+            mx = select_v(s[o][g] > mx, s[o][g], mx);
         }
-        for (int j = 0; j < 16; j++) *(v16*)(ot + (d + j) * LANES) = a[j];
+        /* Lanes that have seen no key yet keep m = -inf: subtract 0 there (no inf - inf). */
+        const v16 base = select_v(mx == -INFINITY, (v16){0}, mx);
+        corr[g] = exp_v16(m[g] - base);
+        v16 sum = (v16){0};
+        for (o = 0; o < n; o++) {
+            s[o][g] = exp_v16(s[o][g] - base);
+            sum += s[o][g];
+        }
+        l[g] = l[g] * corr[g] + sum;
+        m[g] = mx;
+    }
+    for (int64_t d = 0; d < D; d += PV_DIMS) {
+        v16 a[PV_DIMS][NV];
+        for (int j = 0; j < PV_DIMS; j++)
+            for (int g = 0; g < NV; g++) a[j][g] = *(v16*)(ot + ((d + j) * NV + g) * 16) * corr[g];
+        for (o = 0; o < n; o++) {
+            const float* vo = vr + o * stride + d;
+            for (int j = 0; j < PV_DIMS; j++) {
+                const float vv = vo[j];
+                for (int g = 0; g < NV; g++) a[j][g] += s[o][g] * vv;
+            }
+        }
+        for (int j = 0; j < PV_DIMS; j++)
+            for (int g = 0; g < NV; g++) *(v16*)(ot + ((d + j) * NV + g) * 16) = a[j][g];
     }
 }
 
 static void chunk_step_any(const float* qt, const float* kr, const float* vr, int64_t stride,
-                           int64_t n, int64_t t0, i16 pos, v16* m, v16* l, float* ot,
+                           int64_t n, int64_t t0, const i16* pos, v16* m, v16* l, float* ot,
                            int64_t D) {
     if (D == 64)
         chunk_step(qt, kr, vr, stride, n, t0, pos, m, l, ot, 64);
@@ -159,11 +178,12 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
             float* ot = qt + D * LANES;
             float* kb = ot + D * LANES;
             float* vb = kb + CHUNK * D;
-            i16 pos;
+            i16 pos[NV];
             int64_t last_pos = 0;
             for (int lane = 0; lane < LANES; lane++) {
                 const int64_t r = r0 + lane, i = r / G, g = r % G;
-                pos[lane] = lane < rows ? (int32_t)(first_pos + i) : -1; /* -1: sees nothing */
+                /* -1: a padding lane, which sees nothing */
+                pos[lane / 16][lane % 16] = lane < rows ? (int32_t)(first_pos + i) : -1;
                 last_pos = lane < rows ? first_pos + i : last_pos;
                 const int64_t at = ((q_start[s] + i) * Hq + h * G + g) * D;
                 for (int64_t d = 0; d < D; d++) {
@@ -171,7 +191,11 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
                     ot[d * LANES + lane] = 0.f;
                 }
             }
-            v16 m = splat(-INFINITY), l = (v16){0};
+            v16 m[NV], l[NV];
+            for (int g = 0; g < NV; g++) {
+                m[g] = splat(-INFINITY);
+                l[g] = (v16){0};
+            }
             const int64_t* table = tables + s * table_width;
             for (int64_t t0 = 0, n; t0 <= last_pos; t0 += n) {
                 const int64_t o0 = t0 % B;
@@ -195,12 +219,12 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
                     vr = vb;
                     stride = D;
                 }
-                chunk_step_any(qt, kr, vr, stride, n, t0, pos, &m, &l, ot, D);
+                chunk_step_any(qt, kr, vr, stride, n, t0, pos, m, l, ot, D);
             }
             for (int lane = 0; lane < rows; lane++) {
                 const int64_t r = r0 + lane, i = r / G, g = r % G;
                 const int64_t at = ((q_start[s] + i) * Hq + h * G + g) * D;
-                const float inv = 1.f / l[lane];
+                const float inv = 1.f / l[lane / 16][lane % 16];
                 for (int64_t d = 0; d < D; d++)
                     store_elem(dtype, out, at + d, ot[d * LANES + lane] * inv);
             }
