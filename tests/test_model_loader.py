@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from chatstore.config import load_config
 from chatstore.model import ModelLoadError, load_model, resolve_model_dir
@@ -134,3 +135,22 @@ def test_config_dataclass_defaults_mirror_default_toml() -> None:
     assert {k: v for k, v in values.items() if getattr(defaults, k) != v} == {}
     fields = {f.name for f in dataclasses.fields(Config)}
     assert fields - set(values) == set(), "config keys the default file does not document"
+
+
+def test_dtype_auto_resolves_by_cpu_features() -> None:
+    """auto is bf16 only where the CPU computes bf16 natively; the KV store follows it."""
+    from chatstore.config import cpu_has_fast_bf16, resolve_dtype
+
+    flags = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw {}\n"
+    assert cpu_has_fast_bf16(flags.format("avx512_bf16"))
+    assert cpu_has_fast_bf16(flags.format("amx_bf16 amx_tile"))
+    assert not cpu_has_fast_bf16(flags.format("avx512_vnni"))
+    assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
+    expected = "bfloat16" if cpu_has_fast_bf16() else "float32"
+    cfg = load_config(env={})
+    assert cfg.dtype == "auto" and cfg.resolved_dtype == expected
+    assert cfg.storage_torch_dtype == cfg.torch_dtype
+    cfg = load_config(overrides={"dtype": "float32", "kv_storage_dtype": "float16"}, env={})
+    assert cfg.storage_torch_dtype == torch.float16
+    with pytest.raises(ValueError, match="kv_storage_dtype must be one of"):
+        load_config(overrides={"kv_storage_dtype": "int8"}, env={})
