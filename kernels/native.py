@@ -1,6 +1,6 @@
 """Native CPU kernels from `kernels/csrc`, built with gcc at first use and cached on disk.
 
-The C sources include no torch headers, so a build takes about a second, even on 2 cores. The
+The C sources include no torch headers, so a build takes a few seconds, even on 2 cores. The
 shared library is cached under `$CHATSTORE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/chatstore/kernels`
 (`~/.cache/chatstore/kernels`), named by a hash of the source, the flags, the compiler and the CPU
 (the build uses `-march=native`). It links the `libgomp.so.1` that torch has already loaded, so
@@ -92,6 +92,7 @@ def build() -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the native CPU kernels with %s (first run only, a few seconds)", _compiler())
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
