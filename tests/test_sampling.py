@@ -10,6 +10,7 @@ from chatstore.engine.sampling import (
     SampleState,
     _apply_logit_bias,
     _apply_penalties,
+    _argmax,
     _filter_top_k_top_p,
     sample_batch,
 )
@@ -285,3 +286,77 @@ def test_bf16_and_non_contiguous_logits() -> None:
     assert sample_batch(logits, states) == expected
     half = logits.to(torch.bfloat16)
     assert sample_batch(half, [state(temperature=0.0)] * 4) == half.float().argmax(-1).tolist()
+
+
+# -- the blocked searches (vocabularies of many BLOCKs, as real models have) --------------------
+
+BIG_V = 32768
+
+
+def full_vocab_draw(logits: torch.Tensor, s: SampleState, u: float) -> int:
+    """One row drawn the straightforward way: filter the whole row, softmax, inverse CDF."""
+    p = s.params
+    row = logits / p.temperature
+    k = p.top_k if 0 < p.top_k < row.numel() else 0
+    if p.top_p < 1:
+        row = reference_filter(row, k, p.top_p)
+    elif k:
+        row = row.masked_fill(row < row.topk(k).values[-1], float("-inf"))
+    cdf = torch.softmax(row, dim=0).cumsum(dim=0)
+    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])]), right=True))
+
+
+def test_argmax_matches_torch_on_ties_nan_and_odd_vocabularies() -> None:
+    g = torch.Generator().manual_seed(12)
+    for vocab in (BIG_V, 64 * 7, 1000, 5):
+        logits = torch.randn(6, vocab, generator=g)
+        logits[1] = (logits[1] * 2).round()  # many ties: the first one wins
+        logits[2] = float("-inf")
+        logits[3, vocab // 2] = float("nan")
+        logits[4, [vocab - 1, 0]] = 50.0
+        assert _argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+        assert _argmax(logits[:, ::1].t().contiguous().t()).tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        [(0, 0.9), (50, 1.0), (5, 0.8), (0, 0.5), (0, 0.99), (1, 1.0), (0, 1.0), (20, 0.7)],
+        [(200, 0.95), (0, 0.9), (3, 1.0)],  # too wide for candidate blocks: whole rows
+    ],
+)
+def test_top_k_top_p_draws_match_a_full_vocabulary_draw(settings) -> None:
+    """Rows drawn from their candidate blocks land on the token a whole-row draw picks."""
+    logits = random_logits(len(settings), BIG_V, seed=13) * 3
+
+    def states(step: int) -> list[SampleState]:
+        return [state(temperature=0.7, top_k=k, top_p=p, seed=100 * step + i)
+                for i, (k, p) in enumerate(settings)]  # fmt: skip
+
+    for step in range(10):
+        twins = states(step)
+        rows = zip(logits, twins, strict=True)
+        expected = [full_vocab_draw(row, s, s.uniform()) for row, s in rows]
+        assert sample_batch(logits, states(step)) == expected
+
+
+def test_ties_at_the_threshold_in_other_blocks_are_kept() -> None:
+    """top_k = 2 with the 2nd value shared by tokens far apart: every tie stays drawable."""
+    logits = torch.full((1, BIG_V), -10.0)
+    logits[0, 9] = 2.0
+    tied = [5, 700, 1500, 3000, BIG_V - 1]
+    logits[0, tied] = 1.0
+    seen = set()
+    for seed in range(300):
+        seen.update(sample_batch(logits, [state(top_k=2, seed=seed)]))
+    assert seen == {9, *tied}
+
+
+def test_same_seed_same_draws_whatever_the_neighbours_filters() -> None:
+    """A neighbour's top_k changes how wide the batch's candidate search is, not the draw."""
+    logits = random_logits(1, BIG_V, seed=14)[0] * 2
+    (alone,) = draws(logits.unsqueeze(0), [state(seed=5, top_p=0.9, temperature=0.8)], steps=40)
+    batch = torch.stack([random_logits(1, BIG_V, 15)[0], logits, logits])
+    neighbours = [state(top_k=300, seed=1), state(seed=5, top_p=0.9, temperature=0.8),
+                  state(temperature=0.0)]  # fmt: skip
+    assert draws(batch, neighbours, steps=40)[1] == alone
