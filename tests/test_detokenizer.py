@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chatstore.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from chatstore.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, rust_backend
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -70,6 +70,35 @@ def test_chat_reply_streams_like_its_decode(tokenizer) -> None:
     text = "Sure! Here's a list:\n1. Crème brûlée 🍮\n2. 寿司 🍣\n<|im_end|>"
     ids = tokenizer.encode(text)
     assert "".join(deltas(tokenizer, ids)) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_fast_tokenizers_decode_through_their_rust_backend(tokenizer) -> None:
+    """The backend's decode (no transformers wrapper) streams exactly the wrapper's deltas."""
+    assert rust_backend(tokenizer) is tokenizer.backend_tokenizer
+    special = [*tokenizer.encode("Hi"), 2, *tokenizer.encode(" 🙂 again"), 1]
+    for ids in [tokenizer.encode(text) for text in TEXTS] + [special]:
+        for skip in (True, False):
+            fast = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+            slow = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+            slow._backend = None
+            assert [fast.append(t) for t in ids] == [slow.append(t) for t in ids]
+            assert fast.flush() == slow.flush()
+
+
+def test_tokenizers_with_their_own_decode_keep_it(tokenizer) -> None:
+    class Custom(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs) -> str:
+            return "x" * len(token_ids)
+
+    class Plain:
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+            return "y" * len(ids)
+
+    custom = Custom.__new__(Custom)
+    custom.__dict__.update(tokenizer.__dict__)
+    assert rust_backend(custom) is None
+    assert rust_backend(Plain()) is None
+    assert IncrementalDetokenizer(Plain()).append(5) == "y"
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[list[str], bool]:

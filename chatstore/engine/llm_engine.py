@@ -186,8 +186,10 @@ class LLMEngine:
                 to_sample.extend((s, row) for s in self._fork(seq))
         if not to_sample:
             return
-        rows = torch.tensor([row for _, row in to_sample], device=logits.device)
-        tokens = sample_batch(logits.index_select(0, rows), [s.sample for s, _ in to_sample])
+        rows = [row for _, row in to_sample]
+        if rows != list(range(len(logits))):  # not every row once in order: copy [rows, V]
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        tokens = sample_batch(logits, [s.sample for s, _ in to_sample])
         for (seq, _), token in zip(to_sample, tokens, strict=True):
             self._append(seq, token)
             touched[seq.group.request_id] = seq.group
@@ -246,7 +248,7 @@ class LLMEngine:
         stopped = seq.append_token(token, emit_text=not stop_token)
         if stopped or stop_token:
             self._finish(seq, "stop")
-        elif len(seq.output_token_ids) >= params.max_tokens or self._context_full(seq):
+        elif seq.num_output_tokens >= params.max_tokens or self._context_full(seq):
             self._finish(seq, "length")
 
     def _context_full(self, seq: Sequence) -> bool:

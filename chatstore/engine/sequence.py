@@ -71,6 +71,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
