@@ -9,10 +9,13 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# One encoder for every frame: json.dumps with non-default arguments builds a new one per call,
+# and a stream writes a frame per token.
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    payload = data if isinstance(data, str) else _ENCODE(data)
     return f"data: {payload}\n\n".encode()
 
 

@@ -2,8 +2,12 @@
 
     API (event loop)                         model thread
     submit(req) ── add_request ─────────────► scheduler.waiting
-       │ RequestStream ◄── call_soon_threadsafe ── step() outputs
+       │ RequestStream ◄── call_soon_threadsafe ── step() outputs (one call per step and loop)
     abort(id)   ── abort_request ────────────► applied at the next step
+
+A step's outputs reach their event loop in one `call_soon_threadsafe` (one wake-up, one
+self-pipe write) however many requests it advanced. A consumer that falls behind gets the
+outputs queued for it merged into one (`merge_outputs`): fewer, larger deltas, the same text.
 
 `submit` validates on the caller's thread, so InvalidRequestError / EngineOverloadedError are
 raised by `submit` itself. The stream it returns aborts its request when the consumer's task is
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.engine.llm_engine import EngineStats, LLMEngine
-from chatstore.engine.request import InvalidRequestError, Request, RequestOutput
+from chatstore.engine.request import InvalidRequestError, Request, RequestOutput, SampleDelta
 from chatstore.engine.runtime import Runtime
 from chatstore.engine.scheduler import WaitingEntry
 
@@ -44,6 +48,7 @@ class RequestStream(AsyncIterator[RequestOutput]):
         self.request_id = request_id
         self._queue = route.queue
         self._done = False
+        self._failure: BaseException | None = None  # queued behind outputs merged ahead of it
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -52,13 +57,19 @@ class RequestStream(AsyncIterator[RequestOutput]):
         if self._done:
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            item = self._failure or await self._queue.get()
         except asyncio.CancelledError:
             self._cancel()
             raise
         if isinstance(item, BaseException):
             self._done = True
             raise item
+        while not item.finished and not self._queue.empty():
+            queued = self._queue.get_nowait()
+            if isinstance(queued, BaseException):  # raised next, after what came before it
+                self._failure = queued
+                break
+            item = merge_outputs(item, queued)
         self._done = item.finished
         return item
 
@@ -73,6 +84,29 @@ class RequestStream(AsyncIterator[RequestOutput]):
     def __del__(self) -> None:
         if not self._done:
             self._engine.abort(self.request_id)
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: each sample's tokens and text joined."""
+    samples = {d.index: d for d in first.samples}
+    for d in then.samples:
+        before = samples.get(d.index)
+        if before is not None:
+            d = SampleDelta(
+                d.index,
+                before.token_ids + d.token_ids,
+                before.text + d.text,
+                d.finish_reason or before.finish_reason,
+            )
+        samples[d.index] = d
+    return RequestOutput(
+        request_id=then.request_id,
+        samples=list(samples.values()),
+        finished=then.finished,
+        usage=then.usage,
+        error=then.error,
+        first_token_time=first.first_token_time or then.first_token_time,
+    )
 
 
 class AsyncEngine:
@@ -162,18 +196,23 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            for out in outputs:
-                self._deliver(out)
+            if outputs:
+                self._deliver(outputs)
 
-    def _deliver(self, item: RequestOutput) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over: one thread hop per consumer loop, not per request."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._routes_lock:
-            route = self._routes.get(item.request_id)
-            if route is not None and item.finished:
-                del self._routes[item.request_id]
-        if route is None:
-            return
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
-            route.loop.call_soon_threadsafe(route.queue.put_nowait, item)
+            for item in outputs:
+                route = self._routes.get(item.request_id)
+                if route is None:
+                    continue
+                if item.finished:
+                    del self._routes[item.request_id]
+                batches.setdefault(route.loop, []).append((route.queue, item))
+        for loop, batch in batches.items():
+            with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
+                loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._routes_lock:
@@ -182,3 +221,8 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             with contextlib.suppress(RuntimeError):
                 route.loop.call_soon_threadsafe(route.queue.put_nowait, exc)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
