@@ -11,12 +11,29 @@ which the server reports in the turn's final event (Request created -> first tok
     server_overhead = the server's own share: request arrival -> first token on the event loop,
                       minus the engine TTFT
 
-Then, unless --no-engine-alone, the same number of concurrent turns is run straight against an
-in-process AsyncEngine (no HTTP at all) for the TTFT of the engine alone. Intended 429s (queue
-full) are retried after Retry-After and counted apart; anything else is an error. The last line
-printed is one JSON object.
+Per turn it also records the time per output token after the first (first delta -> last delta,
+over completion_tokens - 1), as the client sees it:
 
-    python bench/api_load.py [--clients 8] [--duration 20] [--max-tokens 16] [--quick]
+    per_token_overhead = that, minus the same measured on the engine alone (p50 and mean;
+                         "paired": the median over rounds of each round's difference)
+    loop_cpu_per_token = CPU time of the server's event-loop thread (HTTP, JSON, SSE/WebSocket
+                         framing, the hand-over from the engine thread, and each request's own
+                         handling spread over its tokens) per generated token, from /proc; on the
+                         engine alone, the consuming loop's own
+    client_cpu_per_token = the same for this process's clients (they share the machine's cores)
+
+Unless --no-engine-alone, after each transport's phase the same number of concurrent turns runs
+straight against an in-process AsyncEngine (no HTTP at all) for the TTFT and time per token of
+the engine alone; `--rounds N` repeats transports and engine alone N times, alternating, so that
+whatever else runs on the machine weighs on both alike. Even so, the time per token is only as
+steady as the machine: on a few shared cores other processes move it by more than the API costs,
+and the loop's CPU per token (x the number of streams: what each step's tokens cost the loop,
+which holds the GIL the engine thread needs meanwhile) is the steadier measure of the API's own
+cost. Intended 429s (queue full) are retried after Retry-After and counted apart; anything else
+is an error. The last line printed is one JSON object.
+
+    python bench/api_load.py [--clients 8] [--duration 20] [--max-tokens 16] [--ignore-eos]
+                             [--transports sse,ws] [--rounds 1] [--quick]
 """
 
 from __future__ import annotations
@@ -26,6 +43,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,14 +67,17 @@ class Stats:
     engine_ttft: list[float] = field(default_factory=list)
     overhead: list[float] = field(default_factory=list)
     server_overhead: list[float] = field(default_factory=list)  # as the server measures it
+    per_token: list[float] = field(default_factory=list)  # seconds per token after the first
     turns: int = 0
     tokens: int = 0
     rejected: int = 0  # intended 429s
     errors: list[str] = field(default_factory=list)
 
-    def add(self, ttft: float | None, done: dict) -> None:
+    def add(self, ttft: float | None, done: dict, decode_s: float | None = None) -> None:
         self.turns += 1
         self.tokens += done["usage"]["completion_tokens"]
+        if decode_s is not None and done["usage"]["completion_tokens"] > 1:
+            self.per_token.append(decode_s / (done["usage"]["completion_tokens"] - 1))
         engine = done["timings"]["engine_ttft_ms"]
         if ttft is not None and engine is not None:
             self.ttft.append(ttft)
@@ -65,11 +86,25 @@ class Stats:
             self.server_overhead.append((done["timings"]["ttft_ms"] - engine) / 1000)
 
 
+def mean_ms(values: list[float]) -> float | None:
+    return sum(values) / len(values) * 1000 if values else None
+
+
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def thread_cpu_s(pid: int, tid: int) -> float | None:
+    """CPU seconds (user + system) one thread has used so far, from /proc (Linux only)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -86,8 +121,9 @@ async def sse_client(http: httpx.AsyncClient, i: int, stop: float, args, stats: 
     turn = 0
     while time.monotonic() < stop:
         body = {"content": PROMPTS[(i + turn) % len(PROMPTS)], "stream": True,
-                "max_tokens": args.max_tokens, "temperature": 0}  # fmt: skip
-        sent, first = time.perf_counter(), None
+                "max_tokens": args.max_tokens, "temperature": 0,
+                "ignore_eos": args.ignore_eos}  # fmt: skip
+        sent, first, last = time.perf_counter(), None, None
         async with http.stream("POST", f"/v1/sessions/{sid}/messages", json=body) as r:
             if r.status_code == 429:
                 stats.rejected += 1
@@ -100,10 +136,11 @@ async def sse_client(http: httpx.AsyncClient, i: int, stop: float, args, stats: 
                 if not line.startswith("data: {"):
                     continue
                 event = json.loads(line[6:])
-                if event.get("type") == "delta" and first is None:
-                    first = time.perf_counter() - sent
+                if event.get("type") == "delta":
+                    last = time.perf_counter() - sent
+                    first = last if first is None else first
                 elif event.get("type") == "done":
-                    stats.add(first, event)
+                    stats.add(first, event, None if first is None else last - first)
                 elif "error" in event:
                     stats.errors.append(f"sse stream error: {event['error']}")
         turn += 1
@@ -116,15 +153,17 @@ async def ws_client(url: str, http: httpx.AsyncClient, i: int, stop: float, args
         turn = 0
         while time.monotonic() < stop:
             frame = {"type": "message", "content": PROMPTS[(i + turn) % len(PROMPTS)],
-                     "max_tokens": args.max_tokens, "temperature": 0}  # fmt: skip
-            sent, first = time.perf_counter(), None
+                     "max_tokens": args.max_tokens, "temperature": 0,
+                     "ignore_eos": args.ignore_eos}  # fmt: skip
+            sent, first, last = time.perf_counter(), None, None
             await ws.send(json.dumps(frame))
             while True:
                 event = json.loads(await ws.recv())
-                if event["type"] == "delta" and first is None:
-                    first = time.perf_counter() - sent
+                if event["type"] == "delta":
+                    last = time.perf_counter() - sent
+                    first = last if first is None else first
                 elif event["type"] == "done":
-                    stats.add(first, event)
+                    stats.add(first, event, None if first is None else last - first)
                     break
                 elif event["type"] == "error":
                     if event["error"]["type"] == "rate_limit_error":
@@ -181,41 +220,61 @@ def start_server(args, data_dir: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit("server did not become ready")
 
 
-async def engine_alone(args, data_dir: str) -> list[float]:
-    """TTFT of `clients` concurrent multi-turn conversations submitted straight to AsyncEngine."""
-    from chatstore.api.backend import build_backend
-    from chatstore.config import load_config
-    from chatstore.engine.request import Request, SamplingParams
+class EngineAlone:
+    """An in-process AsyncEngine (the server's config, no HTTP), run phase by phase."""
 
-    backend = build_backend(load_config(overrides={"data_dir": data_dir}, env={}))
-    engine, template = backend.engine, backend.template
-    engine.start()
-    ttfts: list[float] = []
-    stop = time.monotonic() + args.duration
+    def __init__(self, data_dir: str) -> None:
+        from chatstore.api.backend import build_backend
+        from chatstore.config import load_config
 
-    async def client(i: int) -> None:
-        history = [{"role": "system", "content": "Be brief."}]
-        turn = 0
-        while time.monotonic() < stop:
-            history.append({"role": "user", "content": PROMPTS[(i + turn) % len(PROMPTS)]})
-            sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-            request = Request(f"alone-{i}-{turn}", template.render(history), sampling,
-                              session_id=f"alone-{i}")  # fmt: skip
-            sent, first, text = time.perf_counter(), None, ""
-            async for out in engine.submit(request):
-                for sample in out.samples:
-                    if first is None and sample.token_ids:
-                        first = time.perf_counter() - sent
-                    text += sample.text
-            if first is not None:
-                ttfts.append(first)
-            history.append({"role": "assistant", "content": text})
-            turn += 1
+        self.backend = build_backend(load_config(overrides={"data_dir": data_dir}, env={}))
+        self.engine = self.backend.engine
+        self.engine.start()
+        self.phases = 0
 
-    await asyncio.gather(*(client(i) for i in range(args.clients)))
-    await engine.shutdown()
-    backend.store.close()
-    return ttfts
+    async def phase(self, args) -> tuple[list[float], list[float], float | None]:
+        """(TTFT, seconds per token after the first, consuming loop's CPU ms per token) of
+        `clients` concurrent multi-turn conversations for `duration` seconds."""
+        from chatstore.engine.request import Request, SamplingParams
+
+        engine, template, tag = self.engine, self.backend.template, self.phases
+        self.phases += 1
+        ttfts: list[float] = []
+        per_token: list[float] = []
+        stop = time.monotonic() + args.duration
+
+        async def client(i: int) -> None:
+            history = [{"role": "system", "content": "Be brief."}]
+            turn = 0
+            while time.monotonic() < stop:
+                history.append({"role": "user", "content": PROMPTS[(i + turn) % len(PROMPTS)]})
+                sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0,
+                                          ignore_eos=args.ignore_eos)  # fmt: skip
+                request = Request(f"alone-{tag}-{i}-{turn}", template.render(history), sampling,
+                                  session_id=f"alone-{tag}-{i}")  # fmt: skip
+                sent, first, last, text, tokens = time.perf_counter(), None, None, "", 0
+                async for out in engine.submit(request):
+                    for sample in out.samples:
+                        if sample.token_ids:
+                            last = time.perf_counter() - sent
+                            first = last if first is None else first
+                        tokens += len(sample.token_ids)
+                        text += sample.text
+                if first is not None:
+                    ttfts.append(first)
+                    if tokens > 1:
+                        per_token.append((last - first) / (tokens - 1))
+                history.append({"role": "assistant", "content": text})
+                turn += 1
+
+        cpu, generated = time.thread_time(), engine.stats().tokens_generated
+        await asyncio.gather(*(client(i) for i in range(args.clients)))
+        cpu, generated = time.thread_time() - cpu, engine.stats().tokens_generated - generated
+        return ttfts, per_token, cpu * 1000 / generated if generated else None
+
+    def close(self) -> None:
+        asyncio.run(self.engine.shutdown())
+        self.backend.store.close()
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -233,6 +292,8 @@ def report(name: str, stats: Stats, elapsed: float) -> dict:
         "api_overhead_ms_p50": pct(stats.overhead, 0.5),
         "api_overhead_ms_p99": pct(stats.overhead, 0.99),
         "server_overhead_ms_p50": pct(stats.server_overhead, 0.5),
+        "per_token_ms_p50": pct(stats.per_token, 0.5),
+        "per_token_ms_mean": mean_ms(stats.per_token),
         "rejected_429": stats.rejected,
         "errors": len(stats.errors),
     }
@@ -243,49 +304,141 @@ def report(name: str, stats: Stats, elapsed: float) -> dict:
     return row
 
 
+def run_transport(proc: subprocess.Popen, url: str, args, transport: str) -> tuple[Stats, dict]:
+    """One phase of one transport: its stats, and its row (with the CPU per token)."""
+    cpu = thread_cpu_s(proc.pid, proc.pid)  # uvicorn's event loop: the server's main thread
+    client_cpu = time.thread_time()
+    stats, elapsed = asyncio.run(drive(url, args, transport))
+    client_cpu = time.thread_time() - client_cpu
+    after = thread_cpu_s(proc.pid, proc.pid)
+    row = report(transport, stats, elapsed)
+    row["loop_cpu_ms_per_token"] = row["client_cpu_ms_per_token"] = None
+    if cpu is not None and after is not None and stats.tokens:
+        row["loop_cpu_ms_per_token"] = round((after - cpu) * 1000 / stats.tokens, 3)
+    if stats.tokens:
+        row["client_cpu_ms_per_token"] = round(client_cpu * 1000 / stats.tokens, 3)
+    loop_ms, client_ms = row["loop_cpu_ms_per_token"], row["client_cpu_ms_per_token"]
+    print(f"  cpu_ms_per_token: server event loop {loop_ms}, clients {client_ms}", flush=True)
+    return stats, row
+
+
+def merge_stats(phases: list[Stats]) -> Stats:
+    out = Stats()
+    for s in phases:
+        for name in ("ttft", "engine_ttft", "overhead", "server_overhead", "per_token", "errors"):
+            getattr(out, name).extend(getattr(s, name))
+        out.turns, out.tokens = out.turns + s.turns, out.tokens + s.tokens
+        out.rejected += s.rejected
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds per transport")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--ignore-eos", action="store_true", help="every turn max-tokens long")
     parser.add_argument("--transports", default="sse,ws")
     parser.add_argument("--no-engine-alone", action="store_true")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="alternate every transport and the engine alone this many times, so that what "
+        "else runs on the machine weighs on both alike; overheads are paired per round",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="4 clients, 8 s, 8 tokens")
     args = parser.parse_args()
     if args.quick:
         args.clients, args.duration, args.max_tokens = 4, 8.0, 8
-    rows = []
+    from chatstore.api.server import SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the server runs its engine thread
+    transports = args.transports.split(",")
+    phases: dict[str, list[tuple[Stats, dict]]] = {t: [] for t in transports}
+    alone_phases: list[tuple[list[float], list[float], float | None]] = []
     with tempfile.TemporaryDirectory(prefix="chatstore-bench-") as data_dir:
         proc, url = start_server(args, os.path.join(data_dir, "server"))
+        alone = None
         try:
-            for transport in args.transports.split(","):
-                stats, elapsed = asyncio.run(drive(url, args, transport))
-                rows.append(report(transport, stats, elapsed))
+            if not args.no_engine_alone:
+                alone = EngineAlone(os.path.join(data_dir, "alone"))
+            for _ in range(args.rounds):
+                for transport in transports:
+                    phases[transport].append(run_transport(proc, url, args, transport))
+                if alone is not None:
+                    alone_phases.append(asyncio.run(alone.phase(args)))
+                    ttft, per_token, cpu = alone_phases[-1]
+                    print(f"engine alone: turns={len(ttft)} ttft_ms_p50={pct(ttft, 0.5)} "
+                          f"per_token_ms_p50={pct(per_token, 0.5)} cpu_ms_per_token={cpu}",
+                          flush=True)  # fmt: skip
         finally:
             proc.terminate()
             proc.wait(60)
-        alone = []
-        if not args.no_engine_alone:
-            alone = asyncio.run(engine_alone(args, os.path.join(data_dir, "alone")))
-            print(f"engine alone: turns={len(alone)} ttft_ms_p50={pct(alone, 0.5):.2f} "
-                  f"ttft_ms_p99={pct(alone, 0.99):.2f}")  # fmt: skip
+            if alone is not None:
+                alone.close()
+    alone_ttft = [t for ttft, _, _ in alone_phases for t in ttft]
+    alone_per_token = [t for _, per_token, _ in alone_phases for t in per_token]
+    engine_per_token = {"p50": pct(alone_per_token, 0.5), "mean": mean_ms(alone_per_token)}
+    rows = []
+    for transport in transports:
+        done = phases[transport]
+        if len(done) == 1:
+            row = done[0][1]
+        else:
+            print(f"{transport}, all {len(done)} rounds:")
+            row = report(transport, merge_stats([s for s, _ in done]), args.duration * len(done))
+            for key in ("loop_cpu_ms_per_token", "client_cpu_ms_per_token"):
+                values = [r[key] for _, r in done if r[key] is not None]
+                row[key] = round(statistics.median(values), 3) if values else None
+        for stat, engine_value in engine_per_token.items():
+            value = row[f"per_token_ms_{stat}"]
+            row[f"per_token_overhead_ms_{stat}"] = (
+                None if value is None or engine_value is None else round(value - engine_value, 3)
+            )
+        # Paired by round: each transport phase against the engine-alone phase right after it.
+        paired = [
+            pct(stats.per_token, 0.5) - pct(alone_round[1], 0.5)
+            for (stats, _), alone_round in zip(done, alone_phases, strict=False)
+            if stats.per_token and alone_round[1]
+        ]
+        row["per_token_overhead_ms_paired_p50"] = (
+            round(statistics.median(paired), 3) if paired else None
+        )
+        row["per_token_overhead_ms_by_round"] = [round(d, 3) for d in paired]
+        rows.append(row)
     overheads = [r["api_overhead_ms_p50"] for r in rows if r["api_overhead_ms_p50"] is not None]
     http_ttft = [r["ttft_ms_p50"] for r in rows if r["ttft_ms_p50"] is not None]
+    alone_cpu = [cpu for _, _, cpu in alone_phases if cpu is not None]
     result = {
         "clients": args.clients,
         "duration_s": args.duration,
+        "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "transports": rows,
         "requests_per_s": round(sum(r["requests_per_s"] for r in rows) / max(len(rows), 1), 3),
         "ttft_ms_p50": max(http_ttft) if http_ttft else None,
         "ttft_ms_p99": max((r["ttft_ms_p99"] or 0) for r in rows) if rows else None,
-        "engine_alone_ttft_ms_p50": pct(alone, 0.5),
-        "engine_alone_ttft_ms_p99": pct(alone, 0.99),
+        "engine_alone_ttft_ms_p50": pct(alone_ttft, 0.5),
+        "engine_alone_ttft_ms_p99": pct(alone_ttft, 0.99),
         "api_overhead_ms_p50": max(overheads) if overheads else None,
+        "engine_alone_per_token_ms_p50": engine_per_token["p50"],
+        "engine_alone_per_token_ms_mean": engine_per_token["mean"],
+        "engine_alone_loop_cpu_ms_per_token": (
+            round(statistics.median(alone_cpu), 3) if alone_cpu else None
+        ),
+        "per_token_overhead_ms_p50": _worst(rows, "per_token_overhead_ms_p50"),
+        "per_token_overhead_ms_mean": _worst(rows, "per_token_overhead_ms_mean"),
+        "per_token_overhead_ms_paired_p50": _worst(rows, "per_token_overhead_ms_paired_p50"),
+        "loop_cpu_ms_per_token": _worst(rows, "loop_cpu_ms_per_token"),
+        "client_cpu_ms_per_token": _worst(rows, "client_cpu_ms_per_token"),
         "rejected_429": sum(r["rejected_429"] for r in rows),
         "errors": sum(r["errors"] for r in rows),
     }
     print(json.dumps(result))
+
+
+def _worst(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return max(values) if values else None
 
 
 if __name__ == "__main__":
