@@ -11,7 +11,9 @@ batching             "continuous" (join/leave every step) | "static" (a batch ru
 kv_reservation       "paged" (blocks on demand) | "max" (reserve prompt + max_tokens up front,
                      the contiguous Orca-Max baseline)
 split_mixed_batches  run a step's decodes and prefill chunks as two forwards, so decodes keep
-                     the fast paged-decode kernel
+                     the fast paged-decode kernel; None (default) = only when the runner cannot
+                     attend a mixed batch in place (no native paged-prefill kernel): one forward
+                     streams the weights once for both
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class EngineConfig:
     batching: BatchingMode = "continuous"
     kv_reservation: ReservationMode = "paged"
     max_model_len: int = 0
-    split_mixed_batches: bool = True
+    split_mixed_batches: bool | None = None
     idle_wait_s: float = 0.05  # how long the model thread sleeps when there is nothing to do
 
     def __post_init__(self) -> None:

@@ -197,7 +197,10 @@ class LLMEngine:
     def _forward(self, items: list[ScheduledSeq], layer_ready=None) -> torch.Tensor:
         """Logits [len(items), V] of each item's last token."""
         decode = [i for i, it in enumerate(items) if it.num_tokens == 1]
-        if not self.config.split_mixed_batches or len(decode) in (0, len(items)):
+        split = self.config.split_mixed_batches
+        if split is None:
+            split = not self.runtime.runner.mixed_batches_in_place
+        if not split or len(decode) in (0, len(items)):
             return self._run(items, layer_ready)
         prefill = [i for i in range(len(items)) if i not in set(decode)]
         # layer_ready for both: a loaded prompt may leave a one-token chunk, taken for a decode.

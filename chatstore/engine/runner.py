@@ -164,6 +164,11 @@ class ModelRunner:
         h = ops.rms_norm(h.index_select(0, batch.logits_indices), self.final_norm, eps)
         return self.lm_head(h).float()
 
+    @property
+    def mixed_batches_in_place(self) -> bool:
+        """Whether a batch mixing decodes and prefill chunks attends as fast as either alone."""
+        return self._native_prefill
+
     @staticmethod
     def _fresh_sequence(batch: ForwardBatch) -> bool:
         return batch.num_seqs == 1 and batch.query_lens[0] == batch.context_lens[0] > 1
