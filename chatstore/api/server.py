@@ -11,6 +11,7 @@ import logging
 import sys
 from typing import Any
 
+import torch
 import uvicorn
 
 from chatstore.api.app import create_app
@@ -69,8 +70,13 @@ def run_server(config: Any) -> int:
         print(f"chatstore: error: {exc}", file=sys.stderr)
         return 2
     from chatstore.api.backend import build_backend
+    from chatstore.engine.cpu_threads import in_temporary_thread, leave_cores_to_engine
 
-    backend = build_backend(config)
+    cores = torch.get_num_threads()
+    backend = in_temporary_thread(build_backend, config)
+    if backend.engine.device_type == "cpu":
+        backend.engine.compute_threads = cores
+        leave_cores_to_engine()
     app = create_app(backend, settings)
     server = DrainingServer(uvicorn_config(app, settings), app.state.service)
     mode = "local single-user mode" if settings.local_mode else f"{len(settings.api_keys)} keys"

@@ -24,6 +24,8 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import torch
+
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.engine.llm_engine import EngineStats, LLMEngine
@@ -124,6 +126,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._accepting = True
         self._thread: threading.Thread | None = None
+        self.device_type = runtime.runner.device.type
+        # Intra-op threads of the model thread (set on it when it starts); None = torch's own.
+        self.compute_threads: int | None = None
 
     def start(self) -> None:
         if self._thread is not None:
@@ -185,6 +190,8 @@ class AsyncEngine:
 
     # -- the model thread ----------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.compute_threads is not None:
+            torch.set_num_threads(self.compute_threads)
         while not self._stop.is_set():
             if not self.engine.has_work():
                 self._wake.wait(self.config.idle_wait_s)
