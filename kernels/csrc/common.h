@@ -28,22 +28,26 @@ INLINE uint16_t f32_to_bf16(float f) {
 /* f rounded to bf16 and back: what a bf16 tensor would hold. */
 INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+/* The body of exp for a clamped x (scalar or vector type T): x = n ln2 + r, |r| <= ln2 / 2, n
+ * rounded by the 1.5 * 2^23 trick (vectorises, unlike roundf), e^r by its degree-7 Taylor
+ * polynomial (relative error < 2e-7); 2^n is left to the caller (exponent bits). */
+#define EXP_REDUCE_AND_POLY(T, xc, n, p)                                            \
+    const T n = ((xc) * 1.44269504088896341f + 12582912.f) - 12582912.f;          \
+    const T r_ = (xc) - n * 0.693145751953125f - n * 1.428606765330187e-06f;      \
+    T p = r_ * (1.f / 5040.f) + 1.f / 720.f;                                      \
+    p = p * r_ + 1.f / 120.f;                                                      \
+    p = p * r_ + 1.f / 24.f;                                                       \
+    p = p * r_ + 1.f / 6.f;                                                        \
+    p = p * r_ + 0.5f;                                                             \
+    p = p * r_ + 1.f;                                                              \
+    p = p * r_ + 1.f
+
 /* exp(x), branch-free so that gcc vectorises it: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
  * degree-7 Taylor polynomial (relative error < 2e-7), 2^n by exponent bits. x is clamped to
  * [-87, 88]: below, the result is 0; above, the largest finite power it reaches. */
 INLINE float exp_f32(float x) {
     const float xc = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-    /* Round to nearest by the 1.5 * 2^23 trick: vectorises, unlike roundf. */
-    const float n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
-    const float r = xc - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.f / 5040.f;
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    EXP_REDUCE_AND_POLY(float, xc, n, p);
     const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);

@@ -55,28 +55,6 @@ INLINE void prefetch_block(const Layout* L, const void* cache, const int64_t* ta
         for (int64_t c = 0; c < row; c += 64) __builtin_prefetch(at + o * L->Hkv * L->D * elem + c);
 }
 
-/* exp(x) for x <= 0, branch-free so that gcc vectorises it: x = n ln2 + r, |r| <= ln2 / 2,
- * e^r by its degree-7 Taylor polynomial (relative error < 2e-7, about 1 ulp), 2^n by exponent
- * bits. Inputs below -87 (e^x < 2^-126) give 0. */
-INLINE float exp_nonpositive(float x) {
-    const float xc = x < -87.f ? -87.f : x;
-    /* Round to nearest by the 1.5 * 2^23 trick: vectorises, unlike roundf. */
-    const float n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
-    const float r = xc - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.f / 5040.f;
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return x < -87.f ? 0.f : p * scale;
-}
-
 /* a . b in 16 lanes, summed as a tree: no serial chain of horizontal adds. */
 INLINE float dot(const float* a, const float* b, const int64_t D) {
     float lanes[16] = {0};
@@ -113,7 +91,7 @@ INLINE void run_item_d(const Layout* L, const float* qg, const int64_t* table, i
         float m = si[0], sum = 0.f;
 #pragma omp simd reduction(max : m)
         for (int64_t t = 1; t < ctx; t++) m = si[t] > m ? si[t] : m;
-        for (int64_t t = 0; t < ctx; t++) si[t] = exp_nonpositive(si[t] - m);
+        for (int64_t t = 0; t < ctx; t++) si[t] = exp_f32(si[t] - m);
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < ctx; t++) sum += si[t];
         const float inv = 1.f / sum;

@@ -45,16 +45,7 @@ INLINE v16 exp_v16(v16 x) {
     const i16 under = x < -87.f; /* comparisons give 0 / -1 lanes */
     v16 xc = select_v(under, splat(-87.f), x);
     xc = select_v(xc > 88.f, splat(88.f), xc);
-    const v16 n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
-    const v16 r = xc - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    v16 p = splat(1.f / 5040.f);
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    EXP_REDUCE_AND_POLY(v16, xc, n, p);
     const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
     return (v16)((i16)(p * (v16)bits) & ~under);
 }
