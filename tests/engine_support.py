@@ -32,14 +32,18 @@ def single_thread() -> Iterator[None]:
 
 
 def tiny_runtime(
-    num_blocks: int = 64, block_size: int = 4, arch: str = "llama", tokenizer=None
+    num_blocks: int = 64,
+    block_size: int = 4,
+    arch: str = "llama",
+    tokenizer=None,
+    dtype: torch.dtype = torch.float32,
 ) -> Runtime:
-    if arch not in _MODELS:
-        _MODELS[arch] = tiny_hf_model(arch)
-    hf = _MODELS[arch]
+    if (arch, dtype) not in _MODELS:
+        _MODELS[arch, dtype] = tiny_hf_model(arch).to(dtype)
+    hf = _MODELS[arch, dtype]
     spec = ModelSpec.from_hf_config(hf.config)
-    model = LoadedModel(hf, tokenizer, spec, Path("."), torch.float32, f"tiny-{arch}")
-    kv = PagedKVCache(spec, num_blocks, block_size, torch.float32, "cpu")
+    model = LoadedModel(hf, tokenizer, spec, Path("."), dtype, f"tiny-{arch}-{dtype}")
+    kv = PagedKVCache(spec, num_blocks, block_size, dtype, "cpu")
     return Runtime(model, kv, BlockPool(num_blocks), ModelRunner(hf, spec, kv))
 
 
@@ -72,9 +76,9 @@ def finish_of(outputs: list[RequestOutput], index: int = 0) -> str | None:
     return next((r for r in reasons if r is not None), None)
 
 
-def run_alone(req: Request, arch: str = "llama") -> list[int]:
+def run_alone(req: Request, arch: str = "llama", dtype: torch.dtype = torch.float32) -> list[int]:
     """The request's greedy tokens when it is the only one in a fresh engine."""
-    engine = LLMEngine(tiny_runtime(arch=arch), EngineConfig())
+    engine = LLMEngine(tiny_runtime(arch=arch, dtype=dtype), EngineConfig())
     engine.add_request(Request(req.request_id, list(req.prompt_token_ids), req.sampling))
     return tokens_of(run_all(engine)[req.request_id])
 

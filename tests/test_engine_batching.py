@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
@@ -51,24 +52,27 @@ def run_with_arrivals(
     return outs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_continuous_batching_matches_each_request_alone(arch: str) -> None:
+def test_continuous_batching_matches_each_request_alone(arch: str, dtype: torch.dtype) -> None:
     requests = make_requests(10)
-    engine = LLMEngine(tiny_runtime(arch=arch), EngineConfig(max_tokens_per_step=24))
+    runtime = tiny_runtime(arch=arch, dtype=dtype)
+    engine = LLMEngine(runtime, EngineConfig(max_tokens_per_step=24))
     outs = run_with_arrivals(engine, requests)
     for r in requests:
-        assert tokens_of(outs[r.request_id]) == run_alone(r, arch=arch), r.request_id
+        assert tokens_of(outs[r.request_id]) == run_alone(r, arch, dtype), r.request_id
         assert finish_of(outs[r.request_id]) == "length"
         assert outs[r.request_id][-1].usage.completion_tokens == r.sampling.max_tokens
     assert engine.stats().mean_batch_size > 1.5
     assert_pool_clean(engine)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_many_preemptions_still_complete_with_the_same_tokens(mode: str) -> None:
+def test_many_preemptions_still_complete_with_the_same_tokens(mode: str, dtype) -> None:
     requests = [Request(f"p{i}", prompt(200 + i, 12 + 3 * i), greedy(24)) for i in range(6)]
     config = EngineConfig(preemption_mode=mode, max_tokens_per_step=64, swap_space_bytes=1 << 20)
-    engine = LLMEngine(tiny_runtime(num_blocks=14), config)
+    engine = LLMEngine(tiny_runtime(num_blocks=14, dtype=dtype), config)
     for r in requests:
         engine.add_request(r)
     outs = run_all(engine)
@@ -77,7 +81,7 @@ def test_many_preemptions_still_complete_with_the_same_tokens(mode: str) -> None
     if mode == "swap":
         assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks == stats.swapped_out_blocks
     for r in requests:
-        assert tokens_of(outs[r.request_id]) == run_alone(r), r.request_id
+        assert tokens_of(outs[r.request_id]) == run_alone(r, dtype=dtype), r.request_id
     assert_pool_clean(engine)
     if engine.swap is not None:
         assert engine.swap.num_free == engine.swap.num_blocks

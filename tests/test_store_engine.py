@@ -4,6 +4,7 @@ prefill only their new tokens, report them as cached, and answer exactly as a re
 from __future__ import annotations
 
 import pytest
+import torch
 
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
@@ -20,8 +21,8 @@ from tests.engine_support import (  # noqa: F401 (single_thread is an autouse fi
 )
 
 
-def _engine(tmp_path, prefix_cache: bool, **store_kw):
-    runtime = tiny_runtime(num_blocks=128)
+def _engine(tmp_path, prefix_cache: bool, dtype=torch.float32, **store_kw):
+    runtime = tiny_runtime(num_blocks=128, dtype=dtype)
     store_kw.setdefault("dram_bytes", 1 << 20)
     settings = StoreSettings(data_dir=tmp_path, ssd_bytes=1 << 22, block_size=4, **store_kw)
     store = AttentionStore(settings, runtime.model.spec, runtime.model.fingerprint)
@@ -41,8 +42,14 @@ def _engine(tmp_path, prefix_cache: bool, **store_kw):
     ],
     ids=["dram", "apc", "ssd", "dram-async", "apc-ssd-async"],
 )
-def test_interleaved_sessions_reuse_history(tmp_path, prefix_cache, dram, async_save):
-    engine, store = _engine(tmp_path, prefix_cache, dram_bytes=dram, async_save=async_save)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interleaved_sessions_reuse_history(tmp_path, prefix_cache, dram, async_save, dtype):
+    """Restored from each tier (bf16 too, where the store keeps bf16 KV): the same greedy
+    tokens as the request alone, computed from scratch."""
+    storage = {"storage_dtype": dtype}
+    engine, store = _engine(
+        tmp_path, prefix_cache, dtype, dram_bytes=dram, async_save=async_save, **storage
+    )
     history = {sid: prompt(seed, 9 + 4 * seed) for seed, sid in enumerate(("a", "b", "c"))}
     computed: dict[str, int] = {}  # tokens of the previous turn (prompt + output)
     for turn in range(3):
@@ -54,7 +61,7 @@ def test_interleaved_sessions_reuse_history(tmp_path, prefix_cache, dram, async_
         outs = run_all(engine)
         for sid, req in reqs.items():
             got = tokens_of(outs[req.request_id])
-            assert got == run_alone(req), f"session {sid} turn {turn}"
+            assert got == run_alone(req, dtype=dtype), f"session {sid} turn {turn}"
             usage = outs[req.request_id][-1].usage
             if turn == 0:
                 assert usage.cached_tokens == 0
