@@ -40,7 +40,6 @@ class Linear:
         """weight [out, in] as transformers holds it (not copied for the `torch.mm` path)."""
         self.weight_t = weight.detach().t()  # [in, out] view: `x @ weight_t` is F.linear's mm
         self.bias = None if bias is None else bias.detach()
-        self.out_features = weight.shape[0]
         self.packed: torch.Tensor | None = None
         if pack:
             try:

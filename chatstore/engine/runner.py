@@ -32,11 +32,7 @@ from chatstore.engine.rope import RotaryEmbedding
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
 from chatstore.kernels.paged_attention import attend, paged_attention_reference
 from chatstore.kernels.paged_decode import paged_decode
-from chatstore.kernels.paged_prefill import (
-    native_prefill_applies,
-    native_prefill_supported,
-    paged_prefill,
-)
+from chatstore.kernels.paged_prefill import native_prefill_supported, paged_prefill
 from chatstore.model.spec import ModelSpec
 
 # Called per layer with the pre-RoPE K and the V of the step's new tokens ([T, Hkv, D] each):
@@ -56,11 +52,6 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: Linear  # [H] -> [2 I], fused gate/up
     down: Linear  # [I] -> [H]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalise in fp32, scale in the input dtype."""
-    return TorchOps.rms_norm(x, weight, eps)
 
 
 class ModelRunner:
@@ -169,10 +160,6 @@ class ModelRunner:
         """Whether a batch mixing decodes and prefill chunks attends as fast as either alone."""
         return self._native_prefill
 
-    @staticmethod
-    def _fresh_sequence(batch: ForwardBatch) -> bool:
-        return batch.num_seqs == 1 and batch.query_lens[0] == batch.context_lens[0] > 1
-
     def _attention(
         self,
         layer: int,
@@ -185,7 +172,7 @@ class ModelRunner:
         if self.attention == "auto":
             if batch.decode_plan is not None:
                 return paged_decode(q, k_cache, v_cache, batch.decode_plan, self.scale)
-            if native_prefill_applies(q, k_cache, v_cache):
+            if self._native_prefill:
                 return paged_prefill(q, k_cache, v_cache, batch.prefill_plan, self.scale)
             if (
                 k is not None
