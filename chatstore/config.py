@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -20,18 +21,25 @@ _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), read from /proc/cpuinfo."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags: set[str] = set()
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): from `cpuinfo` (the text
+    of /proc/cpuinfo), or this machine's, read once."""
+    flags = _cpu_flags() if cpuinfo is None else _flags_of(cpuinfo)
+    return any(f in flags for f in _BF16_CPU_FLAGS)
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        return _flags_of(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()
+
+
+def _flags_of(cpuinfo: str) -> frozenset[str]:
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-            break
-    return any(f in flags for f in _BF16_CPU_FLAGS)
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:
@@ -41,12 +49,10 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
             raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {name!r}")
         return name
     if device.startswith("cuda"):
-        return (
-            "bfloat16"
-            if torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-            else ("float32")
-        )
-    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+        fast = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    else:
+        fast = cpu_has_fast_bf16()
+    return "bfloat16" if fast else "float32"
 
 
 @dataclass
