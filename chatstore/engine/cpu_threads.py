@@ -47,3 +47,17 @@ def leave_cores_to_engine() -> int:
     cores = torch.get_num_threads()
     torch.set_num_threads(1)
     return cores
+
+
+def own_intra_op_threads(n: int) -> None:
+    """This thread's torch ops on n intra-op threads; the process setting (the engine thread,
+    threads started later) is put back. torch keeps the size per thread once a thread has
+    used it, and takes it from one process-wide value the first time: set, use, restore."""
+    before = torch.get_num_threads()
+    if before == n:
+        return
+    torch.set_num_threads(n)
+    torch.get_num_threads()  # this thread's pool size is fixed now, at n
+    restore = threading.Thread(target=torch.set_num_threads, args=(before,), daemon=True)
+    restore.start()
+    restore.join()

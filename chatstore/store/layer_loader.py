@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from chatstore.engine.cpu_threads import own_intra_op_threads
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
 from chatstore.store.read_buffer import ReadBuffer, StagedKV
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.writer import _own_torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class LayerLoader:
 
     def _run(self) -> None:
         if self.threads:
-            _own_torch_threads(self.threads)
+            own_intra_op_threads(self.threads)
         if self.kv_cache.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.kv_cache.device)
         while True:

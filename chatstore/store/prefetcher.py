@@ -19,8 +19,8 @@ import logging
 import threading
 from collections.abc import Callable, Hashable
 
+from chatstore.engine.cpu_threads import own_intra_op_threads
 from chatstore.store.hierarchy import TierHierarchy
-from chatstore.store.writer import _own_torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Prefetcher:
     def _loop(self) -> None:
         # Tier moves copy big tensors: on one intra-op thread, so that no second OpenMP pool
         # throttles the engine's (see chatstore/engine/cpu_threads.py).
-        _own_torch_threads(1)
+        own_intra_op_threads(1)
         while not self._stop.is_set():
             self._wake.wait(self.interval_s)
             self._wake.clear()

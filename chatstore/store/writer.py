@@ -37,6 +37,8 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from chatstore.engine.cpu_threads import own_intra_op_threads
+
 log = logging.getLogger(__name__)
 
 
@@ -156,7 +158,7 @@ class WriteBuffer:
 
     def _run(self) -> None:
         if self._intra_op_threads:
-            _own_torch_threads(self._intra_op_threads)
+            own_intra_op_threads(self._intra_op_threads)
         if self._nice and hasattr(os, "setpriority"):
             with contextlib.suppress(OSError):  # Linux: a thread's nice value is its own
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
@@ -184,19 +186,3 @@ class WriteBuffer:
                 self.failures += not ok
                 self._cond.notify_all()
             del job  # do not keep the last turn's KV alive while idle
-
-
-def _own_torch_threads(n: int) -> None:
-    """This thread's torch ops on n intra-op threads; the process setting (the engine thread,
-    threads started later) is put back. torch keeps the size per thread once a thread has
-    used it, and takes it from one process-wide value the first time: set, use, restore."""
-    import torch
-
-    before = torch.get_num_threads()
-    if before == n:
-        return
-    torch.set_num_threads(n)
-    torch.get_num_threads()  # this thread's pool size is fixed now, at n
-    restore = threading.Thread(target=torch.set_num_threads, args=(before,), daemon=True)
-    restore.start()
-    restore.join()
