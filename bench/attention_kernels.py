@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from engine_speed import median_seconds
 
 from chatstore.kernels.paged_attention import attend
 from chatstore.kernels.paged_prefill import make_prefill_plan, paged_prefill_native
@@ -28,13 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def median_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, reps)
 
 
 def case(new: int, context: int, dtype: torch.dtype) -> tuple[float, float]:
