@@ -3,8 +3,9 @@
 During every forward the connector's save_layer receives each layer's new pre-RoPE K and V. The
 baseline copies every request's rows separately (two copies and a position copy per request per
 layer: what chatstore did before LayerSaver); LayerSaver makes one copy per layer of the whole
-step's rows and names the rows once per step. Timed: the 30 layers of one decode step of the
-default model's shape (3 KV heads x 64), batch 1 / 8 / 32, median of --reps.
+step's rows, into each request's own pages of its row arena, and places the rows once per step.
+Timed: the 30 layers of one decode step of the default model's shape (3 KV heads x 64), batch
+1 / 8 / 32, median of --reps.
 
     python bench/save_layer.py [--reps 200]
 """

@@ -93,6 +93,9 @@ class Config:
     read_buffer_layers: int = -1  # layers of queued/hinted sessions staged ahead (-1 all, 0 off)
     read_buffer_bytes: int = 512 << 20  # what the read buffer may hold
     read_buffer_queue: str = "auto"  # stage queued sessions too: on | off | auto (GPU only)
+    chunk_tokens: int = 256  # tokens per stored KV chunk (a multiple of block_size)
+    persist: str = "write_back"  # completed chunks reach LMDB: write_back | write_through | off
+    persist_lag_s: float = 2.0  # write_back: at most this long after a chunk is stored
 
     @property
     def resolved_dtype(self) -> str:
@@ -141,6 +144,17 @@ class Config:
             raise ValueError(f"policy must be one of aware, lru, fifo, got {self.policy!r}")
         if self.prefetch_interval_s <= 0:
             raise ValueError(f"prefetch_interval_s must be > 0, got {self.prefetch_interval_s}")
+        if self.chunk_tokens <= 0 or self.chunk_tokens % self.block_size:
+            raise ValueError(
+                f"chunk_tokens must be a positive multiple of block_size ({self.block_size}), "
+                f"got {self.chunk_tokens}"
+            )
+        if self.persist not in ("write_back", "write_through", "off"):
+            raise ValueError(
+                f"persist must be write_back, write_through or off, got {self.persist!r}"
+            )
+        if self.persist_lag_s < 0:
+            raise ValueError(f"persist_lag_s must be >= 0, got {self.persist_lag_s}")
         if self.write_buffer_bytes <= 0:
             raise ValueError(f"write_buffer_bytes must be > 0, got {self.write_buffer_bytes}")
         if self.read_buffer_layers < -1:

@@ -91,7 +91,6 @@ def test_serve_process_with_keys_logs_and_exits_cleanly(tmp_path):
 def test_graceful_shutdown_drains_and_flushes(default_model, tmp_path):
     from chatstore.config import load_config
     from chatstore.store import create_store
-    from chatstore.store.session_kv import SessionKey
 
     srv = local_server(tmp_path, default_model, kv_cache_bytes=32 << 20, dram_bytes=128 << 20)
     srv.start()
@@ -125,6 +124,6 @@ def test_graceful_shutdown_drains_and_flushes(default_model, tmp_path):
     config = load_config(overrides={"data_dir": str(tmp_path)}, env={})
     store = create_store(config, default_model.spec, default_model.fingerprint)
     try:
-        assert store.hierarchy.tier_of(SessionKey("local", sid)) == "ssd"
+        assert store.tier_of("local", sid) == "ssd"
     finally:
         store.close()

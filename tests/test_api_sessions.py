@@ -12,6 +12,7 @@ import pytest
 
 from chatstore.api.launcher import local_server
 from chatstore.api.settings import ServerSettings
+from tests.store_support import push_down
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -230,20 +231,20 @@ def test_prefetch_hint_moves_kv_up_and_is_tenant_checked(server, alice, bob, adm
     sid = alice.post("/v1/sessions", json={}).json()["id"]
     assert alice.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi.", **GREEDY}).is_success
     store = _kv_store(server)
-    assert store.settings.async_save and store.hierarchy.chooser.policy.name == "aware"
+    assert store.settings.async_save and store.session_policy.policy.name == "aware"
     assert alice.get(f"/v1/sessions/{sid}").json()["kv_location"] == "dram"
-    store.hierarchy.demote_all(0)  # as if DRAM had filled up: the session is on SSD now
+    push_down(store, "alice", sid)  # as if DRAM had filled up: the session is on SSD now
     assert alice.get(f"/v1/sessions/{sid}").json()["kv_location"] == "ssd"
     before = _moved_up(admin)
     assert bob.post(f"/v1/sessions/{sid}/prefetch").status_code == 404  # another tenant's
     assert alice.post("/v1/sessions/nope-unknown/prefetch").status_code == 404
-    assert _kv_store(server).hierarchy.tier_of(_key("alice", sid)) == "ssd"  # bob moved nothing
+    assert _kv_store(server).tier_of("alice", sid) == "ssd"  # bob moved nothing
     accepted = alice.post(f"/v1/sessions/{sid}/prefetch")
     assert accepted.status_code == 202 and accepted.json()["accepted"] is True
     assert _poll_location(alice, sid, "dram") == "dram"
     # Moved once: by the prefetch thread, or by the read buffer's lookup (an SSD hit) if that
     # got there first.
-    assert _moved_up(admin) == before + 1
+    assert _moved_up(admin) == before + 1, admin.get("/admin/cache").json()["tiers"]
     deadline = time.monotonic() + 10
     while (engine := admin.get("/admin/cache").json()["engine"])["read_buffer_staged"] < 1:
         assert time.monotonic() < deadline, "the hint never staged the session's KV"

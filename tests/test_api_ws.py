@@ -11,6 +11,7 @@ import pytest
 from websockets.sync.client import connect
 
 from chatstore.api.launcher import local_server
+from tests.store_support import push_down
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -145,7 +146,7 @@ def test_ws_typing_prefetches_the_session(server, http):
         ws.send(json.dumps(turn))
         assert until(ws, "done")[0]["type"] == "done"
         assert http.get(f"/v1/sessions/{sid}").json()["kv_location"] == "dram"
-        server.app.state.service.store.store.hierarchy.demote_all(0)  # pushed down to SSD
+        push_down(server.app.state.service.store.store, "local", sid)  # pushed down to SSD
         assert http.get(f"/v1/sessions/{sid}").json()["kv_location"] == "ssd"
         ws.send(json.dumps({"type": "typing"}))
         deadline = time.monotonic() + 10

@@ -18,7 +18,7 @@ import pytest
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.writer import WriteBuffer
-from tests.test_store_attention_store import SPEC, TOKEN_BYTES, value
+from tests.test_store_attention_store import SPEC, TOKEN_BYTES, save_later, value
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,21 +30,13 @@ def make(tmp_path, **kw) -> AttentionStore:
     return AttentionStore(StoreSettings(data_dir=tmp_path, **kw), SPEC, "fp")
 
 
-def slow(v: SessionKV, gate: threading.Event):
-    def build() -> SessionKV:
-        gate.wait(10)
-        return v
-
-    return build
-
-
 def test_save_later_returns_before_the_write_and_lookup_waits(tmp_path):
     store = make(tmp_path)
     old, new = value(16, 1), value(24, 2)
     store.save("t", "s", old)
     gate = threading.Event()
     t0 = time.perf_counter()
-    store.save_later("t", "s", slow(new, gate), new.nbytes)
+    save_later(store, "t", "s", new, gate)
     assert time.perf_counter() - t0 < 0.5  # did not wait for the (blocked) write
     assert store.writer.is_pending(SessionKey("t", "s"))
     threading.Timer(0.2, gate.set).start()
@@ -57,9 +49,9 @@ def test_save_later_returns_before_the_write_and_lookup_waits(tmp_path):
 def test_sync_mode_writes_in_the_caller(tmp_path):
     store = make(tmp_path, async_save=False)
     v = value(16, 3)
-    store.save_later("t", "s", lambda: v, v.nbytes)
+    save_later(store, "t", "s", v)
     assert not store.writer.is_pending(SessionKey("t", "s"))
-    assert store.hierarchy.tier_of(SessionKey("t", "s")) == "dram"
+    assert store.tier_of("t", "s") == "dram"
     store.close()
 
 
@@ -67,9 +59,9 @@ def test_turns_of_one_session_land_in_order_and_delete_waits(tmp_path):
     store = make(tmp_path)
     values = [value(16 + i, i) for i in range(5)]
     for v in values:
-        store.save_later("t", "s", lambda v=v: v, v.nbytes)
+        save_later(store, "t", "s", v)
     assert store.lookup("t", "s").equal(values[-1])
-    store.save_later("t", "s", lambda: values[0], values[0].nbytes)
+    save_later(store, "t", "s", values[0])
     assert store.delete_session("t", "s")
     assert store.lookup("t", "s") is None  # the pending write did not resurrect it
     store.close()
@@ -116,7 +108,7 @@ def test_a_failed_write_is_logged_and_not_pending():
 def test_close_commits_pending_writes(tmp_path):
     store = make(tmp_path)
     v = value(16, 4)
-    store.save_later("t", "s", lambda: v, v.nbytes)
+    save_later(store, "t", "s", v)
     store.close()
     again = make(tmp_path)
     assert again.lookup("t", "s").equal(v)
@@ -128,7 +120,7 @@ CHILD = textwrap.dedent(
     import sys, torch
     from pathlib import Path
     from chatstore.store import AttentionStore, StoreSettings
-    from tests.test_store_attention_store import SPEC
+    from tests.test_store_attention_store import SPEC, save_later
     from tests.test_store_async_save import versions
 
     settings = StoreSettings(data_dir=Path(sys.argv[1]), dram_bytes=0, ssd_bytes=1 << 28,
@@ -141,7 +133,7 @@ CHILD = textwrap.dedent(
     while True:
         i += 1
         v = vs[1 + i % 2]
-        store.save_later("t", "s", lambda v=v: v, v.nbytes)
+        save_later(store, "t", "s", v)
         store.writer.flush()
     """
 )
@@ -181,6 +173,8 @@ def test_kill_during_async_save_leaves_a_complete_turn(tmp_path, delay_s):
     got = store.lookup("t", "s")
     assert got is not None
     assert any(got.equal(v) for v in versions()), f"torn KV: {got.num_tokens} tokens"
+    chain = store.index.get(SessionKey("t", "s"))
+    assert set(store.tier("ssd").keys()) == set(chain.chunks), "an orphan chunk survived"
     store.close(flush_dram=False)
 
 

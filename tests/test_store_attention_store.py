@@ -46,6 +46,20 @@ def value(num_tokens: int, seed: int = 0) -> SessionKV:
     return SessionKV(ids, torch.randn((2, 2, num_tokens, 2, 4), generator=g))
 
 
+def save_later(store: AttentionStore, tenant: str, session_id: str, v: SessionKV, gate=None):
+    """v as the session's whole history through save_turn (the writer thread with async_save);
+    its chunks are built only once `gate` is set."""
+    plan = store.plan_turn(tenant, list(v.token_ids), None, 0)
+
+    def build() -> dict:
+        if gate is not None:
+            gate.wait(10)
+        spans = plan.new_spans()
+        return {k: SessionKV(v.token_ids[a:b], v.kv[:, :, a:b].clone()) for _, k, a, b in spans}
+
+    store.save_turn(tenant, session_id, plan, build, v.nbytes)
+
+
 def make(tmp_path, fingerprint: str = "fp", **kw) -> AttentionStore:
     kw.setdefault("dram_bytes", 64 * 16 * TOKEN_BYTES)
     kw.setdefault("ssd_bytes", 1 << 20)
@@ -99,24 +113,23 @@ def test_delete_removes_kv_from_every_tier_and_the_record(tmp_path, redis_url):
     store = make(tmp_path, dram_bytes=2 * 16 * TOKEN_BYTES, ssd_bytes=3000, redis_url=redis_url)
     for i in range(4):
         store.save("acme", f"s{i}", value(16, seed=i))
-    tiers = {store.hierarchy.tier_of(store.key("acme", f"s{i}")) for i in range(4)}
+    tiers = {store.tier_of("acme", f"s{i}") for i in range(4)}
     assert tiers == {"dram", "ssd", "remote"}
     for i in range(4):
         assert store.delete_session("acme", f"s{i}")
         assert store.lookup("acme", f"s{i}") is None
         assert store.records.get(store.key("acme", f"s{i}")) is None
-    assert all(t.used_bytes() == 0 for t in store.hierarchy.tiers)
+    assert all(t.used_bytes() == 0 for t in store.tiers.tiers)
     store.close(flush_dram=False)
 
 
 def test_expired_session_is_forgotten(tmp_path):
-    store = make(tmp_path, session_ttl_s=50)
+    store = make(tmp_path, session_ttl_s=1)
     store.save("acme", "s1", value(8))
-    record = store.records.get(store.key("acme", "s1"))
-    record.updated_at -= 100
-    store.records.put(record)
+    time.sleep(1.1)
     assert store.lookup("acme", "s1") is None
-    assert store.hierarchy.tier_of(store.key("acme", "s1")) is None
+    assert store.tier_of("acme", "s1") is None
+    assert store.tiers.keys() == set()
     store.close()
 
 
@@ -133,7 +146,7 @@ def test_model_change_invalidates_everything(tmp_path):
 def test_graceful_close_keeps_dram_sessions_on_disk(tmp_path):
     store = make(tmp_path)
     store.save("acme", "s1", value(8))
-    assert store.hierarchy.tier_of(store.key("acme", "s1")) == "dram"
+    assert store.tier_of("acme", "s1") == "dram"
     store.close()
     again = make(tmp_path)
     assert again.lookup("acme", "s1").equal(value(8))
@@ -172,7 +185,9 @@ def test_kill_9_loses_no_acknowledged_record_or_kv(tmp_path):
 
 
 def test_fit_context_cuts_prompt_and_saved_kv(tmp_path):
-    store = make(tmp_path, max_context_tokens=40, truncation_ratio=0.5)
+    store = make(
+        tmp_path, max_context_tokens=40, truncation_ratio=0.5, block_size=4, chunk_tokens=4
+    )
     history = value(30)
     store.save("acme", "s1", history)
     prompt = [*history.token_ids, 7, 8, 9, 10, 11]  # 35 tokens: fits
@@ -204,7 +219,7 @@ def test_config_switches_and_data_dir(tmp_path):
     store = create_store(on, SPEC, "fp")
     assert store.settings.data_dir == tmp_path / "d"
     assert (tmp_path / "d" / "kv.lmdb").is_dir() and (tmp_path / "d" / "records.lmdb").is_dir()
-    assert [t.name for t in store.hierarchy.tiers] == ["ssd"]
+    assert [t.name for t in store.tiers.tiers] == ["ssd"]
     store.close()
     with pytest.raises(ValueError):
         load_config(env={"CHATSTORE_KV_STORE": "maybe"})

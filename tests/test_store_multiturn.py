@@ -105,6 +105,9 @@ def reference(default_model):
     return turns
 
 
+CHUNK = 32  # tokens per stored chunk: several per conversation, so chains and tails are exercised
+
+
 def make_store(model, data_dir: Path, tier: str, redis_url: str = "") -> AttentionStore:
     dram = {"dram": 64 << 20}.get(tier, 0)
     ssd = {"lmdb": 256 << 20, "restart": 256 << 20}.get(tier, 0)
@@ -114,6 +117,7 @@ def make_store(model, data_dir: Path, tier: str, redis_url: str = "") -> Attenti
         ssd_bytes=ssd,
         redis_url=redis_url if tier == "redis" else "",
         redis_bytes=256 << 20,
+        chunk_tokens=CHUNK,
     )
     return AttentionStore(settings, model.spec, model.fingerprint)
 
@@ -132,7 +136,8 @@ def test_history_restored_from_tier_gives_identical_tokens(
         if tier == "restart" and i > 0:
             store.close()  # nothing in memory survives: a new store over the same data dir
             store = make_store(default_model, tmp_path, tier)
-            assert store.tier("ssd").keys() == [store.key("acme", "s1")]
+            chain = store.index.get(store.key("acme", "s1"))
+            assert set(store.tier("ssd").keys()) == set(chain.chunks)
         engine.attach(StoreConnector(store, engine.cache, engine.runner.rope))
         got = engine.turn(ref.prompt)
         assert got.output == ref.output, f"turn {i + 1} differs when restored from {tier}"
@@ -142,8 +147,8 @@ def test_history_restored_from_tier_gives_identical_tokens(
             prev = reference[i - 1]
             # Everything up to the previous reply's re-rendering is reused.
             assert got.cached >= len(prev.prompt) + len(prev.output) - 2
-            assert store.stats().counters.tier(tier_name).hits == (1 if tier == "restart" else i)
-        assert store.hierarchy.tier_of(store.key("acme", "s1")) == tier_name
+            assert store.stats().counters.tier(tier_name).hits > 0
+        assert store.tier_of("acme", "s1") == tier_name
     saved = store.saved_tokens("acme", "s1")
     assert saved == (reference[-1].prompt + reference[-1].output)[: len(saved)]
     store.close()
@@ -154,10 +159,11 @@ def test_corrupted_lmdb_value_is_a_miss_and_recomputed(default_model, reference,
     store = make_store(default_model, tmp_path, "lmdb")
     engine.attach(StoreConnector(store, engine.cache, engine.runner.rope))
     engine.turn(reference[0].prompt)
-    ssd, key = store.tier("ssd"), store.key("acme", "s1")
-    chunk = bytearray(ssd.raw_chunk(key, 0))
+    ssd = store.tier("ssd")
+    first = store.index.get(store.key("acme", "s1")).chunks[0]
+    chunk = bytearray(ssd.raw_value(first))
     chunk[len(chunk) // 2] ^= 0x01  # one flipped bit in the middle of the KV
-    ssd.write_raw_chunk(key, 0, bytes(chunk))
+    ssd.write_raw_value(first, bytes(chunk))
     got = engine.turn(reference[1].prompt)
     assert got.cached == 0 and got.output == reference[1].output
     assert store.stats().counters.tier("ssd").corrupt == 1

@@ -15,6 +15,7 @@ from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.events import StoreEvent
 from chatstore.store.policy import PolicyChooser
 from chatstore.store.session_kv import SessionKey
+from tests.store_support import push_down
 from tests.test_store_attention_store import SPEC, TOKEN_BYTES, value
 
 BLOCK = 16 * TOKEN_BYTES  # one DRAM block = one 16-token session
@@ -33,12 +34,18 @@ def key(sid: str) -> SessionKey:
     return SessionKey("t", sid)
 
 
+def session_of(store: AttentionStore, chunk) -> SessionKey | None:
+    """The session holding a chunk (every session here is one chunk of its own)."""
+    owners = store.index.owners_of(chunk)
+    return next(iter(owners)) if owners else None
+
+
 def evictions(store: AttentionStore) -> list[SessionKey]:
     out: list[SessionKey] = []
 
     def listen(e: StoreEvent) -> None:
         if e.kind == "evicted" and e.tier == "dram":
-            out.append(e.key)
+            out.append(session_of(store, e.key))
 
     store.add_listener(listen)
     return out
@@ -67,8 +74,8 @@ def test_config_policy_key(tmp_path):
 
 def test_store_uses_policy_chooser(tmp_path):
     store = make(tmp_path)
-    assert isinstance(store.hierarchy.chooser, PolicyChooser)
-    assert store.hierarchy.chooser.policy.name == "aware"
+    assert isinstance(store.session_policy, PolicyChooser)
+    assert store.session_policy.policy.name == "aware"
     store.close()
 
 
@@ -80,9 +87,9 @@ def test_aware_evicts_the_session_outside_the_queue(tmp_path):
     store.set_waiting_queue(lambda: [key("a")])  # ... but its next turn is queued
     store.save("t", "c", value(16, 3))
     assert evicted == [key("b")]
-    assert store.hierarchy.tier_of(key("a")) == "dram"
-    assert store.hierarchy.tier_of(key("b")) == "ssd"
-    assert store.hierarchy.tier_of(key("c")) == "dram"
+    assert store.tier_of("t", "a") == "dram"
+    assert store.tier_of("t", "b") == "ssd"
+    assert store.tier_of("t", "c") == "dram"
     store.close()
 
 
@@ -130,17 +137,18 @@ def test_queued_sessions_are_evicted_only_when_nothing_else_is_left(tmp_path, sa
     bad: list[str] = []
 
     def listen(e: StoreEvent) -> None:
-        if e.kind == "evicted" and e.tier == "dram" and e.key in queued:
-            others = set(dram.keys()) - {incoming[-1]}
+        victim = session_of(store, e.key)
+        if e.kind == "evicted" and e.tier == "dram" and victim in queued:
+            others = {session_of(store, c) for c in dram.keys()} - {incoming[-1], None}  # noqa: SIM118
             if others - queued:
-                bad.append(f"evicted queued {e.key} while {others - queued} were resident")
+                bad.append(f"evicted queued {victim} while {others - queued} were resident")
 
     store.add_listener(listen)
     try:
         for i, (sid, tokens) in enumerate(saves):
             incoming.append(key(str(sid)))
             store.save("t", str(sid), value(tokens, i))
-            store.hierarchy.check_capacity()
+            store.tiers.check_capacity()
         assert not bad, bad
     finally:
         store.close()
@@ -149,10 +157,15 @@ def test_queued_sessions_are_evicted_only_when_nothing_else_is_left(tmp_path, sa
 # -- fetch ------------------------------------------------------------------------------------
 
 
+def prefetch(store: AttentionStore, sid: str) -> bool:
+    """One prefetch of the session's chunks, as the prefetch thread does it."""
+    return store._prefetch_session(key(sid), False) > 0
+
+
 def demoted(store: AttentionStore, sid: str, seed: int = 1) -> None:
     store.save("t", sid, value(16, seed))
-    store.hierarchy.demote_all(0)
-    assert store.hierarchy.tier_of(key(sid)) == "ssd"
+    push_down(store, "t", sid)
+    assert store.tier_of("t", sid) == "ssd"
 
 
 @pytest.mark.parametrize("policy", ["aware", "lru", "fifo"])
@@ -160,7 +173,7 @@ def test_prefetch_hint_moves_a_session_up(tmp_path, policy):
     store = make(tmp_path, policy)
     demoted(store, "a")
     store.prefetch("t", "a")
-    assert wait_for(lambda: store.hierarchy.tier_of(key("a")) == "dram")
+    assert wait_for(lambda: store.tier_of("t", "a") == "dram")
     assert store.stats().counters.prefetches == 1
     assert store.lookup("t", "a").equal(value(16, 1))
     store.close()
@@ -173,11 +186,11 @@ def test_queued_session_is_prefetched(tmp_path):
     queue: list[SessionKey] = []
     store.set_waiting_queue(lambda: list(queue))
     time.sleep(0.05)
-    assert store.hierarchy.tier_of(key("a")) == "ssd"  # not queued: stays down
+    assert store.tier_of("t", "a") == "ssd"  # not queued: stays down
     queue.append(key("a"))
-    assert wait_for(lambda: store.hierarchy.tier_of(key("a")) == "dram")
+    assert wait_for(lambda: store.tier_of("t", "a") == "dram")
     assert store.stats().counters.prefetches >= 1
-    assert store.hierarchy.tier_of(key("b")) == "dram"  # room enough: nothing pushed out
+    assert store.tier_of("t", "b") == "dram"  # room enough: nothing pushed out
     store.close()
 
 
@@ -186,7 +199,7 @@ def test_lru_does_not_prefetch_from_the_queue(tmp_path):
     demoted(store, "a")
     store.set_waiting_queue(lambda: [key("a")])
     store.prefetcher.run_once()
-    assert store.hierarchy.tier_of(key("a")) == "ssd"
+    assert store.tier_of("t", "a") == "ssd"
     store.close()
 
 
@@ -215,7 +228,7 @@ def test_prefetch_races_with_lookups(tmp_path):
             sid = str(rng.randrange(5))
             got = store.lookup("t", sid)
             assert got is not None and got.equal(values[sid])
-            store.hierarchy.check_capacity()
+            store.tiers.check_capacity()
             n += 1
         assert n > 10
     finally:
@@ -231,11 +244,11 @@ def test_prefetch_does_not_push_out_a_session_queued_sooner(tmp_path):
     demoted(store, "b", 2)
     store.save("t", "a", value(16, 1))  # a fills DRAM
     store.set_waiting_queue(lambda: [key("a"), key("b")])
-    assert store.hierarchy.prefetch(key("b")) is False  # would push a (runs first) out
-    assert store.hierarchy.tier_of(key("a")) == "dram"
+    assert prefetch(store, "b") is False  # would push a (runs first) out
+    assert store.tier_of("t", "a") == "dram"
     store.set_waiting_queue(lambda: [key("b"), key("a")])
-    assert store.hierarchy.prefetch(key("b")) is True  # b runs first now: a moves down
-    assert store.hierarchy.tier_of(key("a")) == "ssd"
+    assert prefetch(store, "b") is True  # b runs first now: a moves down
+    assert store.tier_of("t", "a") == "ssd"
     store.close()
 
 
@@ -247,7 +260,7 @@ def test_queued_session_from_before_a_restart_is_prefetched(tmp_path):
     store.prefetcher.close()
     store.save("t", "b", value(16, 2))  # DRAM full of a session nobody waits for
     store.set_waiting_queue(lambda: [key("a")])
-    assert store.hierarchy.prefetch(key("a")) is True
-    assert store.hierarchy.tier_of(key("b")) == "ssd"
+    assert prefetch(store, "a") is True
+    assert store.tier_of("t", "b") == "ssd"
     assert store.lookup("t", "a").equal(value(16, 1))
     store.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from collections import deque
@@ -11,15 +12,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from chatstore.store import codec
+from chatstore.store.chunks import ChunkKey
 from chatstore.store.dram_tier import DramTier, KVLayout
 from chatstore.store.lmdb_tier import LmdbTier, encoded_footprint
 from chatstore.store.redis_tier import RedisTier
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_kv import SessionKV
 from chatstore.store.tier import TierFull
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 BLOCK = 4  # tokens per DRAM block
 BLOCK_BYTES = LAYOUT.bytes_per_token * BLOCK  # 2 * 2 * 2 * 4 * 4 B * 4 tokens = 512
+
+
+def K(name: str, tenant: str = "t") -> ChunkKey:
+    return ChunkKey(tenant, hashlib.blake2b(name.encode(), digest_size=16).hexdigest())
 
 
 def value(num_tokens: int, seed: int = 0) -> SessionKV:
@@ -32,8 +38,8 @@ def make_tier(kind: str, capacity: int, path, client=None, fingerprint: str = "f
     if kind == "dram":
         return DramTier(capacity, LAYOUT, BLOCK)
     if kind == "lmdb":
-        return LmdbTier(path, capacity, fingerprint, chunk_bytes=256)
-    return RedisTier(client, capacity, fingerprint, ttl_s=60, chunk_bytes=256)
+        return LmdbTier(path, capacity, fingerprint)
+    return RedisTier(client, capacity, fingerprint, ttl_s=60)
 
 
 @pytest.fixture(params=["dram", "lmdb", "redis"])
@@ -54,7 +60,7 @@ def tier_factory(request, tmp_path):
 
 def test_put_get_delete_round_trip(tier_factory):
     tier = tier_factory(64 * BLOCK_BYTES)
-    a, b = SessionKey("t", "a"), SessionKey("t", "b")
+    a, b = K("a"), K("b")
     tier.put(a, value(7, seed=1))
     tier.put(b, value(3, seed=2))
     assert tier.get(a).equal(value(7, seed=1))
@@ -63,10 +69,7 @@ def test_put_get_delete_round_trip(tier_factory):
     assert tier.used_bytes() == tier.size_of(a) + tier.size_of(b) > 0
     assert tier.delete(a) and not tier.contains(a) and tier.get(a) is None
     assert not tier.delete(a)
-    assert tier.used_bytes() == tier.size_of(b)
-    tier.put(b, value(9, seed=3))  # replace
-    assert tier.get(b).equal(value(9, seed=3))
-    assert tier.used_bytes() == tier.footprint(value(9, seed=3))
+    assert tier.used_bytes() == tier.size_of(b) == tier.footprint(value(3, seed=2))
 
 
 def test_capacity_is_never_exceeded(tier_factory):
@@ -75,23 +78,23 @@ def test_capacity_is_never_exceeded(tier_factory):
     capacity = 3 * probe.footprint(one)
     tier = tier_factory(capacity)
     for i in range(3):
-        tier.put(SessionKey("t", str(i)), value(8, seed=i))
+        tier.put(K(str(i)), value(8, seed=i))
     with pytest.raises(TierFull):
-        tier.put(SessionKey("t", "overflow"), value(8, seed=9))
+        tier.put(K("overflow"), value(8, seed=9))
     assert tier.used_bytes() <= tier.capacity
-    assert not tier.contains(SessionKey("t", "overflow"))
-    tier.put(SessionKey("t", "0"), value(8, seed=5))  # replacing in place still fits
-    assert tier.get(SessionKey("t", "0")).equal(value(8, seed=5))
+    assert not tier.contains(K("overflow"))
+    tier.put(K("0"), value(8, seed=0))  # a chunk already there: no room needed
+    assert tier.get(K("0")).equal(value(8, seed=0))
 
 
 def test_dram_counts_whole_blocks():
     tier = DramTier(10 * BLOCK_BYTES, LAYOUT, BLOCK)
     assert tier.capacity == 10 * BLOCK_BYTES
-    tier.put(SessionKey("t", "a"), value(5))  # 2 blocks
-    tier.put(SessionKey("t", "b"), value(4))  # 1 block
+    tier.put(K("a"), value(5))  # 2 blocks
+    tier.put(K("b"), value(4))  # 1 block
     assert tier.used_bytes() == 3 * BLOCK_BYTES
     tier.check_integrity()
-    tier.delete(SessionKey("t", "a"))
+    tier.delete(K("a"))
     assert tier.used_bytes() == BLOCK_BYTES
     tier.check_integrity()
 
@@ -99,42 +102,42 @@ def test_dram_counts_whole_blocks():
 def test_dram_stores_in_its_dtype():
     layout = KVLayout(2, 2, 4, torch.bfloat16)
     tier = DramTier(8 * layout.bytes_per_token * BLOCK, layout, BLOCK)
-    tier.put(SessionKey("t", "a"), value(6))
-    got = tier.get(SessionKey("t", "a"))
+    tier.put(K("a"), value(6))
+    got = tier.get(K("a"))
     assert got.dtype == torch.bfloat16
     assert torch.equal(got.kv, value(6).kv.to(torch.bfloat16))
     assert tier.used_bytes() == 2 * BLOCK_BYTES // 2
 
 
 def test_lmdb_warm_restart_finds_sessions(tmp_path):
-    tier = LmdbTier(tmp_path / "kv.lmdb", 1 << 20, "fp", chunk_bytes=128)
-    tier.put(SessionKey("t", "a"), value(6, seed=4))
+    tier = LmdbTier(tmp_path / "kv.lmdb", 1 << 20, "fp")
+    tier.put(K("a"), value(6, seed=4))
     used = tier.used_bytes()
     tier.close()
-    again = LmdbTier(tmp_path / "kv.lmdb", 1 << 20, "fp", chunk_bytes=128)
-    assert again.keys() == [SessionKey("t", "a")]
+    again = LmdbTier(tmp_path / "kv.lmdb", 1 << 20, "fp")
+    assert again.keys() == [K("a")]
     assert again.used_bytes() == used
-    assert again.get(SessionKey("t", "a")).equal(value(6, seed=4))
+    assert again.get(K("a")).equal(value(6, seed=4))
     again.close()
 
 
 def test_lmdb_of_another_model_is_emptied_at_open(tmp_path):
     tier = LmdbTier(tmp_path / "kv.lmdb", 1 << 20, "model-a")
-    tier.put(SessionKey("t", "a"), value(6))
+    tier.put(K("a"), value(6))
     tier.close()
     other = LmdbTier(tmp_path / "kv.lmdb", 1 << 20, "model-b")
     assert other.keys() == [] and other.used_bytes() == 0
-    assert other.get(SessionKey("t", "a")) is None
+    assert other.get(K("a")) is None
     other.close()
 
 
 def test_lmdb_flipped_byte_is_detected_and_dropped(tmp_path):
-    tier = LmdbTier(tmp_path / "kv.lmdb", 1 << 20, "fp", chunk_bytes=128)
-    key = SessionKey("t", "a")
+    tier = LmdbTier(tmp_path / "kv.lmdb", 1 << 20, "fp")
+    key = K("a")
     tier.put(key, value(6))
-    chunk = bytearray(tier.raw_chunk(key, 2))
-    chunk[17] ^= 0xFF
-    tier.write_raw_chunk(key, 2, bytes(chunk))
+    chunk = bytearray(tier.raw_value(key))
+    chunk[len(chunk) - 17] ^= 0xFF  # a byte of the KV
+    tier.write_raw_value(key, bytes(chunk))
     with pytest.raises(codec.CorruptValueError):
         tier.get(key)
     assert not tier.contains(key) and tier.used_bytes() == 0
@@ -151,30 +154,31 @@ def test_lmdb_footprint_counts_encoded_bytes(tmp_path):
 def test_redis_keys_are_namespaced_by_fingerprint_and_tenant(redis_client):
     a = RedisTier(redis_client, 1 << 20, "model-a", ttl_s=60)
     b = RedisTier(redis_client, 1 << 20, "model-b", ttl_s=60)
-    a.put(SessionKey("acme", "s1"), value(4))
-    assert b.get(SessionKey("acme", "s1")) is None and b.keys() == []
+    a.put(K("s1", "acme"), value(4))
+    assert b.get(K("s1", "acme")) is None and b.keys() == []
     names = [n.decode() for n in redis_client.keys("*")]
     assert names and all(n.startswith("chatstore:kv:model-a:acme:") for n in names)
     assert all(0 < redis_client.ttl(n) <= 60 for n in names)
     # A second process with the same model finds what the first wrote.
-    assert RedisTier(redis_client, 1 << 20, "model-a").keys() == [SessionKey("acme", "s1")]
+    assert RedisTier(redis_client, 1 << 20, "model-a").keys() == [K("s1", "acme")]
 
 
 def test_redis_expired_value_is_a_miss(redis_client):
-    tier = RedisTier(redis_client, 1 << 20, "fp", ttl_s=1, chunk_bytes=64)
-    tier.put(SessionKey("t", "a"), value(4))
+    tier = RedisTier(redis_client, 1 << 20, "fp", ttl_s=1)
+    tier.put(K("a"), value(4))
     time.sleep(1.2)
-    assert tier.get(SessionKey("t", "a")) is None
+    assert tier.get(K("a")) is None
     assert tier.used_bytes() == 0
 
 
 def test_redis_flipped_byte_is_detected_and_dropped(redis_client):
-    tier = RedisTier(redis_client, 1 << 20, "fp", ttl_s=60, chunk_bytes=64)
-    key = SessionKey("t", "a")
+    tier = RedisTier(redis_client, 1 << 20, "fp", ttl_s=60)
+    key = K("a")
     tier.put(key, value(4))
-    name = tier._base(key) + ":c:1"
+    name = tier._name(key)
+    assert name.endswith("{" + key.digest + "}")  # one Redis Cluster slot per chunk
     chunk = bytearray(redis_client.get(name))
-    chunk[3] ^= 1
+    chunk[len(chunk) - 3] ^= 1
     redis_client.set(name, bytes(chunk))
     with pytest.raises(codec.CorruptValueError):
         tier.get(key)
@@ -208,7 +212,7 @@ def test_dram_get_copies_each_element_once(scatter):
     if scatter:  # blocks handed out in no order, as after many puts and deletes
         tier._free = deque(random.Random(0).sample(list(tier._free), len(tier._free)))
     for num_tokens in (0, 1, 3, 4, 9, 37):
-        key, v = SessionKey("t", str(num_tokens)), value(num_tokens, seed=num_tokens)
+        key, v = K(str(num_tokens)), value(num_tokens, seed=num_tokens)
         tier.put(key, v)
         with _ElementsWritten() as counter:
             got = tier.get(key)

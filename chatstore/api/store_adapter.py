@@ -122,7 +122,7 @@ class StoreAdapter:
         out = []
         for occ in stats.occupancy:
             tc = c.tiers.get(occ.name)
-            first_store_tier = occ.name == self.store.hierarchy.tiers[0].name
+            first_store_tier = occ.name == self.store.tiers.tiers[0].name
             out.append(
                 TierStats(
                     name=occ.name,
@@ -142,7 +142,7 @@ class StoreAdapter:
     def flush(self) -> int:
         if self.store is None:
             return 0
-        dropped = sum(len(t.keys()) for t in self.store.hierarchy.tiers)
+        dropped = sum(1 for key in self.store.index.sessions() if self.store.index.get(key))
         self.store.invalidate_all()
         return dropped
 

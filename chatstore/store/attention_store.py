@@ -1,29 +1,37 @@
-"""AttentionStore: session KV across turns in DRAM -> LMDB -> Redis, plus durable records.
+"""AttentionStore: session KV across turns as immutable chunks in DRAM -> LMDB -> Redis.
 
-Built from config by `create_store` (None when `kv_store = "off"`). Everything on disk lives
-under `data_dir`:
+Built from config by `create_store` (None when `kv_store = "off"`). On disk, under `data_dir`:
 
-    <data_dir>/kv.lmdb        SSD tier (session KV; remembers the model fingerprint)
-    <data_dir>/records.lmdb   session records (when no Redis is configured)
+    <data_dir>/kv.lmdb        SSD tier: one key per chunk (remembers the model fingerprint)
+    <data_dir>/records.lmdb   session records, with their chunk lists (when no Redis is set)
 
-Placement (`policy`): a `PolicyChooser` over `make_policy(policy, tier capacities)` decides which
-session a full tier gives up; its look-ahead is the engine's waiting queue, handed in with
-`set_waiting_queue` (scheduler-aware eviction, §3.3.2). Two background threads, both started on
-first use: `Prefetcher` moves queued / hinted sessions up to DRAM (§3.3.1) and `WriteBuffer`
-commits finished turns saved with `save_later` (async save, §3.2.2).
+A session is a chain of chunks (chunks.py): its record lists the chunk keys, the index
+(session_index.py) counts who holds each chunk, the tiers (chunk_tiers.py) store each chunk
+once. A turn stores only the chunks it completed and its new tail (`plan_turn` + `save_turn`);
+a lookup (`find`) answers from memory which leading tokens are stored, and the connector reads
+only the chunks beyond the device's own prefix-cache hit (`read_chunks`).
 
-Reads of a session with a turn still queued in the write buffer get that turn from the buffer
-(`WriteBuffer.peek`: the very value the writer commits), not after waiting for the commit.
+Order of a turn's save: the session's new chain is indexed at once (a lookup from now on sees
+the new turn; its chunks are served from the write buffer until they land), the writer thread
+then stores the new chunks, deletes the chunks nobody holds any more, and writes the record.
+Every change to which chunks exist runs on the writer thread or under `_mutate`, and re-checks
+references when it runs: a chunk is stored only while some session holds it and deleted only
+when none does, so no interleaving of turns, deletes and truncations leaks or loses one. At
+start, chunks on SSD that no record lists (a crash between the two) are deleted.
 
-`version(tenant, session_id)` changes whenever the session's saved KV may have changed (save,
-save_later at submit, delete, truncation, expiry purge, invalidate_all) and not when it only
-moves between tiers: a component holding a copy of a session's KV compares versions to know
-whether its copy is stale.
+Placement: `PolicyChooser(make_policy(policy))` ranks sessions (scheduler-aware look-ahead
+through `set_waiting_queue`); `ChunkPlacement` turns that into chunk victims. The prefetch thread
+moves the chunks of queued or hinted sessions up to DRAM. `persist` (write_back by default)
+copies stored chunks to LMDB within `persist_lag_s`, so a restart after kill -9 is warm.
+
+`version(tenant, session_id)` changes whenever the session's saved KV may have changed and not
+when it only moves between tiers (the read buffer compares it to know if a copy is stale).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 from collections.abc import Callable, Hashable, Iterable
@@ -35,19 +43,25 @@ import torch
 
 from chatstore.config import Config
 from chatstore.model.spec import ModelSpec
-from chatstore.store.decoupled import plan_truncation
+from chatstore.store.chunk_tiers import ChunkTiers
+from chatstore.store.chunks import ChunkHasher, ChunkKey
+from chatstore.store.decoupled import TruncationPlan, plan_truncation
 from chatstore.store.dram_tier import DramTier, KVLayout
 from chatstore.store.events import EventLog, Listener, StoreStats
-from chatstore.store.hierarchy import TierHierarchy
 from chatstore.store.lmdb_tier import LmdbTier
+from chatstore.store.persister import Persister
+from chatstore.store.placement import ChunkPlacement
 from chatstore.store.policy import PolicyChooser, make_policy
 from chatstore.store.prefetcher import Prefetcher
 from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordStore
 from chatstore.store.redis_tier import RedisTier
+from chatstore.store.session_index import SessionChain, SessionIndex
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 from chatstore.store.tier import StorageTier, TierOccupancy
-from chatstore.store.victims import VictimChooser
+from chatstore.store.turn_plan import TurnPlan, TurnWrite, plan_chain
 from chatstore.store.writer import WriteBuffer
+
+log = logging.getLogger(__name__)
 
 WAIT_SAVED_S = 30.0  # the longest a reader waits for a session's pending write
 
@@ -72,8 +86,11 @@ class StoreSettings:
     block_size: int = 16
     policy: str = "aware"  # aware | lru | fifo
     prefetch_interval_s: float = 0.05
-    async_save: bool = False  # save_later() writes in the background (the server turns it on)
+    async_save: bool = False  # save_turn() writes in the background (the server turns it on)
     write_buffer_bytes: int = 1 << 30
+    chunk_tokens: int = 256
+    persist: str = "write_back"  # write_back | write_through | off
+    persist_lag_s: float = 2.0
 
     @classmethod
     def from_config(cls, config: Config) -> StoreSettings:
@@ -93,7 +110,28 @@ class StoreSettings:
             prefetch_interval_s=config.prefetch_interval_s,
             async_save=config.async_save,
             write_buffer_bytes=config.write_buffer_bytes,
+            chunk_tokens=config.chunk_tokens,
+            persist=config.persist,
+            persist_lag_s=config.persist_lag_s,
         )
+
+
+@dataclass(frozen=True)
+class StoredSession:
+    """What the store holds of a session: its leading tokens whose chunks are all stored."""
+
+    key: SessionKey
+    token_ids: list[int]
+    chunks: list[ChunkKey]
+    chunk_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def span(self, index: int) -> tuple[int, int]:
+        start = index * self.chunk_tokens
+        return start, min(start + self.chunk_tokens, len(self.token_ids))
 
 
 class AttentionStore:
@@ -102,14 +140,17 @@ class AttentionStore:
         settings: StoreSettings,
         spec: ModelSpec,
         fingerprint: str,
-        chooser: VictimChooser | None = None,
+        chooser: Any = None,
         redis_client: Any = None,
     ) -> None:
+        if settings.chunk_tokens <= 0 or settings.chunk_tokens % settings.block_size:
+            raise ValueError("chunk_tokens must be a positive multiple of block_size")
         self.settings = settings
         self.fingerprint = fingerprint
         self.layout = KVLayout(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, settings.storage_dtype
         )
+        self.hasher = ChunkHasher(fingerprint, settings.storage_dtype, settings.chunk_tokens)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         remote = redis_client if redis_client is not None else settings.redis_url
         tiers: list[StorageTier] = []
@@ -122,38 +163,68 @@ class AttentionStore:
                 RedisTier(remote, settings.redis_bytes, fingerprint, settings.session_ttl_s)
             )
         self.events = EventLog()
+        self.index = SessionIndex()
+        self._lock = threading.RLock()  # the index, pending chunks, versions
+        self._mutate = threading.Lock()  # which chunks exist: writer jobs, persist, cleanup
+        self._pending: dict[ChunkKey, Callable[[], SessionKV]] = {}
         self._queue_source: Callable[[], Iterable[SessionKey]] = tuple
         if chooser is None:
             chooser = PolicyChooser(
                 make_policy(settings.policy, [t.capacity for t in tiers]),
                 queue=lambda: self._queue_source(),
-                mean_kv_bytes=lambda: self.hierarchy.mean_kv_bytes(),
+                mean_kv_bytes=self._mean_session_bytes,
             )
-        self.hierarchy = TierHierarchy(tiers, chooser, self.events)
+        self.session_policy = chooser
+        placement = ChunkPlacement(chooser, self.index.owners_of, self.index.position_of)
+        self.tiers = ChunkTiers(tiers, placement, self.events, wanted=self._wanted)
         self.writer = WriteBuffer(self._commit, settings.write_buffer_bytes)
         self.prefetcher = Prefetcher(
-            self.hierarchy,
-            self._prefetch_candidates,
-            settings.prefetch_interval_s,
-            busy=self.writer.is_pending,
+            self._prefetch_session, self._prefetch_candidates, settings.prefetch_interval_s
         )
+        lmdb_tier = self.tier("ssd")
+        self.persister: Persister | None = None
+        if settings.persist == "write_back" and lmdb_tier is not None and self.tiers.top:
+            self.persister = Persister(self._persist_chunk, settings.persist_lag_s)
         self.records: RecordStore = (
             RedisRecordStore(remote, settings.session_ttl_s)
             if remote
             else LmdbRecordStore(settings.data_dir / "records.lmdb", settings.session_ttl_s)
         )
-        # version(): one counter for every key and the epoch, so max(key's, epoch) only grows.
         self._version_clock = itertools.count(1)
         self._versions: dict[SessionKey, int] = {}
         self._epoch = 0
-        self._version_lock = threading.Lock()
+        self.bytes_written = 0  # chunk bytes handed to the tiers (new chunks only)
+        self._restore()
 
     @staticmethod
     def key(tenant: str, session_id: str) -> SessionKey:
         return SessionKey(tenant, session_id)
 
     def tier(self, name: str) -> StorageTier | None:
-        return next((t for t in self.hierarchy.tiers if t.name == name), None)
+        return next((t for t in self.tiers.tiers if t.name == name), None)
+
+    # -- start: index from records, orphans out ----------------------------------------------
+
+    def _restore(self) -> None:
+        for record in self.records.list_sessions():
+            chunks = getattr(record, "chunks", None) or []
+            if not chunks or not record.token_ids:
+                continue
+            if self.hasher.num_chunks(len(record.token_ids)) != len(chunks):
+                continue  # a record from another chunk size: its KV is not reused
+            keys = [ChunkKey(record.tenant, d) for d in chunks]
+            chain = SessionChain(list(record.token_ids), keys, record.updated_at)
+            self.index.set(record.key, chain)
+        orphans = 0
+        for tier in self.tiers.slow:
+            if tier.name == "remote":
+                continue  # shared with other replicas: their chunks expire by TTL
+            for key in tier.keys():  # noqa: SIM118 (a tier, not a dict)
+                if not self.index.referenced(key):
+                    tier.delete(key)
+                    orphans += 1
+        if orphans:
+            log.info("deleted %d stored chunks no session references", orphans)
 
     # -- scheduler-aware placement --------------------------------------------------------
 
@@ -161,22 +232,224 @@ class AttentionStore:
         """The engine's waiting queue as session keys, soonest first (thread-safe callable):
         the look-ahead for eviction and for the prefetch thread, which starts now."""
         self._queue_source = source
-        if len(self.hierarchy.tiers) > 1:
+        if len(self.tiers.tiers) > 1:
             self.prefetcher.start()
 
     def prefetch(self, tenant: str, session_id: str) -> None:
-        """Hint: this session runs soon; move its KV up to DRAM in the background."""
-        if len(self.hierarchy.tiers) > 1:
+        """Hint: this session runs soon; move its chunks up to DRAM in the background."""
+        if len(self.tiers.tiers) > 1:
             self.prefetcher.hint(self.key(tenant, session_id))
 
     def _prefetch_candidates(self) -> list[Hashable]:
-        candidates = getattr(self.hierarchy.chooser, "prefetch_candidates", None)
-        if candidates is None:
+        candidates = getattr(self.session_policy, "prefetch_candidates", None)
+        if candidates is None or self.tiers.top is None:
             return []
-        with self.hierarchy.lock:
-            return candidates(self.hierarchy.tier_of, top=self.hierarchy.tiers[0].name)
+        return candidates(self._session_tier, top=self.tiers.top.name)
 
-    # -- KV ---------------------------------------------------------------------------------
+    def _prefetch_session(self, key: Hashable, touch: bool) -> int:
+        chain = self.index.get(key)  # type: ignore[arg-type]
+        if chain is None:
+            return 0
+        if touch:
+            with self._lock:
+                self.session_policy.touch(key)
+        return sum(self.tiers.prefetch(c) for c in chain.chunks if c not in self._pending)
+
+    def _session_tier(self, key: Hashable) -> str | None:
+        """The slowest tier any of the session's chunks is in (None: none stored)."""
+        chain = self.index.get(key)  # type: ignore[arg-type]
+        if chain is None:
+            return None
+        names = [t.name for t in self.tiers.tiers]
+        worst = None
+        for chunk in chain.chunks:
+            where = self.tiers.where(chunk)
+            if where is None:
+                return worst
+            if worst is None or names.index(where) > names.index(worst):
+                worst = where
+        return worst
+
+    def _mean_session_bytes(self) -> float:
+        n = len(self.index)
+        return sum(t.used_bytes() for t in self.tiers.tiers) / n if n else 0.0
+
+    # -- finding and reading ----------------------------------------------------------------
+
+    def find(self, tenant: str, session_id: str) -> StoredSession | None:
+        """The session's stored history: its leading tokens whose chunks are all available
+        (stored in a tier or waiting in the write buffer). No KV is read. An expired session
+        is forgotten."""
+        key = self.key(tenant, session_id)
+        with self._lock:
+            chain = self.index.get(key)
+            if chain is None:
+                self.tiers.counters.misses += 1
+                return None
+            if self._expired(chain):
+                expired = True
+            else:
+                expired = False
+                self.session_policy.touch(key)
+        if expired:
+            self.delete_session(tenant, session_id)
+            return None
+        n = 0
+        for chunk in chain.chunks:
+            if chunk not in self._pending and not self.tiers.contains(chunk):
+                break
+            n += 1
+        tokens = chain.token_ids[: min(len(chain.token_ids), n * self.settings.chunk_tokens)]
+        return StoredSession(key, tokens, chain.chunks[:n], self.settings.chunk_tokens)
+
+    def read_chunks(self, keys: list[ChunkKey], count: bool = True) -> list[SessionKV | None]:
+        """The chunks' KV (None where one is gone), from the write buffer or the fastest tier
+        (moved up to DRAM). count: a load (hits and misses counted), not a re-read."""
+        out: list[SessionKV | None] = []
+        for key in keys:
+            build = self._pending.get(key)
+            if build is not None:
+                if count:
+                    self.tiers.count_pending_hit(key)
+                out.append(build())
+            else:
+                out.append(self.tiers.get(key, count=count))
+        return out
+
+    def has_chunk(self, key: ChunkKey) -> bool:
+        return key in self._pending or self.tiers.contains(key)
+
+    def lookup(self, tenant: str, session_id: str) -> SessionKV | None:
+        """The session's whole stored KV in one tensor (tools and tests; the engine reads
+        only the chunks it needs through `find` + `read_chunks`)."""
+        stored = self.find(tenant, session_id)
+        if stored is None or not stored.chunks:
+            return None
+        values = self.read_chunks(stored.chunks)
+        if any(v is None for v in values):
+            return None
+        kv = torch.cat([v.kv for v in values if v is not None], dim=2)
+        return SessionKV(list(stored.token_ids), kv)
+
+    def tier_of(self, tenant: str, session_id: str) -> str | None:
+        self.wait_saved(tenant, session_id)
+        return self._session_tier(self.key(tenant, session_id))
+
+    def saved_tokens(self, tenant: str, session_id: str) -> list[int]:
+        self.wait_saved(tenant, session_id)
+        record = self.records.get(self.key(tenant, session_id))
+        return list(record.token_ids) if record else []
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def plan_turn(
+        self, tenant: str, token_ids: list[int], stored: StoredSession | None, reusable: int
+    ) -> TurnPlan:
+        """The chain of a history of token_ids whose first `reusable` tokens are the stored
+        session's, and which of its chunks are new (not held by the store)."""
+        return plan_chain(self.hasher, tenant, token_ids, stored, reusable, self.has_chunk)
+
+    def save_turn(
+        self,
+        tenant: str,
+        session_id: str,
+        plan: TurnPlan,
+        build: Callable[[], dict[ChunkKey, SessionKV]],
+        nbytes: int,
+    ) -> None:
+        """Make plan's chain the session's history; `build()` gives the plan's new chunks
+        (called once, on the writer thread with async_save, else here). Returns once a
+        lookup sees the new chain."""
+        key = self.key(tenant, session_id)
+        dtype = self.settings.storage_dtype
+        memo = _Memo(lambda: {k: v.to(dtype) for k, v in build().items()})
+        chain = SessionChain(list(plan.token_ids), list(plan.chain))
+        with self._lock:
+            for chunk in plan.new_chunks:
+                self._pending[chunk] = _pending_getter(memo, chunk)
+            freed = self.index.set(key, chain)
+            self.session_policy.touch(key)
+        write = TurnWrite(key, chain, list(plan.new_chunks), freed, memo)
+        if self.settings.async_save:
+            self.writer.submit(key, lambda: write, nbytes)
+        else:
+            self._commit(key, write)
+        self._bump_version(key)
+
+    def save(self, tenant: str, session_id: str, value: SessionKV) -> str | None:
+        """Keep value as the session's whole KV (tools, tests, truncation): its chunks not
+        stored yet are written; the tier its last chunk is in."""
+        self.wait_saved(tenant, session_id)
+        plan = self.plan_turn(tenant, list(value.token_ids), None, 0)
+
+        def build() -> dict[ChunkKey, SessionKV]:
+            out = {}
+            for i, chunk in enumerate(plan.chain):
+                if chunk in plan.new_chunks:
+                    a, b = plan.span(i)
+                    out[chunk] = SessionKV(value.token_ids[a:b], value.kv[:, :, a:b].clone())
+            return out
+
+        key = self.key(tenant, session_id)
+        dtype = self.settings.storage_dtype
+        memo = _Memo(lambda: {k: v.to(dtype) for k, v in build().items()})
+        chain = SessionChain(list(plan.token_ids), list(plan.chain))
+        with self._lock:
+            freed = self.index.set(key, chain)
+            self.session_policy.touch(key)
+        self._commit(key, TurnWrite(key, chain, list(plan.new_chunks), freed, memo))
+        self._bump_version(key)
+        return self.tiers.where(plan.chain[-1]) if plan.chain else None
+
+    def _commit(self, key: Hashable, write: Any) -> None:
+        """Writer thread: new chunks in, then the record, then the chunks nobody holds out. A
+        crash between any two leaves the old or the new record with every chunk it lists
+        (or, after a write_back crash, its leading chunks), plus orphans the next start
+        deletes."""
+        assert isinstance(write, TurnWrite)
+        with self._mutate:
+            try:
+                values = write.values() if write.new_chunks else {}
+                for chunk in write.new_chunks:
+                    value = values.get(chunk)
+                    if value is None or not self.index.referenced(chunk):
+                        continue
+                    if self.tiers.put(chunk, value) is not None:
+                        self.bytes_written += value.nbytes
+                        self._persist_later(chunk)
+            finally:
+                with self._lock:
+                    for chunk in write.new_chunks:
+                        if self._pending.get(chunk) is not None and self._pending_of(chunk, write):
+                            del self._pending[chunk]
+            current = self.index.get(write.key)
+            if current is write.chain:  # the record after its chunks, before the frees
+                self.records.upsert(
+                    write.key,
+                    token_ids=list(write.chain.token_ids),
+                    chunks=[c.digest for c in write.chain.chunks],
+                )
+            for chunk in write.freed:
+                if not self.index.referenced(chunk) and chunk not in self._pending:
+                    self.tiers.delete(chunk)
+
+    def _pending_of(self, chunk: ChunkKey, write: TurnWrite) -> bool:
+        getter = self._pending.get(chunk)
+        return getattr(getter, "memo", None) is write.memo
+
+    def _persist_later(self, chunk: ChunkKey) -> None:
+        if self.settings.persist == "write_through":
+            self.tiers.persist(chunk)
+        elif self.persister is not None:
+            self.persister.add(chunk)
+
+    def _persist_chunk(self, chunk: ChunkKey) -> None:
+        with self._mutate:
+            if self.index.referenced(chunk):
+                self.tiers.persist(chunk)
+
+    def _wanted(self, chunk: ChunkKey) -> bool:
+        return self.index.referenced(chunk)
 
     def wait_saved(self, tenant: str, session_id: str, timeout: float = WAIT_SAVED_S) -> bool:
         """Until no write of the session is pending (its newest turn is fully stored)."""
@@ -185,138 +458,190 @@ class AttentionStore:
     def flush_writes(self, timeout: float | None = None) -> bool:
         return self.writer.flush(timeout)
 
-    def tier_of(self, tenant: str, session_id: str) -> str | None:
-        self.wait_saved(tenant, session_id)
-        return self.hierarchy.tier_of(self.key(tenant, session_id))
+    def flush_persist(self, timeout: float | None = None) -> bool:
+        """Pending writes land, then every stored chunk due for write-back reaches LMDB."""
+        ok = self.writer.flush(timeout)
+        return (self.persister.flush(timeout) if self.persister is not None else True) and ok
 
-    def lookup(self, tenant: str, session_id: str) -> SessionKV | None:
-        """The session's saved KV (moved up to DRAM), or None; an expired session is forgotten.
-
-        A turn still queued in the write buffer is returned from there (built now if the
-        writer has not built it yet): it is the newest complete turn, the same object the
-        writer commits — read-only. Its record is refreshed by that commit, so it is not
-        checked for expiry. Only if its build failed is the commit waited for."""
-        key = self.key(tenant, session_id)
-        pending = self.writer.peek(key)
-        if isinstance(pending, SessionKV):
-            self.hierarchy.count_pending_hit(key, pending)
-            return pending
-        self.writer.wait(key, WAIT_SAVED_S)
-        record = self.records._load(key)
-        if record is not None and self.records.expired(record):
-            self.delete_session(tenant, session_id)
-            return None
-        return self.hierarchy.get(key)
-
-    def save(self, tenant: str, session_id: str, value: SessionKV) -> str | None:
-        """Keep value as the session's KV (whole turn at once); the tier it landed in."""
-        key = self.key(tenant, session_id)
-        self.writer.wait(key, WAIT_SAVED_S)  # keep the order of turns
-        landed = self._commit(key, value)
-        self._bump_version(key)  # after: a version read before it sees the old number
-        return landed
-
-    def save_later(
-        self, tenant: str, session_id: str, build: Callable[[], SessionKV], nbytes: int
-    ) -> None:
-        """Save `build()` as the session's KV: in the writer thread with `async_save` (blocking
-        only while the write buffer holds `write_buffer_bytes`), else right here."""
-        if not self.settings.async_save:
-            self.save(tenant, session_id, build())
-            return
-        key, dtype = self.key(tenant, session_id), self.settings.storage_dtype
-        # In the storage dtype already: what lookup() peeks is exactly what gets committed.
-        self.writer.submit(key, lambda: build().to(dtype), nbytes)
-        self._bump_version(key)  # after submit: lookup() finds the new turn from now on
-
-    def _commit(self, key: Hashable, value: SessionKV) -> str | None:
-        assert isinstance(key, SessionKey)
-        value = value.to(self.settings.storage_dtype)
-        landed = self.hierarchy.put(key, value)
-        self.records.upsert(key, token_ids=list(value.token_ids) if landed else [])
-        return landed
-
-    def saved_tokens(self, tenant: str, session_id: str) -> list[int]:
-        self.wait_saved(tenant, session_id)
-        record = self.records.get(self.key(tenant, session_id))
-        return list(record.token_ids) if record else []
+    # -- removing ---------------------------------------------------------------------------
 
     def delete_session(self, tenant: str, session_id: str) -> bool:
-        """Remove the session's KV from every tier and its record."""
+        """Remove the session's record and the chunks no other session holds."""
         key = self.key(tenant, session_id)
         self.writer.wait(key, WAIT_SAVED_S)
-        found = self.hierarchy.delete(key)
+        with self._lock:
+            found = self.index.get(key) is not None
+            freed = self.index.remove(key)
+            self.session_policy.forget(key)
+        self._free(freed)
         self._bump_version(key)
-        return self.records.delete(key) or found
+        return bool(self.records.delete(key)) or found
+
+    def _free(self, chunks: list[ChunkKey]) -> None:
+        with self._mutate:
+            for chunk in chunks:
+                if not self.index.referenced(chunk) and chunk not in self._pending:
+                    self.tiers.delete(chunk)
 
     def purge_expired(self) -> list[SessionKey]:
         self.writer.flush(WAIT_SAVED_S)
         gone = self.records.purge_expired()
         for key in gone:
-            self.hierarchy.delete(key)
+            with self._lock:
+                freed = self.index.remove(key)
+                self.session_policy.forget(key)
+            self._free(freed)
             self._bump_version(key)
         return gone
 
     def invalidate_all(self) -> None:
+        """Drop every session's KV (records keep their messages)."""
         self.writer.flush(WAIT_SAVED_S)
-        self.hierarchy.clear()
-        with self._version_lock:
+        with self._lock:
+            for key in self.index.sessions():
+                self.index.remove(key)
+                self.session_policy.forget(key)
             self._epoch = next(self._version_clock)
-            self._versions.clear()  # every entry is below the new epoch: max() ignores it
+            self._versions.clear()
+        with self._mutate:
+            self.tiers.clear()
+        for record in self.records.list_sessions():
+            self.records.upsert(record.key, token_ids=[], chunks=[])
+
+    def _expired(self, chain: SessionChain) -> bool:
+        import time
+
+        ttl = self.settings.session_ttl_s
+        return ttl > 0 and chain.updated_at + ttl < time.time()
+
+    # -- versions ---------------------------------------------------------------------------
 
     def version(self, tenant: str, session_id: str) -> int:
-        """A number that changes whenever the session's saved KV may have changed (saved,
-        queued for saving, deleted, truncated, purged, everything invalidated) and stays the
-        same while it only moves between tiers. Read it *before* looking the session up:
-        a copy looked up after reading version v is at least as new as v."""
-        with self._version_lock:
+        """A number that changes whenever the session's saved KV may have changed and stays
+        the same while it only moves between tiers. Read it *before* looking the session up."""
+        with self._lock:
             return max(self._versions.get(self.key(tenant, session_id), 0), self._epoch)
 
     def _bump_version(self, key: SessionKey) -> None:
-        # Kept for deleted sessions too: forgetting one could hand back an old number.
-        with self._version_lock:
+        with self._lock:
             self._versions[key] = next(self._version_clock)
+
+    # -- truncation ---------------------------------------------------------------------------
 
     def fit_context(
         self, tenant: str, session_id: str | None, prompt_ids: list[int], head: int, tail: int
     ) -> list[int]:
-        """The prompt cut to `max_context_tokens` (oldest history after the first `head` tokens
-        dropped; `tail` = new message + reply budget kept), the session's saved KV cut the same
-        way so the next load reuses it at its new positions."""
+        """The prompt cut to `max_context_tokens`: whole chunks of the oldest history after the
+        chunks holding the first `head` tokens are dropped (`tail` = new message + reply budget
+        kept); the session's chain loses the same chunks, the kept ones stay valid and are
+        re-positioned at load (K is stored before RoPE)."""
         s = self.settings
         plan = plan_truncation(
             len(prompt_ids), head, tail, s.max_context_tokens, s.truncation_ratio
         )
         if plan is None:
             return list(prompt_ids)
+        C = s.chunk_tokens
+        head_c = -(-head // C) * C
+        drop_c = -(-plan.drop // C) * C
+        aligned = head_c + drop_c <= len(prompt_ids) - tail
+        if aligned:
+            plan = TruncationPlan(head_c, drop_c)
         if session_id is not None:
-            value = self.lookup(tenant, session_id)
-            if value is not None:
-                kept = value.prefix(common_prefix_len(value.token_ids, prompt_ids))
-                self.save(tenant, session_id, plan.apply_kv(kept))
+            self._truncate_session(self.key(tenant, session_id), prompt_ids, plan, aligned)
         return plan.apply_ids(prompt_ids)
+
+    def _truncate_session(
+        self, key: SessionKey, prompt_ids: list[int], plan: TruncationPlan, aligned: bool
+    ) -> None:
+        self.writer.wait(key, WAIT_SAVED_S)
+        stored = self.find(key.tenant, key.session_id)
+        if stored is None:
+            return
+        lcp = common_prefix_len(stored.token_ids, prompt_ids)
+        if not aligned:  # chunks cannot stay whole: the kept KV is written again, cut
+            value = self.lookup(key.tenant, key.session_id)
+            if value is not None:
+                self.save(key.tenant, key.session_id, plan.apply_kv(value.prefix(lcp)))
+            return
+        C = self.settings.chunk_tokens
+        full = {i for i in range(len(stored.chunks)) if stored.span(i)[1] <= lcp}
+        first_dropped = plan.head // C
+        keep = []
+        while len(keep) < first_dropped and len(keep) in full:
+            keep.append(len(keep))
+        if len(keep) == first_dropped:  # the head is whole: what follows the cut
+            i = (plan.head + plan.drop) // C
+            while i in full:
+                keep.append(i)
+                i += 1
+        ids: list[int] = []
+        for i in keep:
+            a, b = stored.span(i)
+            ids.extend(stored.token_ids[a:b])
+        chain = SessionChain(ids, [stored.chunks[i] for i in keep])
+        with self._lock:
+            freed = self.index.set(key, chain)
+        write = TurnWrite(key, chain, [], freed, _Memo(dict))
+        if self.settings.async_save:
+            self.writer.submit(key, lambda: write, 0)
+        else:
+            self._commit(key, write)
+        self._bump_version(key)
+
+    # -- stats and lifecycle --------------------------------------------------------------------
 
     def set_device_occupancy(self, provider: Any) -> None:
         """A callable returning the engine pool's TierOccupancy, shown first in stats()."""
-        self.hierarchy.device_occupancy = provider
+        self.tiers.device_occupancy = provider
 
     def stats(self) -> StoreStats:
-        return self.hierarchy.stats()
+        from dataclasses import replace
+
+        with self.tiers.lock:
+            c = self.tiers.counters
+            counters = replace(c, tiers={n: replace(t) for n, t in c.tiers.items()})
+        return StoreStats(self.tiers.stats_occupancy(), counters)
 
     def add_listener(self, listener: Listener) -> None:
         self.events.add_listener(listener)
 
     def close(self, flush_dram: bool = True) -> None:
-        """Graceful shutdown: pending writes land, DRAM sessions move to LMDB (so a restart
-        finds them), then close."""
+        """Graceful shutdown: pending writes land, DRAM chunks are written to LMDB (so a
+        restart finds them), then the tiers close."""
         self.prefetcher.close()
         self.writer.close()
-        if flush_dram and len(self.hierarchy.tiers) > 1 and self.tier("dram") is not None:
-            self.hierarchy.demote_all(0)
-        self.hierarchy.settle()  # deferred deletions of stale copies land before closing
-        for tier in self.hierarchy.tiers:
+        if self.persister is not None:
+            self.persister.close(flush=flush_dram)
+        if flush_dram:
+            with self._mutate:
+                self.tiers.demote_all()
+        for tier in self.tiers.tiers:
             tier.close()
         self.records.close()
+
+
+class _Memo:
+    """build() run once, whichever thread asks first (the writer or a reader)."""
+
+    def __init__(self, build: Callable[[], dict[ChunkKey, SessionKV]]) -> None:
+        self._build = build
+        self._value: dict[ChunkKey, SessionKV] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> dict[ChunkKey, SessionKV]:
+        with self._lock:
+            if self._value is None:
+                self._value = self._build()
+            return self._value
+
+
+def _pending_getter(memo: _Memo, chunk: ChunkKey) -> Callable[[], SessionKV]:
+    def get() -> SessionKV:
+        return memo()[chunk]
+
+    get.memo = memo  # type: ignore[attr-defined]
+    return get
 
 
 def create_store(

@@ -1,10 +1,14 @@
 """StoreConnector: the engine's KVConnector backed by the AttentionStore.
 
-    turn n+1 prompt  [ saved history (LCP with the session's tokens) | new tokens ]
-                       loaded: pre-RoPE K rotated to       | prefill computes these; save_layer
-                       positions 0.., V as is              | keeps their pre-RoPE K, V (LayerSaver)
-    request_finished: saved prefix + computed rows (+ device blocks un-rotated for any gap)
-                      -> one SessionKV, committed to the store as a whole turn
+    turn n+1 prompt  [ device hit | stored chunks beyond it | new tokens ]
+                                    loaded: pre-RoPE K rotated | prefill computes these; save_layer
+                                    to positions, V as is      | keeps their K, V (LayerSaver)
+    request_finished: the turn's chain (store.plan_turn); only its new chunks are built, from
+                      the old tail's rows, the computed rows and (for tokens the store never
+                      saw) device blocks un-rotated -> store.save_turn
+
+The lookup at admission (`find`) reads no KV: it answers from memory how many leading tokens
+the store holds. Only the chunks past the device prefix-cache hit are read, when the load runs.
 
 Load, three ways (CachedAttention §3.2.1):
   - `load`: every layer, synchronously, before the prefill (no pre-load);
@@ -15,10 +19,10 @@ Load, three ways (CachedAttention §3.2.1):
     the sessions up on the loader thread and stage their first layers, rotated, before their
     job starts (ReadBuffer).
 
-Save (§3.2.2): save_layer makes one copy of the step's rows per layer (LayerSaver); at the end of
-the turn the engine thread copies only what lives in the device pool alone (rows never seen
-computed, usually none); assembling the SessionKV and writing it to the tiers is handed to the
-store's writer thread (`AttentionStore.save_later`) when the store runs with `async_save`.
+Save (§3.2.2): save_layer copies each tracked request's rows once per layer (LayerSaver); at the
+end of the turn the engine thread copies only what lives in the device pool alone (rows never
+seen computed, usually none); assembling the new chunks and writing them to the tiers is handed
+to the store's writer thread when the store runs with `async_save`.
 
 What the engine must give: `num_external_tokens` is called (once or more) for every new request
 before `load`; in `save_layer`, the batch's rows must be attributable to requests, either by a
@@ -32,7 +36,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +44,9 @@ from chatstore.engine.forward_batch import ForwardBatch
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
-from chatstore.store.attention_store import AttentionStore
+from chatstore.store.attention_store import AttentionStore, StoredSession
+from chatstore.store.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
+from chatstore.store.chunks import ChunkKey
 from chatstore.store.decoupled import unrope
 from chatstore.store.layer_loader import LayerLoader, LoadJob
 from chatstore.store.layer_saver import LayerSaver, TurnRows
@@ -54,9 +59,10 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Pending:
     request: Request
-    saved: SessionKV | None
-    reusable: int  # leading prompt tokens the saved KV covers (LCP)
+    saved: StoredSession | None
+    reusable: int  # leading prompt tokens the stored chunks cover (LCP)
     staged: StagedKV | None = None  # read-buffer entry claimed for this request
+    kv: ChunkedKV | None = None  # the chunks past the device hit, read at admission
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,7 @@ class StoreConnector:
             stage_queued = kv_cache.device.type == "cuda"
         self.stage_queued = stage_queued
         self.loader = LayerLoader(
-            kv_cache, rope, self._lookup, self.read_buffer, layer_delay_s, loader_threads
+            kv_cache, rope, self._stage_lookup, self.read_buffer, layer_delay_s, loader_threads
         )
         self.saver = LayerSaver(
             kv_cache.spec.num_layers, store.settings.storage_dtype, kv_cache.device
@@ -131,8 +137,31 @@ class StoreConnector:
     # -- before the prefill -------------------------------------------------------------------
 
     def num_external_tokens(self, request: Request, num_computed: int) -> int:
+        """Stored tokens past the device hit. Their chunks are read here, so that a chunk that
+        is gone or corrupt shortens the reuse (the rest is computed) instead of failing the
+        load; only chunks beyond `num_computed` are read at all."""
         pending = self._pending.get(request.request_id) or self._start(request)
+        if pending.reusable <= num_computed:
+            return 0
+        if pending.staged is None and (pending.kv is None or pending.kv.start > num_computed):
+            pending.kv = self._read_available(pending, num_computed)
         return max(0, pending.reusable - num_computed)
+
+    def _read_available(self, pending: _Pending, start: int) -> ChunkedKV | None:
+        stored = pending.saved
+        assert stored is not None
+        C = stored.chunk_tokens
+        first, last = start // C, -(-pending.reusable // C)
+        keys = stored.chunks[first:last]
+        parts = []
+        for i, value in enumerate(self.store.read_chunks(keys)):
+            if value is None:  # gone: reuse stops where it starts
+                pending.reusable = min(pending.reusable, (first + i) * C)
+                break
+            parts.append((value, (first + i) * C))
+        if pending.reusable <= start:
+            return None
+        return ChunkedKV(parts, start, pending.reusable, stored.token_ids)
 
     def _start(self, request: Request) -> _Pending:
         saved, staged = None, None
@@ -141,25 +170,43 @@ class StoreConnector:
             staged = self.read_buffer.claim(key, self._version(key))
             if staged is not None:
                 staged.looked_up.wait()
-                saved = staged.saved
-                if saved is None:  # looked up, nothing there (or dropped): no use
+                if staged.saved is None:  # looked up, nothing there (or dropped): no use
                     self.read_buffer.release(staged)
                     staged = None
-            if staged is None:
-                saved = self._lookup(key)
+            saved = self.store.find(key.tenant, key.session_id)
         reusable = 0
         if saved is not None:
             # Keep at least one prompt token to compute: its logits give the first new token.
             lcp = common_prefix_len(saved.token_ids, request.prompt_token_ids)
             reusable = min(lcp, len(request.prompt_token_ids) - 1)
+        if staged is not None and (staged.saved is None or staged.saved.end < reusable):
+            self.read_buffer.release(staged)
+            staged = None
         pending = _Pending(request, saved, reusable, staged)
         self._pending[request.request_id] = pending
         if request.session_id is not None:
             self.saver.track(request.request_id)
         return pending
 
-    def _lookup(self, key: SessionKey) -> SessionKV | None:
-        return self.store.lookup(key.tenant, key.session_id)
+    def _stage_lookup(self, key: SessionKey) -> ChunkedKV | None:
+        """The loader's staging read: every stored chunk of the session."""
+        stored = self.store.find(key.tenant, key.session_id)
+        if stored is None or not stored.chunks:
+            return None
+        return self._fetch(stored, 0, stored.num_tokens)
+
+    def _fetch(self, stored: StoredSession, start: int, end: int) -> ChunkedKV:
+        """The chunks of `stored` that hold positions [start, end), read from the store."""
+        C = stored.chunk_tokens
+        first, last = start // C, -(-end // C)
+        keys = stored.chunks[first:last]
+        values = self.store.read_chunks(keys)
+        parts = []
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+            if value is None:
+                raise MissingChunkError(f"chunk {key} of {stored.key} is no longer stored")
+            parts.append((value, (first + i) * C))
+        return ChunkedKV(parts, start, end, stored.token_ids)
 
     def _version(self, key: SessionKey) -> int:
         return self.store.version(key.tenant, key.session_id)
@@ -183,7 +230,14 @@ class StoreConnector:
         slots = _slots(block_table, positions, self.kv_cache.block_size).to(self.kv_cache.device)
         layers = [threading.Event() for _ in range(self.kv_cache.spec.num_layers)]
         self.loads += 1
-        return LoadJob(request.request_id, pending.saved, start, end, slots, layers, pending.staged)
+        staged, stored, read = pending.staged, pending.saved, pending.kv
+        if staged is not None and staged.saved is not None:
+            source: ChunkedKV | LazyChunkedKV = staged.saved
+        elif read is not None and read.start <= start and end <= read.end:
+            source = read
+        else:
+            source = LazyChunkedKV(lambda: self._fetch(stored, start, end))
+        return LoadJob(request.request_id, source, start, end, slots, layers, staged)
 
     def _done(self, job: LoadJob) -> None:
         """The job's KV is in the pool: its read-buffer entry has served its purpose."""
@@ -272,11 +326,13 @@ class StoreConnector:
         if self._step_ids is not None and request.request_id in self._step_ids:
             self._step_ids = None
         if request.session_id is None or not token_ids:
+            rows.release()
             return
-        n, build = self._assembler(pending, rows, token_ids, block_table)
-        if n > 0:
-            nbytes = n * self.store.layout.bytes_per_token
-            self.store.save_later(request.tenant, request.session_id, build, nbytes)
+        try:
+            self._save_turn(request, pending, rows, token_ids, block_table)
+        except BaseException:
+            rows.release()
+            raise
 
     def forget(self, request_id: str) -> None:
         """Drop what the connector holds for a request that will never finish normally."""
@@ -290,43 +346,72 @@ class StoreConnector:
             pending.staged = None
         return pending
 
-    def _assembler(
+    def _save_turn(
         self,
+        request: Request,
         pending: _Pending | None,
         rows: TurnRows,
         token_ids: list[int],
         block_table: list[int],
-    ) -> tuple[int, Callable[[], SessionKV]]:
-        """(tokens to save, a builder of their SessionKV). What the device pool alone holds is
-        copied now (its blocks are freed after request_finished); the builder touches only
-        CPU tensors it owns, so it may run on another thread."""
+    ) -> None:
+        """Plan the turn's chain and hand the store a builder of its new chunks. What the
+        device pool alone holds is copied now (its blocks are freed after request_finished);
+        the builder touches only CPU tensors it owns, so it may run on another thread."""
         spec, B = self.kv_cache.spec, self.kv_cache.block_size
         n = min(len(token_ids), len(block_table) * B)
-        if rows.chunks:
+        if rows.num_rows():
             # The last sampled token is never fed back: its KV does not exist.
             n = min(n, 1 + rows.max_position())
         saved = pending.saved if pending is not None else None
         m = min(pending.reusable, n) if pending is not None and saved is not None else 0
+        ids = list(token_ids[:n])
+        store = self.store
+        plan = store.plan_turn(request.tenant, ids, saved, m)
+        spans = plan.new_spans()
         have = torch.zeros(n, dtype=torch.bool)
         have[:m] = True
         computed = rows.positions()
         have[computed[computed < n]] = True
-        missing = (~have).nonzero().flatten()
+        wanted = torch.zeros(n, dtype=torch.bool)
+        for _, _, a, b in spans:
+            wanted[a:b] = True
+        missing = (wanted & ~have).nonzero().flatten()
         device_rows = self._copy_from_device(missing, block_table) if len(missing) else None
-        ids = list(token_ids[:n])
-        dtype = self.store.settings.storage_dtype
+        dtype = store.settings.storage_dtype
+        old_keys: dict[int, ChunkKey] = {}
+        if saved is not None:
+            old_keys = {i: saved.chunks[i] for i, _, a, _ in spans if a < m}
 
-        def build() -> SessionKV:
-            shape = (spec.num_layers, 2, n, spec.num_kv_heads, spec.head_dim)
-            kv = torch.empty(shape, dtype=dtype)
-            if saved is not None and m:
-                kv[:, :, :m] = saved.kv[:, :, :m]
-            rows.scatter_into(kv, n)
-            if device_rows is not None:
-                kv[:, :, missing] = device_rows.to(dtype)
-            return SessionKV(ids, kv)
+        def build() -> dict[ChunkKey, SessionKV]:
+            try:
+                olds = dict(
+                    zip(old_keys, store.read_chunks(list(old_keys.values()), False), strict=True)
+                )
+                out: dict[ChunkKey, SessionKV] = {}
+                for i, key, a, b in spans:
+                    kv = torch.empty(
+                        (spec.num_layers, 2, b - a, spec.num_kv_heads, spec.head_dim), dtype=dtype
+                    )
+                    if a < m:
+                        old = olds.get(i)
+                        if old is None:
+                            raise MissingChunkError(f"chunk {old_keys[i]} is no longer stored")
+                        kv[:, :, : min(b, m) - a] = old.kv[:, :, : min(b, m) - a]
+                    rows.scatter_into(kv, a, b)
+                    if device_rows is not None:
+                        inside = (missing >= a) & (missing < b)
+                        if inside.any():
+                            kv[:, :, missing[inside] - a] = device_rows[:, :, inside].to(dtype)
+                    out[key] = SessionKV(ids[a:b], kv)
+                return out
+            finally:
+                rows.release()
 
-        return n, build
+        new_tokens = sum(b - a for _, _, a, b in spans)
+        nbytes = new_tokens * store.layout.bytes_per_token + rows.nbytes()
+        if not spans:
+            rows.release()
+        store.save_turn(request.tenant, request.session_id, plan, build, nbytes)
 
     def _copy_from_device(self, positions: torch.Tensor, block_table: list[int]) -> torch.Tensor:
         """Tokens the connector never saw computed (device prefix cache): un-rotated pool K and

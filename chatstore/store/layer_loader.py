@@ -30,8 +30,9 @@ import torch
 from chatstore.engine.cpu_threads import own_intra_op_threads
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
+from chatstore.store.chunked_kv import ChunkedKV, LazyChunkedKV
 from chatstore.store.read_buffer import ReadBuffer, StagedKV
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_kv import SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class LoadJob:
     """Write the saved history KV of positions [start, end) into `slots` of the pool."""
 
     request_id: str
-    saved: SessionKV
+    saved: ChunkedKV | LazyChunkedKV  # the stored chunks covering [start, end)
     start: int
     end: int
     slots: torch.Tensor  # flat pool slots of positions [start, end), on the pool's device
@@ -67,7 +68,7 @@ class LayerLoader:
         self,
         kv_cache: PagedKVCache,
         rope: RotaryEmbedding,
-        lookup: Callable[[SessionKey], SessionKV | None],
+        lookup: Callable[[SessionKey], ChunkedKV | None],
         buffer: ReadBuffer,
         layer_delay_s: float = 0.0,
         threads: int | None = 1,
@@ -133,9 +134,9 @@ class LayerLoader:
             positions = torch.arange(job.start, job.end, device=dev)
             job._cos_sin = self.rope.cos_sin(positions, self.kv_cache.dtype)
         cos, sin = job._cos_sin
-        k = job.saved.k(layer)[job.start : job.end].to(dev, self.kv_cache.dtype)
-        v = job.saved.v(layer)[job.start : job.end].to(dev)
-        self.kv_cache.write(layer, apply_rope(k, cos, sin), v, job.slots)
+        k, v = job.saved.layer(layer, job.start, job.end)
+        k = k.to(dev, self.kv_cache.dtype)
+        self.kv_cache.write(layer, apply_rope(k, cos, sin), v.to(dev), job.slots)
         if self.layer_delay_s > 0:
             time.sleep(self.layer_delay_s)
 
@@ -212,7 +213,9 @@ class LayerLoader:
         layers = min(self.buffer.layers, self.kv_cache.spec.num_layers)
         if saved is None or saved.num_tokens == 0 or layers == 0:
             return
-        per_layer = 2 * saved.k(0).numel() * self.kv_cache.kv.element_size()
+        spec = self.kv_cache.spec
+        per_token = spec.num_kv_heads * spec.head_dim * self.kv_cache.kv.element_size()
+        per_layer = 2 * saved.num_tokens * per_token
         if not self.buffer.reserve(entry, saved.nbytes + layers * per_layer):
             return
         self.buffer.staged += 1

@@ -1,73 +1,176 @@
 """The write stream of asynchronous save (CachedAttention §3.2.2): every forward's new pre-RoPE K
 and V, layer by layer, kept per request until its turn is saved.
 
-    forward, layer i:  save_layer(i, k, v, batch) ── one copy of its rows ──► StepRows.layers[i]
-    (layer 0 starts a new StepRows and names which of its rows belong to which request)
-    turn ends:         take(request_id) -> TurnRows (references only, no copy)
-    writer thread:     TurnRows.scatter_into(kv)   (waits for CUDA copies, then fills the SessionKV)
+    forward, layer 0:  name the step's kept rows; give each tracked request room for its rows
+                       in pages of its own (a row arena), and write their positions there
+    forward, layer i:  save_layer(i, k, v, batch) ── one index_copy_ ──► arena rows of layer i
+    turn ends:         take(request_id) -> TurnRows (page references, no copy)
+    writer thread:     TurnRows.scatter_into(kv, start, end), then TurnRows.release()
 
-One copy per layer per forward, whatever the batch size: the engine thread does no per-request
-work except at layer 0 (naming rows), so decode batches of dozens of sessions pay one small copy
-per layer instead of two per request. Prefill KV is thereby written back layer by layer during
-the forward; decode KV every step; the assembly of the whole turn happens on the writer thread
-(the write buffer), so the next job never waits for it.
+Why one copy per layer per forward: decode batches of dozens of sessions must not pay one small
+copy per request per layer (bench/save_layer.py). An earlier design got that by keeping one
+tensor per step holding the rows of every tracked request of the step, each request pointing
+into it; but then a request kept alive every other request's rows of every step it lived
+through (32x its own in a batch of 32), and one long request pinned gigabytes after its
+neighbours were long saved. Memory must follow requests, the copy must follow steps.
 
-On CUDA the copy is device -> pinned host memory on a side stream of its own (non-blocking, one
-event per layer), ordered after the compute that produced the rows; on CPU it is a plain copy
-into the storage dtype (the step's qkv tensor cannot be kept instead: it is 2.5x the K, V bytes).
+Hence the arena: per-layer storage split into fixed pages (PAGE_ROWS rows) that requests own.
+At layer 0 each tracked request appends its step rows to its own last page (or new pages from
+the free list), which gives every kept row of the step a destination; each layer then scatters
+all of them with one index_copy_ (one per arena segment touched, in practice one). A finished
+request's pages go back to the free list when its TurnRows is released (or at once on drop),
+so what is held is exactly the live requests' rows rounded up to pages, and freed pages are
+reused by the next requests. The free list hands out the lowest page first, which packs live
+rows into the first segments: steps rarely span segments, and a trailing segment that empties
+while the arena is well over twice what is used can be given back.
+
+The arena grows by adding segments, never by copying: a writer thread reading a taken request's
+rows never sees them move. Pages of a taken TurnRows are not on the free list until its
+release(), so new requests cannot overwrite them. Allocator state (free list, segments, page
+lists) is under one lock: the engine thread allocates (track/save_layer/take/drop), the writer
+thread reads and releases.
+
+On CUDA each layer's kept rows are gathered on the device (stack K, V; index_select) and copied
+to pinned host memory on a side stream ordered after the compute that produced them, with an
+event; the index_copy_ into the CPU arena happens once the event has fired: opportunistically
+at the next step's layer 0 on the engine thread, or (waiting) when a writer thread reads rows.
+Those pending copies are applied in issue order, so a page freed and reused sees its old
+owner's late rows before its new owner's.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+PAGE_ROWS = 16  # rows per page: a request holds at most PAGE_ROWS - 1 rows more than its own
+FIRST_SEGMENT_PAGES = 32
+MAX_SEGMENT_PAGES = 1024
+
+
+def _new_pages(rows: _Rows, n: int) -> int:
+    """Pages a request needs for n more rows beyond the room left in its last page."""
+    room = -rows.count % PAGE_ROWS
+    return -(-max(0, n - room) // PAGE_ROWS)
+
+
+class _Segment:
+    """Arena storage for a contiguous range of pages: kv [L, rows, 2, Hkv, D] and positions."""
+
+    def __init__(self, first_page: int, pages: int, layers: int, row_shape, dtype) -> None:
+        rows = pages * PAGE_ROWS
+        self.first_page = first_page
+        self.pages = pages
+        self.used = 0  # pages handed out
+        self.kv = torch.empty((layers, rows, 2, *row_shape), dtype=dtype)
+        self.positions = torch.full((rows,), -1, dtype=torch.long)
+
+    @property
+    def first_row(self) -> int:
+        return self.first_page * PAGE_ROWS
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.positions.nbytes
+
 
 @dataclass
-class StepRows:
-    """The rows one forward computed for requests being saved: positions and every layer's K, V."""
+class _Rows:
+    """A request's pages (global page ids) and how many rows it has written into them."""
 
-    positions: torch.Tensor  # [R] on the CPU
-    layers: list[torch.Tensor | None]  # layer -> [R, 2, Hkv, D] in the storage dtype (CPU)
-    events: list[object | None] = field(default_factory=list)  # CUDA: copy of layer i finished
+    pages: list[int] = field(default_factory=list)
+    count: int = 0
+    released: bool = False
 
 
 @dataclass
+class _Part:
+    """The step's rows that land in one segment: which kept rows (None: all) go to which rows."""
+
+    segment: _Segment
+    batch_rows: torch.Tensor | None  # rows of the forward's batch (CPU path)
+    step_rows: torch.Tensor | None  # rows among the step's kept rows (CUDA path, on the host)
+    dest: torch.Tensor  # rows of the segment
+
+
+@dataclass
+class _Step:
+    parts: list[_Part]
+    kept: torch.Tensor | None  # batch rows kept, None when all (device of the batch)
+    count: int
+
+
 class TurnRows:
-    """A request's share of the steps it took part in: (step, first row, row count)."""
+    """A request's rows in the arena; valid until release()."""
 
-    chunks: list[tuple[StepRows, int, int]] = field(default_factory=list)
+    def __init__(self, saver: LayerSaver | None = None, rows: _Rows | None = None) -> None:
+        self._saver = saver
+        self._rows = rows if rows is not None else _Rows()
+
+    def num_rows(self) -> int:
+        return self._rows.count
+
+    def nbytes(self) -> int:
+        if self._saver is None:
+            return 0
+        return len(self._rows.pages) * self._saver._page_bytes
 
     def positions(self) -> torch.Tensor:
-        if not self.chunks:
-            return torch.empty(0, dtype=torch.long)
-        return torch.cat([step.positions[s : s + n] for step, s, n in self.chunks])
+        """Positions of the rows (CPU long), in the order they were computed."""
+        located = self._locate()
+        return torch.empty(0, dtype=torch.long) if located is None else located[1]
 
     def max_position(self) -> int:
         """Highest position computed (-1 when none): the turn's KV ends after it."""
-        return max((int(step.positions[s : s + n].max()) for step, s, n in self.chunks), default=-1)
+        positions = self.positions()
+        return int(positions.max()) if len(positions) else -1
 
-    def scatter_into(self, kv: torch.Tensor, limit: int) -> torch.Tensor:
-        """Write the rows into kv [L, 2, T, Hkv, D] at their positions (< limit); the bool mask
-        [limit] of positions written. Runs on the writer thread."""
-        have = torch.zeros(limit, dtype=torch.bool)
-        if not self.chunks:
+    def scatter_into(self, kv: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Write the rows at positions p in [start, end) into kv[:, :, p - start] (kv is
+        [L, 2, end - start, Hkv, D], any dtype); the bool mask [end - start] of positions
+        written. A position computed twice keeps its later row. Runs on the writer thread."""
+        if self._rows.released:
+            raise RuntimeError("scatter_into after release()")
+        width = max(end - start, 0)
+        located = self._locate()
+        if located is None or width == 0:
+            return torch.zeros(width, dtype=torch.bool)
+        assert self._saver is not None
+        global_rows, positions = located
+        positions = positions - start
+        inside = (positions >= 0) & (positions < width)
+        # The last row computed for each position in range (-1: none).
+        last = torch.full((width,), -1, dtype=torch.long)
+        order = torch.arange(len(positions))[inside]
+        last.scatter_reduce_(0, positions[inside], order, reduce="amax")
+        have = last >= 0
+        targets = have.nonzero().flatten()
+        if not len(targets):
             return have
-        pos = self.positions()
-        keep = pos < limit
-        kept = pos[keep]
-        for layer in range(kv.shape[0]):
-            parts = []
-            for step, s, n in self.chunks:
-                _wait(step, layer)
-                rows = step.layers[layer]
-                assert rows is not None, f"layer {layer} of a step was never saved"
-                parts.append(rows[s : s + n])
-            rows = torch.cat(parts)[keep]  # [n, 2, Hkv, D]
-            kv[layer, :, kept] = rows.transpose(0, 1).to(kv.dtype)
-        have[kept] = True
+        rows = self._saver._read_rows(global_rows.index_select(0, last[targets]))
+        rows = rows.transpose(1, 2)  # [L, 2, n, Hkv, D]
+        lo, hi = int(targets[0]), int(targets[-1])
+        if hi - lo + 1 == len(targets):
+            kv[:, :, lo : hi + 1] = rows
+        else:
+            kv[:, :, targets] = rows.to(kv.dtype)
         return have
+
+    def release(self) -> None:
+        """Give the rows back to the arena (idempotent); scatter_into must not follow."""
+        if self._saver is not None:
+            self._saver._release(self._rows)
+        self._rows.released = True
+
+    def _locate(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(arena row, position) of each row, or None when there are none."""
+        if self._saver is None or self._rows.count == 0:
+            return None
+        return self._saver._locate(self._rows)
 
 
 class LayerSaver:
@@ -75,24 +178,54 @@ class LayerSaver:
         self.num_layers = num_layers
         self.storage_dtype = storage_dtype
         self.device = torch.device(device)
-        self._turns: dict[str, TurnRows] = {}
-        self._step: StepRows | None = None
-        self._rows: torch.Tensor | None = None  # rows of the step's batch that are kept
+        self.rows_saved = 0  # token rows copied (all layers counted once)
+        self._lock = threading.Lock()  # allocator: free list, segments, page lists
+        self._tracked: dict[str, _Rows] = {}
+        self._segments: list[_Segment] = []
+        self._first_pages: list[int] = []  # of the segments, for bisect
+        self._free: list[int] = []  # heap of free page ids
+        self._row_shape: tuple[int, ...] | None = None  # (Hkv, D), known at the first save
+        self._page_bytes = 0
+        self._step: _Step | None = None
         self._stream = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
-        self.rows_saved = 0  # token rows copied (all layers counted once)
+        self._pending: deque = deque()  # CUDA: (seq, event, host rows, layer, parts)
+        self._pending_lock = threading.Lock()
+        self._seq = 0
+
+    # -- requests -------------------------------------------------------------------------
 
     def track(self, request_id: str) -> None:
         """Keep the rows of this request from now on."""
-        self._turns.setdefault(request_id, TurnRows())
+        with self._lock:
+            self._tracked.setdefault(request_id, _Rows())
 
     def take(self, request_id: str) -> TurnRows:
-        """What was kept for the request (empty when nothing); it is no longer tracked."""
-        return self._turns.pop(request_id, None) or TurnRows()
+        """What was kept for the request (empty when nothing); it is no longer tracked. Its
+        rows stay valid until TurnRows.release()."""
+        with self._lock:
+            rows = self._tracked.pop(request_id, None)
+        return TurnRows(self, rows) if rows is not None else TurnRows()
 
     def drop(self, request_id: str) -> None:
-        self._turns.pop(request_id, None)
+        """Stop tracking the request and free its rows at once."""
+        with self._lock:
+            rows = self._tracked.pop(request_id, None)
+        if rows is not None:
+            self._release(rows)
+            rows.released = True
+
+    def held_bytes(self) -> int:
+        """Bytes of the pages held by tracked and taken-but-unreleased requests."""
+        with self._lock:
+            return sum(s.used for s in self._segments) * self._page_bytes
+
+    def arena_bytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes() for s in self._segments)
+
+    # -- engine thread --------------------------------------------------------------------
 
     def save_layer(
         self,
@@ -106,70 +239,230 @@ class LayerSaver:
         """Layer `layer`'s new pre-RoPE K, V [T, Hkv, D] of a forward whose rows are the chunks
         of `request_ids` (query_lens rows each, in order)."""
         if layer == 0:
-            self._begin_step(positions, request_ids, query_lens)
-        step, rows = self._step, self._rows
+            self._step = self._begin_step(k, positions, request_ids, query_lens)
+        step = self._step
         if step is None:
             return
-        if self._stream is None:
-            out = torch.empty((len(step.positions), 2, *k.shape[1:]), dtype=self.storage_dtype)
-            src_k = k if rows is None else k.index_select(0, rows)
-            src_v = v if rows is None else v.index_select(0, rows)
-            out[:, 0] = src_k
-            out[:, 1] = src_v
-            step.layers[layer] = out
-        else:
-            step.layers[layer], step.events[layer] = self._copy_on_stream(k, v, rows)
+        if layer == self.num_layers - 1:
+            self._step = None  # the step's plan would keep a given-back segment alive
+        if self._stream is not None:
+            self._copy_on_stream(layer, k, v, step)
+            return
+        both = torch.stack((k, v), dim=1)  # [T, 2, Hkv, D]
+        if both.dtype != self.storage_dtype:
+            both = both.to(self.storage_dtype)
+        for part in step.parts:
+            src = both if part.batch_rows is None else both.index_select(0, part.batch_rows)
+            part.segment.kv[layer].index_copy_(0, part.dest, src)
 
     def _begin_step(
-        self, positions: torch.Tensor, request_ids: list[str], query_lens: list[int]
-    ) -> None:
-        """Name the step's rows; only requests being tracked keep theirs."""
-        self._step = self._rows = None
+        self,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        request_ids: list[str],
+        query_lens: list[int],
+    ) -> _Step | None:
+        """Give the step's kept rows their arena rows and write their positions there."""
         if len(request_ids) != len(query_lens):
-            return
-        kept: list[tuple[TurnRows, int, int]] = []
-        offsets: list[torch.Tensor] = []
-        row = out_row = 0
-        for rid, n in zip(request_ids, query_lens, strict=True):
-            turn = self._turns.get(rid)
-            if turn is not None and n > 0:
-                kept.append((turn, out_row, n))
-                offsets.append(torch.arange(row, row + n))
-                out_row += n
-            row += n
-        if not kept:
-            return
-        all_rows = out_row == row
-        rows = None if all_rows else torch.cat(offsets)
-        cpu_positions = positions.cpu()
-        step_positions = cpu_positions if rows is None else cpu_positions.index_select(0, rows)
-        step = StepRows(step_positions, [None] * self.num_layers, [None] * self.num_layers)
-        for turn, start, n in kept:
-            turn.chunks.append((step, start, n))
-        self._step = step
-        self._rows = None if rows is None else rows.to(positions.device)
-        self.rows_saved += out_row
+            return None
+        if self._stream is not None:
+            self._apply_pending(wait=False)
+        with self._lock:
+            kept: list[tuple[_Rows, int, int]] = []  # (rows, first batch row, count)
+            row = total = 0
+            for rid, n in zip(request_ids, query_lens, strict=True):
+                rows = self._tracked.get(rid)
+                if rows is not None and n > 0:
+                    kept.append((rows, row, n))
+                    total += n
+                row += n
+            if not kept:
+                return None
+            self._ensure_arena(tuple(k.shape[1:]))
+            self._reserve(sum(_new_pages(rows, n) for rows, _, n in kept))
+            starts: list[int] = []
+            lengths: list[int] = []
+            for rows, _, n in kept:
+                self._append(rows, n, starts, lengths)
+            segments = list(self._segments)
+        self.rows_saved += total
+        # Destination rows (global) of the kept rows, in batch order.
+        if len(starts) == total:
+            dest = torch.tensor(starts, dtype=torch.long)
+        else:
+            lens = torch.tensor(lengths, dtype=torch.long)
+            run_first = torch.cumsum(lens, 0) - lens
+            dest = torch.repeat_interleave(torch.tensor(starts) - run_first, lens)
+            dest += torch.arange(total)
+        kept_rows = None
+        if total != row:
+            kept_rows = torch.cat([torch.arange(r, r + n) for _, r, n in kept])
+        cpu_positions = positions.cpu().long()
+        if kept_rows is not None:
+            cpu_positions = cpu_positions.index_select(0, kept_rows)
+        parts = []
+        if len(segments) == 1 or int(dest.max()) < segments[0].pages * PAGE_ROWS:
+            parts.append(_Part(segments[0], kept_rows, None, dest))
+        else:
+            first_rows = torch.tensor([s.first_row for s in segments])
+            seg_of = torch.bucketize(dest, first_rows, right=True) - 1
+            for i in seg_of.unique().tolist():
+                sel = (seg_of == i).nonzero().flatten()
+                seg = segments[i]
+                batch = sel if kept_rows is None else kept_rows.index_select(0, sel)
+                parts.append(_Part(seg, batch, sel, dest.index_select(0, sel) - seg.first_row))
+        for part in parts:
+            step_pos = cpu_positions
+            if part.step_rows is not None:
+                step_pos = cpu_positions.index_select(0, part.step_rows)
+            part.segment.positions.index_copy_(0, part.dest, step_pos)
+        device_kept = None
+        if self._stream is not None and kept_rows is not None:
+            device_kept = kept_rows.to(k.device)
+            device_kept.record_stream(self._stream)
+        return _Step(parts, device_kept, total)
 
-    def _copy_on_stream(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None):
-        """CUDA: the rows -> pinned host memory on the side stream, after the compute stream
-        produced them; k, v stay alive for the side stream (record_stream)."""
+    def _copy_on_stream(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: _Step) -> None:
+        """CUDA: the kept rows -> pinned host memory on the side stream, after the compute
+        stream produced them; landed in the arena once the event fired (_apply_pending)."""
         assert self._stream is not None
-        n = k.shape[0] if rows is None else rows.shape[0]
-        out = torch.empty((n, 2, *k.shape[1:]), dtype=self.storage_dtype, pin_memory=True)
+        host = torch.empty((step.count, 2, *k.shape[1:]), dtype=self.storage_dtype, pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             both = torch.stack((k, v), dim=1)
-            if rows is not None:
-                both = both.index_select(0, rows)
-            out.copy_(both.to(self.storage_dtype), non_blocking=True)
+            if step.kept is not None:
+                both = both.index_select(0, step.kept)
+            host.copy_(both.to(self.storage_dtype), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         k.record_stream(self._stream)
         v.record_stream(self._stream)
-        return out, event
+        # No lock: deque.append is atomic and only this thread appends, so the engine never
+        # waits behind a writer thread that is waiting for an event.
+        self._seq += 1
+        self._pending.append((self._seq, event, host, layer, step.parts))
 
+    def _apply_pending(self, wait: bool) -> None:
+        """Land the CUDA copies in the arena, in issue order: those already finished (wait
+        False, never blocks), or all issued so far (wait True)."""
+        if not self._pending or not self._pending_lock.acquire(blocking=wait):
+            return
+        try:
+            upto = self._seq
+            while self._pending and self._pending[0][0] <= upto:
+                _, event, host, layer, parts = self._pending[0]
+                if not wait and not event.query():
+                    break
+                event.synchronize()
+                for part in parts:
+                    src = host if part.step_rows is None else host.index_select(0, part.step_rows)
+                    part.segment.kv[layer].index_copy_(0, part.dest, src)
+                # Only once landed: an empty queue means every copy issued is in the arena.
+                self._pending.popleft()
+        finally:
+            self._pending_lock.release()
 
-def _wait(step: StepRows, layer: int) -> None:
-    event = step.events[layer] if step.events else None
-    if event is not None:
-        event.synchronize()  # type: ignore[attr-defined]
+    # -- allocator (call with self._lock held) --------------------------------------------
+
+    def _ensure_arena(self, row_shape: tuple[int, ...]) -> None:
+        if self._row_shape is None:
+            self._row_shape = row_shape
+            itemsize = torch.empty(0, dtype=self.storage_dtype).element_size()
+            per_row = self.num_layers * 2 * itemsize
+            for d in row_shape:
+                per_row *= d
+            self._page_bytes = PAGE_ROWS * (per_row + 8)  # + the position (long)
+        assert row_shape == self._row_shape, (
+            f"rows of shape {row_shape} in a {self._row_shape} arena"
+        )
+
+    def _reserve(self, pages: int) -> None:
+        """At least `pages` free pages, by adding one segment when short (old ones never move)."""
+        if len(self._free) >= pages:
+            return
+        total = sum(s.pages for s in self._segments)
+        size = max(min(max(total, FIRST_SEGMENT_PAGES), MAX_SEGMENT_PAGES), pages - len(self._free))
+        assert self._row_shape is not None
+        seg = _Segment(total, size, self.num_layers, self._row_shape, self.storage_dtype)
+        self._segments.append(seg)
+        self._first_pages.append(seg.first_page)
+        for page in range(total, total + size):
+            heapq.heappush(self._free, page)
+
+    def _segment_of(self, page: int) -> _Segment:
+        return self._segments[bisect.bisect_right(self._first_pages, page) - 1]
+
+    def _append(self, rows: _Rows, n: int, starts: list[int], lengths: list[int]) -> None:
+        """Room for n more rows of `rows`: (first global row, count) runs appended."""
+        while n > 0:
+            offset = rows.count % PAGE_ROWS
+            if offset == 0:
+                page = heapq.heappop(self._free)
+                self._segment_of(page).used += 1
+                rows.pages.append(page)
+            run = min(n, PAGE_ROWS - offset)
+            starts.append(rows.pages[-1] * PAGE_ROWS + offset)
+            lengths.append(run)
+            rows.count += run
+            n -= run
+
+    def _release(self, rows: _Rows) -> None:
+        with self._lock:
+            for page in rows.pages:
+                self._segment_of(page).used -= 1
+                heapq.heappush(self._free, page)
+            rows.pages = []
+            rows.count = 0
+            self._shrink()
+
+    def _shrink(self) -> None:
+        """Give back trailing empty segments while the rest is over twice what is in use."""
+        while len(self._segments) > 1 and self._segments[-1].used == 0:
+            last = self._segments[-1]
+            used = sum(s.used for s in self._segments)
+            if 2 * used > last.first_page:
+                return
+            self._segments.pop()
+            self._first_pages.pop()
+            self._free = [p for p in self._free if p < last.first_page]
+            heapq.heapify(self._free)
+
+    # -- writer thread --------------------------------------------------------------------
+
+    def _locate(self, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global arena rows of a request's rows and their positions."""
+        with self._lock:
+            pages = torch.tensor(rows.pages, dtype=torch.long)
+            count = rows.count
+        index = torch.arange(count)
+        global_rows = pages[index // PAGE_ROWS] * PAGE_ROWS + index % PAGE_ROWS
+        positions = self._gather(global_rows, lambda seg, local: seg.positions[local])
+        return global_rows, positions
+
+    def _read_rows(self, global_rows: torch.Tensor) -> torch.Tensor:
+        """kv of these arena rows, [L, n, 2, Hkv, D] (a copy). Waits for CUDA copies first."""
+        self._apply_pending(wait=True)
+        return self._gather(global_rows, lambda seg, local: seg.kv.index_select(1, local), dim=1)
+
+    def _gather(self, global_rows: torch.Tensor, read, dim: int = 0) -> torch.Tensor:
+        """read(segment, its rows) for the segments holding global_rows, put back in order."""
+        with self._lock:
+            segments = list(self._segments)
+        firsts = torch.tensor([s.first_row for s in segments])
+        seg_of = torch.bucketize(global_rows, firsts, right=True) - 1
+        used = seg_of.unique().tolist()
+        if len(used) == 1:
+            seg = segments[used[0]]
+            return read(seg, global_rows - seg.first_row)
+        out = None
+        for i in used:
+            sel = (seg_of == i).nonzero().flatten()
+            seg = segments[i]
+            part = read(seg, global_rows.index_select(0, sel) - seg.first_row)
+            if out is None:
+                shape = list(part.shape)
+                shape[dim] = len(global_rows)
+                out = part.new_empty(shape)
+            out.index_copy_(dim, sel, part)
+        assert out is not None
+        return out

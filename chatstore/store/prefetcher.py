@@ -5,12 +5,10 @@ before the engine schedules them.
         keys  = hints (clients typing, POST /v1/sessions/{id}/prefetch), oldest first
               + candidates(): sessions in the look-ahead window over the engine's waiting queue
                 (L_pw = C_mem / S_kv) that sit below DRAM   (policy "aware"; none for lru/fifo)
-        for key in keys: hierarchy.prefetch(key)     LMDB/Redis -> DRAM, counted as `prefetches`
+        for key in keys: prefetch(key, hinted)   the session's chunks LMDB/Redis -> DRAM
 
-Thread safety: `TierHierarchy` orders a prefetch and the engine thread's lookup of the same
-session (memory state under its lock, slow-tier reads validated by a per-key generation): the
-lookup finds the session in DRAM, in transit or where it was, never half-moved. Keys with a save
-in flight are skipped (the save lands in DRAM).
+Chunks are immutable, so a prefetch racing with the engine's read of the same chunk is harmless:
+the read finds it in DRAM or below, a promotion leaves the copy below in place.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import threading
 from collections.abc import Callable, Hashable
 
 from chatstore.engine.cpu_threads import own_intra_op_threads
-from chatstore.store.hierarchy import TierHierarchy
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +27,12 @@ MAX_HINTS = 1024  # hints beyond this are dropped (oldest first): they are only 
 class Prefetcher:
     def __init__(
         self,
-        hierarchy: TierHierarchy,
+        prefetch: Callable[[Hashable, bool], int],
         candidates: Callable[[], list[Hashable]] = list,
         interval_s: float = 0.05,
         busy: Callable[[Hashable], bool] = lambda key: False,
     ) -> None:
-        self.hierarchy = hierarchy
+        self._prefetch = prefetch
         self._candidates = candidates
         self.interval_s = interval_s
         self._busy = busy
@@ -86,7 +83,7 @@ class Prefetcher:
             if self._busy(key):
                 continue
             try:
-                moved += self.hierarchy.prefetch(key, touch=key in hints)
+                moved += self._prefetch(key, key in hints)
             except Exception:
                 log.exception("prefetch of %s failed", key)
         self.moved += moved

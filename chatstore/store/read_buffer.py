@@ -6,7 +6,7 @@ thread. With it, while earlier jobs compute, the loader thread looks up the sess
 (or hinted: WebSocket "typing", POST /v1/sessions/{id}/prefetch) and stages the first
 `layers` layers of their history KV in device memory, RoPE already applied at positions 0..T-1:
 
-    staged entry (per session):  saved SessionKV  +  layers 0..N-1 as (K rotated, V) [T, Hkv, D]
+    staged entry (per session):  its stored chunks  +  layers 0..N-1 as (K rotated, V) [T, Hkv, D]
     job scheduled:               layers < N  buffer -> pool slots (a plain copy)
                                  layers >= N  tier copy -> RoPE -> pool slots, during the forward
 
@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.chunked_kv import ChunkedKV
+from chatstore.store.session_kv import SessionKey
 
 
 @dataclass
 class StagedKV:
     key: SessionKey
     version: int
-    saved: SessionKV | None = None
+    saved: ChunkedKV | None = None  # every stored chunk of the session, positions 0..T-1
     looked_up: threading.Event = field(default_factory=threading.Event)
     k: list[torch.Tensor] = field(default_factory=list)  # layer i rotated K [T, Hkv, D]
     v: list[torch.Tensor] = field(default_factory=list)

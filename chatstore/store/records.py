@@ -25,6 +25,7 @@ class SessionRecord:
     session_id: str
     messages: list[dict[str, Any]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # the history whose KV is saved
+    chunks: list[str] = field(default_factory=list)  # its chunk keys' digests, in order
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     metadata: dict[str, Any] = field(default_factory=dict)  # the client's, from POST /v1/sessions

@@ -1,12 +1,12 @@
 """The small interface every storage tier implements (LMCache-style backends).
 
-A tier holds whole sessions (the paper's eviction unit is one session's KV). Capacity is counted
-in the bytes a value occupies in that tier (`footprint`); the hierarchy makes room before `put`,
-so `used_bytes() <= capacity` always holds. `get` raises CorruptValueError for a value that fails
-its checksum (the tier has already dropped it) and returns None for a plain miss.
+A tier holds KV chunks (immutable values named by a content hash, chunks.py). Capacity is
+counted in the bytes a value occupies in that tier (`footprint`); ChunkTiers makes room before
+`put`, so `used_bytes() <= capacity` always holds. `get` raises CorruptValueError for a value that
+fails its checksum (the tier has already dropped it) and returns None for a plain miss.
 
-`in_memory` tiers (DRAM) are only touched under the hierarchy's lock: their operations are memory
-copies. The others (LMDB, Redis) are slow: the hierarchy writes and deletes there outside its lock,
+`in_memory` tiers (DRAM) are only touched under ChunkTiers' lock: their operations are memory
+copies. The others (LMDB, Redis) are slow: ChunkTiers writes and deletes there outside that lock,
 from one thread at a time, while other threads may read. Such a tier keeps `contains`, `keys`,
 `size_of` and `used_bytes` safe to call from any thread at any time.
 """
@@ -35,7 +35,7 @@ class TierOccupancy:
 class FootprintIndex:
     """What a slow tier holds, kept in memory: key -> footprint, and their total.
 
-    One thread writes the tier (the hierarchy's I/O lock) while others read its occupancy, so
+    One thread writes the tier (ChunkTiers' I/O lock) while others read its occupancy, so
     the map and the total change together under a small lock of their own; `used_bytes`,
     `keys`, `contains` and `size_of` then cost no I/O and are safe from any thread."""
 
@@ -74,7 +74,7 @@ class FootprintIndex:
 
 class StorageTier(ABC):
     name: str = "tier"
-    in_memory: bool = False  # a DRAM-like tier: fast, volatile, guarded by the hierarchy's lock
+    in_memory: bool = False  # a DRAM-like tier: fast, volatile, guarded by ChunkTiers' lock
 
     @property
     @abstractmethod

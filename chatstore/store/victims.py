@@ -51,3 +51,9 @@ class LruChooser:
             if key in pending:
                 return key
         return candidates[0]
+
+    def rank(self, tier: str, candidates: list[SessionKey]) -> list[SessionKey]:
+        """candidates, least recently used first (never touched ones lead)."""
+        pending = set(candidates)
+        unseen = [key for key in candidates if key not in self._order]
+        return unseen + [key for key in self._order if key in pending]

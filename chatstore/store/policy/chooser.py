@@ -73,6 +73,14 @@ class PolicyChooser:
         with self._pinned():
             return min(candidates, key=lambda key: self.policy.value(key, lk))
 
+    def rank(self, tier: str, candidates: list[Hashable]) -> list[Hashable]:
+        """candidates, lowest value (first to go) first; never-touched keys lead."""
+        unseen = [key for key in candidates if key not in self._seen]
+        seen = [key for key in candidates if key in self._seen]
+        lk = QueueLookahead(self._queue())
+        with self._pinned():
+            return unseen + sorted(seen, key=lambda key: self.policy.value(key, lk))
+
     def ranked_below(self, key: Hashable, candidates: list[Hashable]) -> list[Hashable]:
         """The candidates `key` outranks (what a prefetch of `key` may push out). A key never
         touched (found on disk at start-up) outranks nothing unless its next turn is queued."""

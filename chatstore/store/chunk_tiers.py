@@ -1,0 +1,394 @@
+"""Chunks across the tiers, fastest first: DRAM, then LMDB (SSD), then Redis (remote).
+
+    put ──► DRAM ──evict──► SSD ──evict──► remote ──evict──► dropped
+    get ◄── fastest tier holding the chunk; a hit below DRAM is copied up (promoted)
+
+A chunk is immutable (its key hashes its content), which makes the hierarchy simple: a copy is
+valid wherever it is, so a chunk may sit in several tiers at once. A promotion leaves the copy
+below in place, a write-back (`persist`) copies a DRAM chunk to SSD without moving it, and an
+eviction from DRAM of a chunk that has a copy below just frees the DRAM blocks. Only a chunk with
+no copy below is written down when evicted, and a chunk leaves a slow tier for the next one
+only when it has no copy further down.
+
+Locks. `_lock` (RLock) guards what lives in memory: the DRAM tier, `_transit` (chunks evicted
+from DRAM and being written down: still readable), counters and the placement. `_io_lock`
+serialises writes into slow tiers (one thread at a time; taken before `_lock`, never while
+holding it). Reads of slow tiers need neither lock (LMDB MVCC, a thread-safe Redis pool).
+
+The owner (AttentionStore) decides which chunks exist: `wanted(key)` says whether any session
+references a chunk, and a chunk read from a slow tier is copied up only while it is wanted, so a
+promotion racing with a delete never brings a freed chunk back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from chatstore.store.chunks import ChunkKey
+from chatstore.store.codec import CorruptValueError
+from chatstore.store.events import EventLog, StoreCounters, StoreEvent
+from chatstore.store.session_kv import SessionKV
+from chatstore.store.tier import StorageTier, TierFull, TierOccupancy
+from chatstore.store.victims import LruChooser, VictimChooser
+
+log = logging.getLogger(__name__)
+
+
+class ChunkTiers:
+    def __init__(
+        self,
+        tiers: list[StorageTier],
+        placement: VictimChooser | None = None,
+        events: EventLog | None = None,
+        wanted: Callable[[ChunkKey], bool] = lambda key: True,
+    ) -> None:
+        if not tiers:
+            raise ValueError("the store needs at least one tier")
+        if any(t.in_memory for t in tiers[1:]):
+            raise ValueError("only the first tier may be an in-memory tier")
+        self.tiers = tiers
+        self.top: StorageTier | None = tiers[0] if tiers[0].in_memory else None
+        self.slow = [t for t in tiers if not t.in_memory]
+        self.placement = placement or LruChooser()
+        self.events = events or EventLog()
+        self.counters = StoreCounters()
+        self.wanted = wanted
+        self.device_occupancy: Callable[[], TierOccupancy] | None = None
+        self._lock = threading.RLock()
+        self._io_lock = threading.Lock()
+        self._transit: dict[ChunkKey, SessionKV] = {}
+
+    # -- where ------------------------------------------------------------------------------
+
+    def where(self, key: ChunkKey) -> str | None:
+        """The fastest tier holding key (a chunk on its way down counts as DRAM), or None."""
+        with self._lock:
+            if self.top is not None and (self.top.contains(key) or key in self._transit):
+                return self.top.name
+        return next((t.name for t in self.slow if t.contains(key)), None)
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self.where(key) is not None
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def get(self, key: ChunkKey, promote: bool = True, count: bool = True) -> SessionKV | None:
+        """key's chunk from the fastest tier holding it (copied up to DRAM when promote);
+        count: a use, counted as a hit or miss (not for the store's own re-reads)."""
+        with self._lock:
+            value = self._get_memory(key) if count else self._get_memory_quiet(key)
+            if value is not None:
+                return value
+        for tier in self.slow:
+            value = self._read_slow(tier, key)
+            if value is None:
+                continue
+            source = tier.name
+            if promote and self.top is not None:
+                if self._insert_top(key, value, "promoted") == "present":
+                    source = self.top.name  # another thread brought it up meanwhile
+            if count:
+                self._hit(source, key, value.nbytes)
+            return value
+        if count:
+            with self._lock:
+                self.counters.misses += 1
+            self._emit("miss", key)
+        return None
+
+    def prefetch(self, key: ChunkKey) -> bool:
+        """Copy key up to DRAM ahead of use; True if it moved."""
+        if self.top is None:
+            return False
+        with self._lock:
+            if self.top.contains(key) or key in self._transit:
+                return False
+        for tier in self.slow:
+            value = self._read_slow(tier, key)
+            if value is not None:
+                moved = self._insert_top(key, value, "prefetched") is True
+                if moved:
+                    with self._lock:
+                        self.counters.prefetches += 1
+                return moved
+        return False
+
+    def count_pending_hit(self, key: ChunkKey) -> None:
+        """A read served from the write buffer: a hit in the first tier."""
+        self._hit(self.tiers[0].name, key, 0)
+
+    def _get_memory(self, key: ChunkKey) -> SessionKV | None:
+        top = self.top
+        if top is None:
+            return None
+        value = top.get(key) if top.contains(key) else self._transit.get(key)
+        if value is not None:
+            self._hit(top.name, key, value.nbytes)
+        return value
+
+    def _read_slow(self, tier: StorageTier, key: ChunkKey) -> SessionKV | None:
+        if not tier.contains(key):
+            return None
+        try:
+            return tier.get(key)
+        except CorruptValueError:
+            with self._lock:
+                self.counters.tier(tier.name).corrupt += 1
+            self._emit("corrupt", key, tier.name)
+        except Exception:
+            log.exception("reading chunk %s from the %s tier failed", key, tier.name)
+            with self._lock:
+                self.counters.tier(tier.name).errors += 1
+        return None
+
+    def _hit(self, tier: str, key: ChunkKey, nbytes: int) -> None:
+        with self._lock:
+            self.counters.tier(tier).hits += 1
+            self.placement.touch(key)
+        self._emit("hit", key, tier, nbytes)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def put(self, key: ChunkKey, value: SessionKV) -> str | None:
+        """Store a new chunk (a no-op where it is stored already); the tier it is in."""
+        where = self.where(key)
+        if where is not None:
+            return where
+        if self.top is not None and self._insert_top(key, value, "stored") is not False:
+            return self.top.name
+        with self._io_lock:
+            landed = self._write_down(key, value, self.slow)
+        if landed is not None:
+            self._emit("stored", key, landed, value.nbytes)
+        return landed
+
+    def persist(self, key: ChunkKey) -> bool:
+        """Write-back: copy a DRAM chunk to the first slow tier as well (it stays in DRAM);
+        True when a slow tier holds it afterwards."""
+        if not self.slow:
+            return False
+        if self.slow[0].contains(key):
+            return True
+        with self._lock:
+            value = self._get_memory_quiet(key)
+        if value is None:
+            return False
+        with self._io_lock:
+            return self._write_down(key, value, self.slow[:1]) is not None
+
+    def _get_memory_quiet(self, key: ChunkKey) -> SessionKV | None:
+        top = self.top
+        if top is None:
+            return None
+        return top.get(key) if top.contains(key) else self._transit.get(key)
+
+    def delete(self, key: ChunkKey) -> bool:
+        """Remove key from every tier; True if it was stored."""
+        with self._lock:
+            found = False
+            if self.top is not None:
+                found = self.top.delete(key)
+            found = self._transit.pop(key, None) is not None or found
+            self.placement.forget(key)
+        with self._io_lock:
+            for tier in self.slow:
+                try:
+                    found = tier.delete(key) or found
+                except Exception:
+                    log.exception("deleting chunk %s from the %s tier failed", key, tier.name)
+                    with self._lock:
+                        self.counters.tier(tier.name).errors += 1
+        if found:
+            self._emit("deleted", key)
+        return found
+
+    def clear(self) -> None:
+        keys: set[ChunkKey] = set()
+        with self._lock:
+            for tier in self.tiers:
+                keys.update(tier.keys())
+            keys.update(self._transit)
+        for key in keys:
+            self.delete(key)
+
+    def demote_all(self) -> None:
+        """Every DRAM chunk without a copy below is written down (graceful shutdown)."""
+        if self.top is None or not self.slow:
+            return
+        for key in self.top.keys():  # noqa: SIM118 (a tier, not a dict)
+            self.persist(key)
+
+    # -- DRAM -------------------------------------------------------------------------------
+
+    def _insert_top(self, key: ChunkKey, value: SessionKV, kind: str) -> bool | str:
+        """value into DRAM, evicting by the placement; victims without a copy below are
+        written down before this returns. True when inserted, "present" when DRAM held it
+        already, False when it does not fit (or is no longer wanted: a delete raced with the
+        read that brought it)."""
+        top = self.top
+        assert top is not None
+        parked: list[tuple[ChunkKey, SessionKV]] = []
+        try:
+            with self._lock:
+                if top.contains(key):
+                    return "present"
+                if not self.wanted(key):
+                    return False
+                need = top.footprint(value)
+                if need > top.capacity:
+                    return False
+                while top.used_bytes() + need > top.capacity:
+                    candidates = [k for k in top.keys() if k != key]  # noqa: SIM118
+                    victim = self.placement.choose_victim(top.name, candidates)
+                    if victim is None:
+                        return False
+                    if kind == "prefetched" and not self._may_displace(key, victim):
+                        return False  # it would push out something worth more
+                    self._evict_top(victim, parked)
+                try:
+                    top.put(key, value)
+                except TierFull:
+                    return False
+                self.placement.touch(key)
+                if kind != "stored":
+                    self.counters.bytes_up += value.nbytes
+            self._emit(kind, key, top.name, value.nbytes)
+            return True
+        finally:
+            if parked:
+                self._land(parked)
+
+    def _may_displace(self, incoming: ChunkKey, victim: ChunkKey) -> bool:
+        check = getattr(self.placement, "may_displace", None)
+        return check is None or check(incoming, victim)
+
+    def _evict_top(self, victim: ChunkKey, parked: list[tuple[ChunkKey, SessionKV]]) -> None:
+        top = self.top
+        assert top is not None
+        self.counters.tier(top.name).evictions += 1
+        self._emit("evicted", victim, top.name)
+        if any(t.contains(victim) for t in self.slow):
+            top.delete(victim)  # a copy below already: nothing to write
+            return
+        value = top.get(victim)
+        top.delete(victim)
+        if value is None:
+            return
+        if not self.slow:
+            self._dropped(victim, value.nbytes)
+            return
+        self._transit[victim] = value
+        parked.append((victim, value))
+
+    def _land(self, parked: list[tuple[ChunkKey, SessionKV]]) -> None:
+        with self._io_lock:
+            for key, value in parked:
+                with self._lock:
+                    if self._transit.get(key) is not value:
+                        continue  # deleted (or read back up) meanwhile
+                try:
+                    landed = self._write_down(key, value, self.slow)
+                except Exception:
+                    log.exception("writing chunk %s down failed", key)
+                    landed = None
+                with self._lock:
+                    current = self._transit.get(key) is value
+                    if current:
+                        del self._transit[key]
+                        if landed is not None:
+                            self.counters.bytes_down += value.nbytes
+                if landed is not None and not current:
+                    self._delete_slow(key)  # deleted while it was being written
+
+    # -- slow tiers (holding _io_lock) ------------------------------------------------------
+
+    def _write_down(
+        self, key: ChunkKey, value: SessionKV, levels: Iterable[StorageTier]
+    ) -> str | None:
+        """value into the first of `levels` that takes it (making room there); its name."""
+        for tier in levels:
+            if tier.contains(key):
+                return tier.name
+            need = tier.footprint(value)
+            if need > tier.capacity or not self._make_room(tier, key, need):
+                continue
+            try:
+                tier.put(key, value)
+            except TierFull:
+                continue
+            except Exception:
+                log.exception("writing chunk %s to the %s tier failed", key, tier.name)
+                with self._lock:
+                    self.counters.tier(tier.name).errors += 1
+                continue
+            self._emit("demoted", key, tier.name, value.nbytes)
+            return tier.name
+        self._dropped(key, value.nbytes)
+        return None
+
+    def _make_room(self, tier: StorageTier, key: ChunkKey, need: int) -> bool:
+        below = self.slow[self.slow.index(tier) + 1 :]
+        while tier.used_bytes() + need > tier.capacity:
+            with self._lock:
+                candidates = [k for k in tier.keys() if k != key]  # noqa: SIM118
+                victim = self.placement.choose_victim(tier.name, candidates)
+                if victim is None:
+                    return False
+                self.counters.tier(tier.name).evictions += 1
+                elsewhere = (
+                    self.top is not None and self.top.contains(victim)
+                ) or victim in self._transit
+            self._emit("evicted", victim, tier.name)
+            if not elsewhere and not any(t.contains(victim) for t in below):
+                value = self._read_slow(tier, victim)
+                if value is not None and below:
+                    self._write_down(victim, value, below)
+                elif value is not None:
+                    self._dropped(victim, value.nbytes)
+            before = tier.used_bytes()
+            tier.delete(victim)
+            if tier.used_bytes() >= before:
+                return False  # no progress: do not spin
+        return True
+
+    def _delete_slow(self, key: ChunkKey) -> None:
+        for tier in self.slow:
+            try:
+                tier.delete(key)
+            except Exception:
+                log.exception("deleting chunk %s from the %s tier failed", key, tier.name)
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock  # type: ignore[return-value]
+
+    def stats_occupancy(self) -> list[TierOccupancy]:
+        with self._lock:
+            out = [t.occupancy() for t in self.tiers]
+            if self.device_occupancy is not None:
+                out.insert(0, self.device_occupancy())
+            return out
+
+    def keys(self) -> set[ChunkKey]:
+        with self._lock:
+            keys = set(self._transit)
+            for tier in self.tiers:
+                keys.update(tier.keys())
+            return keys
+
+    def check_capacity(self) -> None:
+        for tier in self.tiers:
+            used = tier.used_bytes()
+            assert used <= tier.capacity, f"{tier.name}: {used} bytes used > {tier.capacity}"
+
+    def _dropped(self, key: ChunkKey, nbytes: int) -> None:
+        with self._lock:
+            self.counters.dropped += 1
+        self._emit("dropped", key, None, nbytes)
+
+    def _emit(self, kind: str, key: ChunkKey, tier: str | None = None, nbytes: int = 0) -> None:
+        self.events.emit(StoreEvent(kind, key, tier, nbytes))  # type: ignore[arg-type]

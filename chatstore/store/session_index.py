@@ -1,0 +1,80 @@
+"""Which chunks each session holds, and which sessions hold each chunk (reference counts).
+
+    sessions:  session key -> SessionChain(token ids, chunk keys, updated_at)
+    owners:    chunk key   -> {session keys whose chain lists it}
+
+A chunk is freed when the last session holding it lets go (its chain replaced by a turn or a
+truncation, deleted, expired). Kept in memory, rebuilt from the session records at start; the
+store guards writes with its lock, and the read-only questions the tiers ask (`referenced`,
+`owners_of`) are single dict reads, safe from any thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from chatstore.store.chunks import ChunkKey
+from chatstore.store.session_kv import SessionKey
+
+_NOBODY: frozenset[SessionKey] = frozenset()
+
+
+@dataclass(frozen=True)
+class SessionChain:
+    token_ids: list[int]
+    chunks: list[ChunkKey]
+    updated_at: float = field(default_factory=time.time)
+
+
+class SessionIndex:
+    def __init__(self) -> None:
+        self._sessions: dict[SessionKey, SessionChain] = {}
+        self._owners: dict[ChunkKey, frozenset[SessionKey]] = {}
+        self._positions: dict[ChunkKey, int] = {}
+
+    def get(self, key: SessionKey) -> SessionChain | None:
+        return self._sessions.get(key)
+
+    def set(self, key: SessionKey, chain: SessionChain) -> list[ChunkKey]:
+        """key now holds chain; the chunks that lost their last holder."""
+        freed = self.remove(key)
+        self._sessions[key] = chain
+        for i, chunk in enumerate(chain.chunks):
+            self._owners[chunk] = self._owners.get(chunk, _NOBODY) | {key}
+            self._positions.setdefault(chunk, i)
+        return [c for c in freed if c not in self._owners]
+
+    def remove(self, key: SessionKey) -> list[ChunkKey]:
+        """Forget key; the chunks that lost their last holder."""
+        chain = self._sessions.pop(key, None)
+        if chain is None:
+            return []
+        freed = []
+        for chunk in chain.chunks:
+            holders = self._owners.get(chunk, _NOBODY) - {key}
+            if holders:
+                self._owners[chunk] = holders
+            elif chunk in self._owners:
+                del self._owners[chunk]
+                self._positions.pop(chunk, None)
+                freed.append(chunk)
+        return freed
+
+    def referenced(self, chunk: ChunkKey) -> bool:
+        return chunk in self._owners
+
+    def owners_of(self, chunk: ChunkKey) -> frozenset[SessionKey]:
+        return self._owners.get(chunk, _NOBODY)
+
+    def position_of(self, chunk: ChunkKey) -> int:
+        return self._positions.get(chunk, 0)
+
+    def sessions(self) -> list[SessionKey]:
+        return list(self._sessions)
+
+    def chunks(self) -> set[ChunkKey]:
+        return set(self._owners)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
