@@ -4,6 +4,7 @@ finish or are aborted and the store's DRAM sessions are flushed to LMDB before e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -127,3 +128,75 @@ def test_graceful_shutdown_drains_and_flushes(default_model, tmp_path):
         assert store.tier_of("local", sid) == "ssd"
     finally:
         store.close()
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            if httpx.get(url + "/readyz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not become ready"
+        time.sleep(0.25)
+
+
+def test_kill_9_under_load_restarts_warm(tmp_path):
+    """Sessions whose last turn ended more than persist_lag_s before a kill -9 come back warm:
+    after the restart their next turn reuses the whole history from LMDB."""
+    port = free_port()
+    env = {
+        "CHATSTORE_API_KEYS": "",
+        "CHATSTORE_ADMIN_KEY": "",
+        "CHATSTORE_DATA_DIR": str(tmp_path),
+        "CHATSTORE_KV_CACHE_BYTES": str(32 << 20),
+        "CHATSTORE_PERSIST_LAG_S": "0.2",
+        "CHATSTORE_CHUNK_TOKENS": "64",
+    }
+    url = f"http://127.0.0.1:{port}"
+    proc = serve("--port", str(port), env=env)
+    histories: dict[str, dict] = {}
+    try:
+        _wait_ready(proc, url)
+        http = httpx.Client(base_url=url, timeout=120)
+        for i in range(3):
+            sid = http.post("/v1/sessions", json={"system_prompt": "Be brief."}).json()["id"]
+            for turn in range(2):
+                body = {"content": f"Session {i}, turn {turn}: name a colour.", "max_tokens": 8}
+                reply = http.post(f"/v1/sessions/{sid}/messages", json={**body, "temperature": 0})
+                assert reply.status_code == 200, reply.text
+                histories[sid] = reply.json()["usage"]
+        time.sleep(1.0)  # > persist_lag_s: every chunk of these turns has reached LMDB
+        # Load while the kill lands: a turn in flight on another session.
+        busy = http.post("/v1/sessions", json={}).json()["id"]
+        slow = {"content": "Count from one to fifty.", "max_tokens": 200, "ignore_eos": True}
+        threading.Thread(
+            target=lambda: _quietly(http.post, f"/v1/sessions/{busy}/messages", json=slow),
+            daemon=True,
+        ).start()
+        time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    proc = serve("--port", str(port), env=env)
+    try:
+        _wait_ready(proc, url)
+        http = httpx.Client(base_url=url, timeout=120)
+        for sid, usage in histories.items():
+            body = {"content": "And another one?", "max_tokens": 4, "temperature": 0}
+            reply = http.post(f"/v1/sessions/{sid}/messages", json=body)
+            assert reply.status_code == 200, reply.text
+            cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            saved = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+            assert cached >= saved - 2, f"{sid}: {cached} of {saved} history tokens reused"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+
+
+def _quietly(fn, *args, **kwargs) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        fn(*args, **kwargs)

@@ -54,14 +54,21 @@ class MiniEngine:
     def attach(self, connector: StoreConnector) -> None:
         self.connector = connector
 
-    def turn(self, prompt: list[int], session: str | None = "s1") -> Turn:
+    def turn(self, prompt: list[int], session: str | None = "s1", on_device: int = 0) -> Turn:
+        """on_device: the first tokens are already in the pool (a device prefix-cache hit,
+        computed here without the connector): the store supplies only what follows."""
         self._n += 1
         req = Request(f"r{self._n}", list(prompt), tenant="acme", session_id=session)
         conn = self.connector
         blocks = self.pool.allocate(-(-(len(prompt) + MAX_NEW) // BLOCK))
-        cached = conn.num_external_tokens(req, 0) if conn else 0
+        if on_device:
+            self.runner.forward(
+                ForwardBatch.build([SequenceChunk(prompt[:on_device], 0, blocks)], BLOCK)
+            )
+        cached = conn.num_external_tokens(req, on_device) if conn else 0
         if cached:
-            conn.load(req, 0, cached, blocks)
+            conn.load(req, on_device, cached, blocks)
+        cached += on_device
         sink = conn.save_layer if conn else None
         chunk = SequenceChunk(prompt[cached:], cached, blocks)
         out: list[int] = []
@@ -151,6 +158,27 @@ def test_history_restored_from_tier_gives_identical_tokens(
         assert store.tier_of("acme", "s1") == tier_name
     saved = store.saved_tokens("acme", "s1")
     assert saved == (reference[-1].prompt + reference[-1].output)[: len(saved)]
+    store.close()
+
+
+def test_history_split_between_device_and_store_gives_identical_tokens(
+    default_model, reference, tmp_path
+):
+    """The device holds the first tokens (20, then 40: not chunk boundaries): the store loads
+    only the chunks past them (the third turn skips chunk 0), and the answer is the
+    recompute's."""
+    engine = MiniEngine(default_model)
+    store = make_store(default_model, tmp_path, "dram")
+    engine.attach(StoreConnector(store, engine.cache, engine.runner.rope))
+    for i, ref in enumerate(reference):
+        device = [0, 20, 40][i]
+        hits = store.stats().counters.tier("dram").hits
+        got = engine.turn(ref.prompt, on_device=device)
+        assert got.output == ref.output, f"turn {i + 1} differs"
+        if i:
+            read = store.stats().counters.tier("dram").hits - hits
+            assert got.cached > device
+            assert read == -(-got.cached // CHUNK) - device // CHUNK  # chunks past the device
     store.close()
 
 

@@ -86,9 +86,9 @@ class ChunkTiers:
             if value is None:
                 continue
             source = tier.name
-            if promote and self.top is not None:
-                if self._insert_top(key, value, "promoted") == "present":
-                    source = self.top.name  # another thread brought it up meanwhile
+            promoted = promote and self.top is not None
+            if promoted and self._insert_top(key, value, "promoted") == "present":
+                source = self.top.name  # another thread brought it up meanwhile
             if count:
                 self._hit(source, key, value.nbytes)
             return value
