@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkHasher
 from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.turn_plan import ChunkDelta
 from tests.store_support import push_down
 from tests.test_store_attention_store import SPEC, TOKEN_BYTES
 
@@ -55,10 +56,12 @@ def turn(store: AttentionStore, tenant: str, sid: str, token_ids: list[int]) -> 
     plan = store.plan_turn(tenant, token_ids, stored, reusable)
 
     def build() -> dict:
-        return {
-            k: SessionKV(token_ids[a:b], kv_of(token_ids[a:b], a))
-            for _, k, a, b in plan.new_spans()
-        }
+        out = {}
+        for _, k, a, b in plan.new_spans():
+            base, keep = plan.bases.get(k, (None, 0))
+            rows = SessionKV(token_ids[a + keep : b], kv_of(token_ids[a + keep : b], a + keep))
+            out[k] = rows if base is None else ChunkDelta(base, keep, rows)
+        return out
 
     new_tokens = sum(b - a for _, _, a, b in plan.new_spans())
     store.save_turn(tenant, sid, plan, build, new_tokens * TOKEN_BYTES)
@@ -106,9 +109,39 @@ def test_a_turn_writes_only_its_new_chunks(tmp_path):
     before = store.bytes_written
     ids += list(range(200, 206))  # completes the tail (4 old + 4 new) and a tail of 2
     turn(store, "t", "s", ids)
-    assert store.bytes_written - before == (8 + 2) * TOKEN_BYTES  # not the whole history
+    # Only the 6 new rows: the old tail's blocks are extended in place in DRAM.
+    assert store.bytes_written - before == 6 * TOKEN_BYTES
     check_invariants(store, {SessionKey("t", "s"): ids})
     store.close()
+
+
+def test_a_tail_held_by_a_fork_is_copied_not_taken(tmp_path):
+    store = make(tmp_path)
+    ids = list(range(100, 112))  # a full chunk and a tail of 4
+    turn(store, "t", "a", ids)
+    turn(store, "t", "b", ids)  # a fork: holds the same tail
+    before = store.bytes_written
+    turn(store, "t", "a", [*ids, 7, 8, 9])  # a completes the tail b still holds
+    assert store.bytes_written - before == 7 * TOKEN_BYTES  # assembled: the old 4 + 3 new
+    check_invariants(store, {SessionKey("t", "a"): [*ids, 7, 8, 9], SessionKey("t", "b"): ids})
+    store.close()
+
+
+def test_dram_extend_writes_into_the_base_blocks():
+    from chatstore.store.dram_tier import DramTier, KVLayout
+
+    tier = DramTier(16 * 4 * TOKEN_BYTES, KVLayout(2, 2, 4, torch.float32), block_size=4)
+    hasher = ChunkHasher("fp", torch.float32, 16)
+    old, new = hasher.chain("t", list(range(6)))[0], hasher.chain("t", list(range(13)))[0]
+    tier.put(old, SessionKV(list(range(6)), kv_of(list(range(6)))))
+    used = tier.used_bytes()
+    rows = list(range(5, 13))  # keeps 5 of the 6 (a divergence at the last one), adds 8
+    assert tier.extend(old, new, 5, SessionKV(rows, kv_of(rows, 5)))
+    got = tier.get(new)
+    assert got.token_ids == list(range(5)) + rows and not tier.contains(old)
+    assert torch.equal(got.kv, torch.cat([kv_of(list(range(5))), kv_of(rows, 5)], dim=2))
+    assert tier.used_bytes() == used + 2 * 4 * TOKEN_BYTES  # 2 blocks -> 4 blocks
+    tier.check_integrity()
 
 
 def test_shared_prefix_is_stored_once_and_freed_with_its_last_holder(tmp_path):

@@ -58,7 +58,7 @@ from chatstore.store.redis_tier import RedisTier
 from chatstore.store.session_index import SessionChain, SessionIndex
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 from chatstore.store.tier import StorageTier, TierOccupancy
-from chatstore.store.turn_plan import TurnPlan, TurnWrite, plan_chain
+from chatstore.store.turn_plan import ChunkDelta, TurnPlan, TurnWrite, plan_chain
 from chatstore.store.writer import WriteBuffer
 
 log = logging.getLogger(__name__)
@@ -308,13 +308,26 @@ class AttentionStore:
         out: list[SessionKV | None] = []
         for key in keys:
             build = self._pending.get(key)
-            if build is not None:
+            value = self._pending_value(build, key) if build is not None else None
+            if value is not None:
                 if count:
                     self.tiers.count_pending_hit(key)
-                out.append(build())
+                out.append(value)
             else:
                 out.append(self.tiers.get(key, count=count))
         return out
+
+    def _pending_value(self, build: Callable[[], Any], key: ChunkKey) -> SessionKV | None:
+        """A chunk still in the write buffer, whole (a delta joined to its base); None if
+        its base is gone, which means the turn has just landed (read the tiers)."""
+        value = build()
+        if not isinstance(value, ChunkDelta):
+            return value
+        base = self.read_chunks([value.base], count=False)[0]
+        if base is None:
+            return None
+        kv = torch.cat([base.kv[:, :, : value.keep], value.rows.kv.to(base.dtype)], dim=2)
+        return SessionKV(base.token_ids[: value.keep] + value.rows.token_ids, kv)
 
     def has_chunk(self, key: ChunkKey) -> bool:
         return key in self._pending or self.tiers.contains(key)
@@ -354,15 +367,15 @@ class AttentionStore:
         tenant: str,
         session_id: str,
         plan: TurnPlan,
-        build: Callable[[], dict[ChunkKey, SessionKV]],
+        build: Callable[[], dict[ChunkKey, Any]],
         nbytes: int,
     ) -> None:
-        """Make plan's chain the session's history; `build()` gives the plan's new chunks
-        (called once, on the writer thread with async_save, else here). Returns once a
-        lookup sees the new chain."""
+        """Make plan's chain the session's history; `build()` gives the plan's new chunks,
+        as SessionKV or, for a chunk with a base (plan.bases), as ChunkDelta (called once, on
+        the writer thread with async_save, else here). Returns once a lookup sees the new
+        chain."""
         key = self.key(tenant, session_id)
-        dtype = self.settings.storage_dtype
-        memo = _Memo(lambda: {k: v.to(dtype) for k, v in build().items()})
+        memo = _Memo(lambda: {k: self._in_storage_dtype(v) for k, v in build().items()})
         chain = SessionChain(list(plan.token_ids), list(plan.chain))
         with self._lock:
             for chunk in plan.new_chunks:
@@ -375,6 +388,12 @@ class AttentionStore:
         else:
             self._commit(key, write)
         self._bump_version(key)
+
+    def _in_storage_dtype(self, value: Any) -> Any:
+        dtype = self.settings.storage_dtype
+        if isinstance(value, ChunkDelta):
+            return ChunkDelta(value.base, value.keep, value.rows.to(dtype))
+        return value.to(dtype)
 
     def save(self, tenant: str, session_id: str, value: SessionKV) -> str | None:
         """Keep value as the session's whole KV (tools, tests, truncation): its chunks not
@@ -414,8 +433,17 @@ class AttentionStore:
                     value = values.get(chunk)
                     if value is None or not self.index.referenced(chunk):
                         continue
-                    if self.tiers.put(chunk, value) is not None:
-                        self.bytes_written += value.nbytes
+                    if isinstance(value, ChunkDelta):
+                        # The base is the session's old tail: nobody else holds it, so DRAM
+                        # may extend its blocks in place instead of copying them.
+                        free = not self.index.referenced(value.base)
+                        landed, written = self.tiers.put_extension(
+                            chunk, value.base, value.keep, value.rows, may_take_base=free
+                        )
+                    else:
+                        landed, written = self.tiers.put(chunk, value), value.nbytes
+                    if landed is not None:
+                        self.bytes_written += written
                         self._persist_later(chunk)
             finally:
                 with self._lock:
@@ -624,20 +652,20 @@ class AttentionStore:
 class _Memo:
     """build() run once, whichever thread asks first (the writer or a reader)."""
 
-    def __init__(self, build: Callable[[], dict[ChunkKey, SessionKV]]) -> None:
+    def __init__(self, build: Callable[[], dict[ChunkKey, Any]]) -> None:
         self._build = build
-        self._value: dict[ChunkKey, SessionKV] | None = None
+        self._value: dict[ChunkKey, Any] | None = None
         self._lock = threading.Lock()
 
-    def __call__(self) -> dict[ChunkKey, SessionKV]:
+    def __call__(self) -> dict[ChunkKey, Any]:
         with self._lock:
             if self._value is None:
                 self._value = self._build()
             return self._value
 
 
-def _pending_getter(memo: _Memo, chunk: ChunkKey) -> Callable[[], SessionKV]:
-    def get() -> SessionKV:
+def _pending_getter(memo: _Memo, chunk: ChunkKey) -> Callable[[], Any]:
+    def get() -> Any:
         return memo()[chunk]
 
     get.memo = memo  # type: ignore[attr-defined]

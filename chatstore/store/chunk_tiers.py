@@ -26,6 +26,8 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
+import torch
+
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.codec import CorruptValueError
 from chatstore.store.events import EventLog, StoreCounters, StoreEvent
@@ -163,6 +165,61 @@ class ChunkTiers:
         if landed is not None:
             self._emit("stored", key, landed, value.nbytes)
         return landed
+
+    def put_extension(
+        self, key: ChunkKey, base: ChunkKey, keep: int, rows: SessionKV, may_take_base: bool
+    ) -> tuple[str | None, int]:
+        """Store chunk `key` = the first `keep` rows of chunk `base` + rows; (its tier, bytes
+        written). With may_take_base (nobody holds base any more) and base in DRAM, the DRAM
+        tier re-labels base's blocks and writes only `rows` into them; otherwise the chunk
+        is assembled from a read of base and stored whole."""
+        where = self.where(key)
+        if where is not None:
+            return where, 0
+        top = self.top
+        extend = getattr(top, "extend", None)
+        if may_take_base and top is not None and extend is not None:
+            parked: list[tuple[ChunkKey, SessionKV]] = []
+            landed = False
+            try:
+                with self._lock:
+                    if top.contains(base) and self._room_top(
+                        top.footprint_tokens(keep + rows.num_tokens) - top.size_of(base),
+                        {key, base},
+                        parked,
+                    ):
+                        landed = extend(base, key, keep, rows)
+                        if landed:
+                            self.placement.touch(key)
+            finally:
+                if parked:
+                    self._land(parked)
+            if landed:
+                self._emit("stored", key, top.name, rows.nbytes)
+                return top.name, rows.nbytes
+        value = self.get(base, promote=False, count=False)
+        if value is None:
+            log.warning("chunk %s: its base %s is gone; not stored", key, base)
+            return None, 0
+        kv = torch.cat([value.kv[:, :, :keep], rows.kv.to(value.dtype)], dim=2)
+        whole = SessionKV(value.token_ids[:keep] + rows.token_ids, kv)
+        return self.put(key, whole), whole.nbytes
+
+    def _room_top(
+        self, need: int, keep: set[ChunkKey], parked: list[tuple[ChunkKey, SessionKV]]
+    ) -> bool:
+        """Evict from DRAM (under _lock) until `need` more bytes fit; never a key in keep."""
+        top = self.top
+        assert top is not None
+        if need > top.capacity:
+            return False
+        while top.used_bytes() + need > top.capacity:
+            candidates = [k for k in top.keys() if k not in keep]  # noqa: SIM118
+            victim = self.placement.choose_victim(top.name, candidates)
+            if victim is None:
+                return False
+            self._evict_top(victim, parked)
+        return True
 
     def persist(self, key: ChunkKey) -> bool:
         """Write-back: copy a DRAM chunk to the first slow tier as well (it stays in DRAM);

@@ -52,6 +52,7 @@ from chatstore.store.layer_loader import LayerLoader, LoadJob
 from chatstore.store.layer_saver import LayerSaver, TurnRows
 from chatstore.store.read_buffer import ReadBuffer, StagedKV
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
+from chatstore.store.turn_plan import ChunkDelta
 
 log = logging.getLogger(__name__)
 
@@ -378,36 +379,29 @@ class StoreConnector:
         missing = (wanted & ~have).nonzero().flatten()
         device_rows = self._copy_from_device(missing, block_table) if len(missing) else None
         dtype = store.settings.storage_dtype
-        old_keys: dict[int, ChunkKey] = {}
-        if saved is not None:
-            old_keys = {i: saved.chunks[i] for i, _, a, _ in spans if a < m}
 
-        def build() -> dict[ChunkKey, SessionKV]:
+        def build() -> dict[ChunkKey, SessionKV | ChunkDelta]:
             try:
-                olds = dict(
-                    zip(old_keys, store.read_chunks(list(old_keys.values()), False), strict=True)
-                )
-                out: dict[ChunkKey, SessionKV] = {}
-                for i, key, a, b in spans:
+                out: dict[ChunkKey, SessionKV | ChunkDelta] = {}
+                for _, key, a, b in spans:
+                    base, keep = plan.bases.get(key, (None, 0))
+                    first = a + keep  # rows before it are the stored base chunk's
                     kv = torch.empty(
-                        (spec.num_layers, 2, b - a, spec.num_kv_heads, spec.head_dim), dtype=dtype
+                        (spec.num_layers, 2, b - first, spec.num_kv_heads, spec.head_dim),
+                        dtype=dtype,
                     )
-                    if a < m:
-                        old = olds.get(i)
-                        if old is None:
-                            raise MissingChunkError(f"chunk {old_keys[i]} is no longer stored")
-                        kv[:, :, : min(b, m) - a] = old.kv[:, :, : min(b, m) - a]
-                    rows.scatter_into(kv, a, b)
+                    rows.scatter_into(kv, first, b)
                     if device_rows is not None:
-                        inside = (missing >= a) & (missing < b)
+                        inside = (missing >= first) & (missing < b)
                         if inside.any():
-                            kv[:, :, missing[inside] - a] = device_rows[:, :, inside].to(dtype)
-                    out[key] = SessionKV(ids[a:b], kv)
+                            kv[:, :, missing[inside] - first] = device_rows[:, :, inside].to(dtype)
+                    value = SessionKV(ids[first:b], kv)
+                    out[key] = value if base is None else ChunkDelta(base, keep, value)
                 return out
             finally:
                 rows.release()
 
-        new_tokens = sum(b - a for _, _, a, b in spans)
+        new_tokens = sum(b - a - plan.bases.get(k, (None, 0))[1] for _, k, a, b in spans)
         nbytes = new_tokens * store.layout.bytes_per_token + rows.nbytes()
         if not spans:
             rows.release()

@@ -12,6 +12,7 @@ Not thread-safe on its own: the hierarchy only calls it under its lock (`in_memo
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,34 @@ class DramTier(StorageTier):
 
     def footprint(self, value: SessionKV) -> int:
         return self._blocks_for(value.num_tokens) * self.block_bytes
+
+    def footprint_tokens(self, num_tokens: int) -> int:
+        return self._blocks_for(num_tokens) * self.block_bytes
+
+    def extend(self, base: Hashable, key: Hashable, keep: int, rows: SessionKV) -> bool:
+        """key := the first `keep` tokens of base + rows, in base's blocks (base is gone
+        afterwards): only `rows` are written. False (nothing changed) without room."""
+        entry = self._entries.get(base)
+        if entry is None or keep > len(entry.token_ids):
+            return False
+        B = self.block_size
+        kept_blocks = -(-keep // B)
+        total = keep + rows.num_tokens
+        extra = self._blocks_for(total) - kept_blocks
+        if extra > len(self._free) + len(entry.blocks) - kept_blocks:
+            return False
+        del self._entries[base]
+        self._free.extend(entry.blocks[kept_blocks:])
+        blocks = entry.blocks[:kept_blocks] + [self._free.popleft() for _ in range(extra)]
+        kv = rows.kv.to(self.layout.dtype)
+        offset = keep % B
+        head = min(B - offset, rows.num_tokens) if offset else 0
+        if head:  # the rest of base's last, partial block
+            self.pool[blocks[keep // B], :, :, offset : offset + head] = kv[:, :, :head]
+        if rows.num_tokens > head:
+            self._write_blocks(blocks[kept_blocks:], kv[:, :, head:])
+        self._entries[key] = _Entry(blocks, entry.token_ids[:keep] + list(rows.token_ids))
+        return True
 
     def put(self, key: SessionKey, value: SessionKV) -> None:
         n = self._blocks_for(value.num_tokens)

@@ -8,12 +8,17 @@ Full stored chunks inside the reusable prefix are kept by key; the chain continu
 last one with new keys (a content hash from that parent), and of those only the chunks no
 tier and no pending write holds are new: a shared prefix (system prompt, fork, resent history)
 hashes to keys the store already has and is not written again.
+
+A new chunk that begins inside the stored history (c3' above: the old tail completed) has a
+`base`: the stored chunk whose first rows it keeps. The turn then hands the store only the rows
+after them (`ChunkDelta`), and the DRAM tier extends the old tail's blocks in place: no history
+row is copied or written again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chatstore.store.chunks import ChunkHasher, ChunkKey
@@ -25,11 +30,21 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class ChunkDelta:
+    """A new chunk given as the first `keep` rows of the stored chunk `base` + `rows`."""
+
+    base: ChunkKey
+    keep: int
+    rows: SessionKV  # the rows after the kept ones (token ids and KV)
+
+
+@dataclass(frozen=True)
 class TurnPlan:
     token_ids: list[int]
     chain: list[ChunkKey]
     new_chunks: tuple[ChunkKey, ...]
     chunk_tokens: int
+    bases: dict[ChunkKey, tuple[ChunkKey, int]] = field(default_factory=dict)
 
     def span(self, index: int) -> tuple[int, int]:
         start = index * self.chunk_tokens
@@ -49,9 +64,9 @@ class TurnWrite:
     chain: SessionChain
     new_chunks: list[ChunkKey]
     freed: list[ChunkKey]
-    memo: Callable[[], dict[ChunkKey, SessionKV]]
+    memo: Callable[[], dict[ChunkKey, SessionKV | ChunkDelta]]
 
-    def values(self) -> dict[ChunkKey, SessionKV]:
+    def values(self) -> dict[ChunkKey, SessionKV | ChunkDelta]:
         return self.memo()
 
 
@@ -79,4 +94,9 @@ def plan_chain(
     for key in rest:
         if key not in new and not has_chunk(key):
             new[key] = None
-    return TurnPlan(list(token_ids), chain, tuple(new), C)
+    bases: dict[ChunkKey, tuple[ChunkKey, int]] = {}
+    if stored is not None and kept < len(stored.chunks) and chain[kept] in new:
+        covered = min(reusable, stored.num_tokens, len(token_ids)) - kept * C
+        if covered > 0:  # the first new chunk starts with rows the store holds
+            bases[chain[kept]] = (stored.chunks[kept], covered)
+    return TurnPlan(list(token_ids), chain, tuple(new), C, bases)
