@@ -72,7 +72,8 @@ def test_interleaved_sessions_reuse_history(tmp_path, prefix_cache, dram, async_
             computed[sid] = len(req.prompt_token_ids) + len(got)
             history[sid] = [*req.prompt_token_ids, *got, *prompt(100 + turn, 5)]
     tier = "dram" if dram else "ssd"
-    assert store.stats().counters.tier(tier).hits > 0
+    if not prefix_cache:  # with it, the device holds every history: nothing to load
+        assert store.stats().counters.tier(tier).hits > 0
     store.close()
 
 

@@ -164,14 +164,14 @@ def test_history_restored_from_tier_gives_identical_tokens(
 def test_history_split_between_device_and_store_gives_identical_tokens(
     default_model, reference, tmp_path
 ):
-    """The device holds the first tokens (20, then 40: not chunk boundaries): the store loads
+    """The device holds the first tokens (8, then 40: not chunk boundaries): the store loads
     only the chunks past them (the third turn skips chunk 0), and the answer is the
     recompute's."""
     engine = MiniEngine(default_model)
     store = make_store(default_model, tmp_path, "dram")
     engine.attach(StoreConnector(store, engine.cache, engine.runner.rope))
     for i, ref in enumerate(reference):
-        device = [0, 20, 40][i]
+        device = [0, 8, 40][i]
         hits = store.stats().counters.tier("dram").hits
         got = engine.turn(ref.prompt, on_device=device)
         assert got.output == ref.output, f"turn {i + 1} differs"

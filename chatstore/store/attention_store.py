@@ -302,19 +302,30 @@ class AttentionStore:
         tokens = chain.token_ids[: min(len(chain.token_ids), n * self.settings.chunk_tokens)]
         return StoredSession(key, tokens, chain.chunks[:n], self.settings.chunk_tokens)
 
-    def read_chunks(self, keys: list[ChunkKey], count: bool = True) -> list[SessionKV | None]:
+    def read_chunks(
+        self,
+        keys: list[ChunkKey],
+        count: bool = True,
+        rows: list[tuple[int, int] | None] | None = None,
+    ) -> list[SessionKV | None]:
         """The chunks' KV (None where one is gone), from the write buffer or the fastest tier
-        (moved up to DRAM). count: a load (hits and misses counted), not a re-read."""
+        (moved up to DRAM). count: a load (hits and misses counted), not a re-read; rows:
+        per chunk, only rows [start, end) (None: all)."""
         out: list[SessionKV | None] = []
-        for key in keys:
+        for i, key in enumerate(keys):
+            span = rows[i] if rows is not None else None
             build = self._pending.get(key)
             value = self._pending_value(build, key) if build is not None else None
             if value is not None:
                 if count:
                     self.tiers.count_pending_hit(key)
+                if span is not None:
+                    value = SessionKV(
+                        value.token_ids[span[0] : span[1]], value.kv[:, :, span[0] : span[1]]
+                    )
                 out.append(value)
             else:
-                out.append(self.tiers.get(key, count=count))
+                out.append(self.tiers.get(key, count=count, rows=span))
         return out
 
     def _pending_value(self, build: Callable[[], Any], key: ChunkKey) -> SessionKV | None:
@@ -478,6 +489,13 @@ class AttentionStore:
 
     def _wanted(self, chunk: ChunkKey) -> bool:
         return self.index.referenced(chunk)
+
+    def yield_to(self, idle: threading.Event) -> None:
+        """idle is clear while the engine runs a prefill: background writes (the writer, the
+        write-back) wait for it to be set, so that they do not lengthen a TTFT."""
+        self.writer.idle = idle
+        if self.persister is not None:
+            self.persister.idle = idle
 
     def wait_saved(self, tenant: str, session_id: str, timeout: float = WAIT_SAVED_S) -> bool:
         """Until no write of the session is pending (its newest turn is fully stored)."""

@@ -76,13 +76,26 @@ class ChunkTiers:
 
     # -- reads ------------------------------------------------------------------------------
 
-    def get(self, key: ChunkKey, promote: bool = True, count: bool = True) -> SessionKV | None:
+    def get(
+        self,
+        key: ChunkKey,
+        promote: bool = True,
+        count: bool = True,
+        rows: tuple[int, int] | None = None,
+    ) -> SessionKV | None:
         """key's chunk from the fastest tier holding it (copied up to DRAM when promote);
-        count: a use, counted as a hit or miss (not for the store's own re-reads)."""
+        count: a use, counted as a hit or miss (not for the store's own re-reads); rows:
+        only rows [start, end) are wanted (from DRAM only those are copied)."""
         with self._lock:
+            top = self.top
+            if rows is not None and top is not None and top.contains(key):
+                value = top.get_rows(key, *rows)  # type: ignore[attr-defined]
+                if value is not None and count:
+                    self._hit(top.name, key, value.nbytes)
+                return value
             value = self._get_memory(key) if count else self._get_memory_quiet(key)
             if value is not None:
-                return value
+                return _rows(value, rows)
         for tier in self.slow:
             value = self._read_slow(tier, key)
             if value is None:
@@ -93,7 +106,7 @@ class ChunkTiers:
                 source = self.top.name  # another thread brought it up meanwhile
             if count:
                 self._hit(source, key, value.nbytes)
-            return value
+            return _rows(value, rows)
         if count:
             with self._lock:
                 self.counters.misses += 1
@@ -449,3 +462,10 @@ class ChunkTiers:
 
     def _emit(self, kind: str, key: ChunkKey, tier: str | None = None, nbytes: int = 0) -> None:
         self.events.emit(StoreEvent(kind, key, tier, nbytes))  # type: ignore[arg-type]
+
+
+def _rows(value: SessionKV, rows: tuple[int, int] | None) -> SessionKV:
+    if rows is None:
+        return value
+    start, end = rows
+    return SessionKV(value.token_ids[start:end], value.kv[:, :, start:end])

@@ -16,6 +16,7 @@ import json
 import struct
 import zlib
 
+import numpy
 import torch
 
 from chatstore.store.session_kv import SessionKV
@@ -54,10 +55,16 @@ def _kv_and_head(value: SessionKV, fingerprint: str) -> tuple[torch.Tensor, byte
     return kv, struct.pack("<I", len(header)) + header + tokens
 
 
-def encode(value: SessionKV, fingerprint: str) -> bytes:
+def encode(value: SessionKV, fingerprint: str) -> bytearray:
+    """The value's bytes, built in one buffer: the KV is copied once, then checksummed."""
     kv, head = _kv_and_head(value, fingerprint)
-    body = head + kv.view(torch.uint8).numpy().tobytes()
-    return MAGIC + struct.pack("<I", zlib.crc32(body)) + body
+    body = kv.view(torch.uint8).reshape(-1).numpy()
+    start = 8 + len(head)
+    out = bytearray(start + body.nbytes)
+    out[8:start] = head
+    numpy.frombuffer(out, dtype=numpy.uint8, offset=start)[:] = body
+    out[:8] = MAGIC + struct.pack("<I", zlib.crc32(memoryview(out)[8:]))
+    return out
 
 
 def encode_chunks(

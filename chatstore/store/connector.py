@@ -116,6 +116,12 @@ class StoreConnector:
         self.loads_started = 0  # layer-wise ones
         self.load_wait_s = 0.0  # cumulative time wait_for_layer / finish_loads blocked
         self.staged_layers_used = 0
+        # Fewer stored tokens past the device hit than this are computed instead of loaded.
+        # 1: load whatever the store has (a few rows of DRAM cost less than computing them).
+        self.min_load_tokens = 1
+        self.idle = threading.Event()  # clear while a forward with prompt tokens runs
+        self.idle.set()
+        store.yield_to(self.idle)
 
     @property
     def load_copy_s(self) -> float:
@@ -142,7 +148,7 @@ class StoreConnector:
         is gone or corrupt shortens the reuse (the rest is computed) instead of failing the
         load; only chunks beyond `num_computed` are read at all."""
         pending = self._pending.get(request.request_id) or self._start(request)
-        if pending.reusable <= num_computed:
+        if pending.reusable - num_computed < self.min_load_tokens:
             return 0
         if pending.staged is None and (pending.kv is None or pending.kv.start > num_computed):
             pending.kv = self._read_available(pending, num_computed)
@@ -152,14 +158,17 @@ class StoreConnector:
         stored = pending.saved
         assert stored is not None
         C = stored.chunk_tokens
-        first, last = start // C, -(-pending.reusable // C)
+        end = pending.reusable
+        first, last = start // C, -(-end // C)
         keys = stored.chunks[first:last]
+        # Only the rows the load needs: the first chunk from `start`, the last up to `end`.
+        spans = [(max(start - i * C, 0), min(end - i * C, C)) for i in range(first, last)]
         parts = []
-        for i, value in enumerate(self.store.read_chunks(keys)):
+        for i, value in enumerate(self.store.read_chunks(keys, rows=spans)):
             if value is None:  # gone: reuse stops where it starts
                 pending.reusable = min(pending.reusable, (first + i) * C)
                 break
-            parts.append((value, (first + i) * C))
+            parts.append((value, (first + i) * C + spans[i][0]))
         if pending.reusable <= start:
             return None
         return ChunkedKV(parts, start, pending.reusable, stored.token_ids)
@@ -312,6 +321,10 @@ class StoreConnector:
     def save_layer(
         self, layer: int, k_pre_rope: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> None:
+        if layer == 0 and any(n > 1 for n in batch.query_lens):
+            self.idle.clear()
+        elif layer == self.kv_cache.spec.num_layers - 1:
+            self.idle.set()
         ids = getattr(batch, "request_ids", None) or self._step_ids
         if not ids or len(ids) != batch.num_seqs:
             return

@@ -131,6 +131,17 @@ class DramTier(StorageTier):
         kv = self._read_blocks(entry.blocks, len(entry.token_ids))
         return SessionKV(list(entry.token_ids), kv)
 
+    def get_rows(self, key: Hashable, start: int, end: int) -> SessionKV | None:
+        """Rows [start, end) of key's value, reading only the blocks that hold them."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        end = min(end, len(entry.token_ids))
+        B = self.block_size
+        first = start // B
+        kv = self._read_blocks(entry.blocks[first : -(-end // B)], end - first * B)
+        return SessionKV(entry.token_ids[start:end], kv[:, :, start - first * B :])
+
     def _read_blocks(self, blocks: list[int], T: int) -> torch.Tensor:
         """The blocks' first T tokens as a fresh [L, 2, T, H, D] tensor, each byte copied once.
 

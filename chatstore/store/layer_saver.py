@@ -95,6 +95,8 @@ class _Part:
     batch_rows: torch.Tensor | None  # rows of the forward's batch (CPU path)
     step_rows: torch.Tensor | None  # rows among the step's kept rows (CUDA path, on the host)
     dest: torch.Tensor  # rows of the segment
+    runs: tuple[tuple[int, int], tuple[int, int]] | None = None  # (dest, batch) slices, if both
+    # are contiguous ranges: then two plain slice copies replace stack + index_copy_
 
 
 @dataclass
@@ -248,10 +250,18 @@ class LayerSaver:
         if self._stream is not None:
             self._copy_on_stream(layer, k, v, step)
             return
-        both = torch.stack((k, v), dim=1)  # [T, 2, Hkv, D]
-        if both.dtype != self.storage_dtype:
-            both = both.to(self.storage_dtype)
+        both = None
         for part in step.parts:
+            if part.runs is not None:  # a prefill's rows: one contiguous range each side
+                (d0, d1), (b0, b1) = part.runs
+                dst = part.segment.kv[layer][d0:d1]
+                dst[:, 0].copy_(k[b0:b1])
+                dst[:, 1].copy_(v[b0:b1])
+                continue
+            if both is None:
+                both = torch.stack((k, v), dim=1)  # [T, 2, Hkv, D]
+                if both.dtype != self.storage_dtype:
+                    both = both.to(self.storage_dtype)
             src = both if part.batch_rows is None else both.index_select(0, part.batch_rows)
             part.segment.kv[layer].index_copy_(0, part.dest, src)
 
@@ -312,6 +322,7 @@ class LayerSaver:
                 batch = sel if kept_rows is None else kept_rows.index_select(0, sel)
                 parts.append(_Part(seg, batch, sel, dest.index_select(0, sel) - seg.first_row))
         for part in parts:
+            part.runs = _runs(part.dest, part.batch_rows, total)
             step_pos = cpu_positions
             if part.step_rows is not None:
                 step_pos = cpu_positions.index_select(0, part.step_rows)
@@ -466,3 +477,26 @@ class LayerSaver:
             out.index_copy_(dim, sel, part)
         assert out is not None
         return out
+
+
+def _contiguous(rows: torch.Tensor) -> tuple[int, int] | None:
+    """(first, end) when rows are first, first + 1, ..., end - 1."""
+    n = rows.numel()
+    if n == 0:
+        return None
+    first, last = int(rows[0]), int(rows[-1])
+    if last - first + 1 != n or (n > 1 and not bool((rows[1:] - rows[:-1] == 1).all())):
+        return None
+    return first, last + 1
+
+
+def _runs(
+    dest: torch.Tensor, batch_rows: torch.Tensor | None, total: int
+) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """Slices for a part whose destination and source rows are both contiguous (worth it
+    from a few rows on: below that, one index_copy_ costs less than two slice copies)."""
+    if dest.numel() < 8:
+        return None
+    d = _contiguous(dest)
+    b = (0, total) if batch_rows is None else _contiguous(batch_rows)
+    return (d, b) if d is not None and b is not None else None

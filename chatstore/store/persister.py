@@ -9,7 +9,9 @@ chunk; until its copy lands a crash loses only that chunk, and the session reloa
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -31,6 +33,8 @@ class Persister:
         self._closed = False
         self._busy = False
         self.persisted = 0
+        self.idle: threading.Event | None = None
+        self.max_defer_s = 0.5
 
     def add(self, key: ChunkKey) -> None:
         with self._cond:
@@ -65,8 +69,18 @@ class Persister:
         if thread is not None:
             thread.join(5.0)
 
+    def _wait_turn(self) -> None:
+        """Let a running prefill finish first (at most max_defer_s): see WriteBuffer."""
+        idle = self.idle
+        if idle is not None and not self._closed:
+            idle.wait(self.max_defer_s)
+
     def _run(self) -> None:
         own_intra_op_threads(1)
+        # Background work with a lag budget: on a CPU host it must not take cores from the
+        # forward (a thread's nice value is its own on Linux).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             with self._cond:
                 while not self._closed:
@@ -83,6 +97,7 @@ class Persister:
                 self._busy = True
             try:
                 for key in batch:
+                    self._wait_turn()
                     try:
                         self._persist(key)
                         self.persisted += 1

@@ -81,6 +81,8 @@ class WriteBuffer:
         self.capacity_bytes = capacity_bytes
         self._name = name
         self._nice = nice
+        self.idle: threading.Event | None = None  # set by the store: clear while prefilling
+        self.max_defer_s = 0.5
         self._intra_op_threads = intra_op_threads
         self._jobs: deque[_Job] = deque()
         self._pending: dict[Hashable, int] = {}  # key -> jobs not yet committed
@@ -156,6 +158,14 @@ class WriteBuffer:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
 
+    def _wait_turn(self) -> None:
+        """While the engine runs a prefill (`idle` clear), wait, at most `max_defer_s`: its
+        TTFT is what a user waits for, the write is not (readers get pending turns from
+        the buffer). Closing stops the waiting."""
+        idle = self.idle
+        if idle is not None and not self._closed:
+            idle.wait(self.max_defer_s)
+
     def _run(self) -> None:
         if self._intra_op_threads:
             own_intra_op_threads(self._intra_op_threads)
@@ -168,6 +178,7 @@ class WriteBuffer:
                 if not self._jobs:
                     return  # closed and drained
                 job = self._jobs[0]
+            self._wait_turn()
             try:
                 self._commit(job.key, job.value())
                 ok = True

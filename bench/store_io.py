@@ -1,0 +1,380 @@
+"""Store v2 (session KV as chunks): what a turn writes, what the store costs, what it shares, what
+it saves under pressure, and how warm a server comes back after kill -9. The real default model
+behind the real AsyncEngine (built as the server builds it), store on vs off in the same run.
+
+  conversation   one session, 40 turns growing to ~8K tokens, run three ways: store off (the
+                 device prefix cache holds the history), DRAM tier, LMDB tier alone (DRAM 0).
+                   bytes_written_ratio_max   max over turns of bytes the store wrote / the new
+                                             tokens' KV bytes (DRAM run)
+                   save_cpu_ms_turn5/40      writer-thread CPU time of the turn's save
+                   lmdb_ttft_ratio           last five turns' TTFT, LMDB-only over store off
+                   dram_ttft_ratio           the same from DRAM
+                   data_dir_ratio            data dir at the end (LMDB run) / the session's KV
+  overhead       6 sessions, histories to ~1.5K tokens, all fit the device pool: later-turn TTFT
+                 store on / off (prefix cache on in both), runs ordered on, off, off, on
+                   store_overhead_ratio
+  shared prefix  32 sessions with one ~1K-token system prompt, 2 turns each
+                   dedup_ratio               DRAM bytes / (one prompt + the sessions' own tokens)
+  pressure       device pool of ~4K tokens, 32 sessions (a ~400-token opening message, then 3
+                 short follow-ups), DRAM tier
+                   pressure_ttft_ratio       later-turn TTFT store on / off
+  warm restart   a child process serves 6 sessions of ~4K tokens, waits past persist_lag_s, is
+                 killed with -9; a fresh process continues every session
+                   warm_restart_share        sessions whose whole history came back from LMDB
+                   warm_restart_ttft_ratio   their first-turn TTFT / a cold recompute's
+
+    python bench/store_io.py [--quick] [--only conversation,overhead,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from chatstore.api.backend import build_backend  # noqa: E402
+from chatstore.config import load_config  # noqa: E402
+from chatstore.engine.request import Request, SamplingParams  # noqa: E402
+
+TEXT = (ROOT / "tests" / "data" / "declaration_and_lincoln.txt").read_text().split()
+SECTIONS = ("conversation", "overhead", "dedup", "pressure", "restart")
+
+
+@dataclass
+class TurnResult:
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    reply: list[int] = field(default_factory=list)
+
+
+class Rig:
+    """One backend (runtime + store + engine) as the server builds it, driven in-process."""
+
+    def __init__(self, data_dir: str, **overrides) -> None:
+        overrides = {"data_dir": data_dir, "max_context_tokens": 8192, **overrides}
+        self.config = load_config(overrides=overrides, env={})
+        self.backend = build_backend(self.config)
+        self.engine = self.backend.engine
+        self.tok = self.engine.tokenizer
+        self.store = self.backend.store.store  # the AttentionStore (None with kv_store off)
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self._start())
+        self._n = 0
+
+    async def _start(self) -> None:
+        self.engine.start()
+
+    def turn(self, session: str, messages: list[dict], max_tokens: int) -> TurnResult:
+        ids = self.tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        return self.turn_ids(session, list(ids), max_tokens)
+
+    def turn_ids(self, session: str, ids: list[int], max_tokens: int) -> TurnResult:
+        self._n += 1
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        request = Request(f"r{self._n}", ids, sampling, tenant="local", session_id=session)
+
+        async def run() -> TurnResult:
+            first = usage = None
+            reply: list[int] = []
+            async for out in self.engine.submit(request):
+                first = first or out.first_token_time
+                reply += [t for s in out.samples for t in s.token_ids]
+                usage = out.usage or usage
+            return TurnResult(first - request.arrival_time, len(ids), usage.cached_tokens, reply)
+
+        return self.loop.run_until_complete(run())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.shutdown())
+        self.loop.close()
+        self.backend.store.close()
+
+
+def words(start: int, n: int) -> str:
+    return " ".join(TEXT[(start + i) % len(TEXT)] for i in range(n))
+
+
+def say(*args) -> None:
+    print(*args, flush=True)
+
+
+# -- one long conversation ------------------------------------------------------------------
+
+
+def conversation(args, mode: str, data_dir: str) -> dict:
+    overrides = {"kv_store": "off"} if mode == "off" else {}
+    if mode == "lmdb":
+        overrides["dram_bytes"] = 0
+    rig = Rig(data_dir, **overrides)
+    store = rig.store
+    cpu: list[float] = []
+    if store is not None:  # the writer thread's CPU time per commit
+        commit = store.writer._commit
+
+        def timed(key, value):
+            t0 = time.thread_time()
+            try:
+                commit(key, value)
+            finally:
+                cpu.append(time.thread_time() - t0)
+
+        store.writer._commit = timed
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    ratios, ttfts, saved_tokens = [], [], 0
+    written = 0
+    per_token = store.layout.bytes_per_token if store is not None else 0
+    for t in range(args.turns):
+        messages.append({"role": "user", "content": words(t * 150, args.words)})
+        res = rig.turn("conv", messages, args.reply_tokens)
+        ttfts.append(res.ttft_s)
+        messages.append({"role": "assistant", "content": rig.tok.decode(res.reply)})
+        if store is not None:
+            store.flush_writes(60)
+            now = res.prompt_tokens + len(res.reply) - 1
+            new = max(1, now - min(saved_tokens, res.cached_tokens))
+            ratios.append((store.bytes_written - written) / (new * per_token))
+            written, saved_tokens = store.bytes_written, now
+        if t % 10 == 9:
+            say(
+                f"  {mode}: turn {t + 1}, {res.prompt_tokens} prompt tokens, "
+                f"TTFT {res.ttft_s:.3f} s"
+            )
+    out = {"ttft_last5_s": statistics.mean(ttfts[-5:]), "history_tokens": saved_tokens}
+    if store is not None:
+        store.flush_persist(60)
+        out |= {
+            "bytes_written_ratio_max": max(ratios[1:]),
+            "bytes_written_ratio_mean": statistics.mean(ratios[1:]),
+            "save_cpu_ms_turn5": 1000 * cpu[4],
+            "save_cpu_ms_turn40": 1000 * cpu[min(39, len(cpu) - 1)],
+            "session_kv_bytes": saved_tokens * per_token,
+        }
+    rig.close()
+    size = sum(f.stat().st_size for f in Path(data_dir, "kv.lmdb").glob("*")) if store else 0
+    out["kv_lmdb_bytes"] = size
+    return out
+
+
+# -- store overhead with room on the device ----------------------------------------------------
+
+
+def overhead(args, kv_store: str, data_dir: str) -> float:
+    rig = Rig(data_dir, kv_store=kv_store, **args.store_overrides)
+    sessions = {f"o{i}": [{"role": "system", "content": "Answer briefly."}] for i in range(6)}
+    later = []
+    for t in range(args.overhead_turns):
+        for i, (sid, messages) in enumerate(sessions.items()):
+            messages.append({"role": "user", "content": words(1000 * i + 200 * t, 180)})
+            res = rig.turn(sid, messages, 16)
+            messages.append({"role": "assistant", "content": rig.tok.decode(res.reply)})
+            if t:
+                later.append(res.ttft_s)
+    rig.close()
+    return statistics.mean(later)
+
+
+# -- shared system prompt ------------------------------------------------------------------------
+
+
+def dedup(args, data_dir: str) -> dict:
+    rig = Rig(data_dir)
+    system = words(5000, 700)  # ~1K tokens once rendered
+    rendered = rig.tok.apply_chat_template(
+        [{"role": "system", "content": system}], tokenize=True, return_dict=True
+    )
+    prompt_tokens = len(rendered["input_ids"])
+    own = 0
+    for i in range(args.dedup_sessions):
+        messages = [{"role": "system", "content": system}]
+        for t in range(2):
+            messages.append({"role": "user", "content": words(300 * i + 60 * t, 60)})
+            res = rig.turn(f"d{i}", messages, 8)
+            messages.append({"role": "assistant", "content": rig.tok.decode(res.reply)})
+        own += res.prompt_tokens + len(res.reply) - 1 - prompt_tokens
+    store = rig.store
+    store.flush_writes(60)
+    # DRAM holds every chunk once (SSD holds write-back copies of the same chunks).
+    stored = store.tier("dram").used_bytes()
+    ideal = (prompt_tokens + own) * store.layout.bytes_per_token
+    chunks = len(store.tiers.keys())
+    copies = 32 * (prompt_tokens + own / args.dedup_sessions) * store.layout.bytes_per_token
+    rig.close()
+    return {
+        "dedup_ratio": stored / ideal,
+        "per_session_copies_ratio": copies / ideal,  # what one value per session would take
+        "system_prompt_tokens": prompt_tokens,
+        "own_tokens": own,
+        "chunks": chunks,
+    }
+
+
+# -- device pool under pressure ------------------------------------------------------------------
+
+
+def pressure(args, kv_store: str, data_dir: str) -> float:
+    """Each session opens with a ~400-token message (a pasted text and a question), then asks
+    short follow-ups: 32 such histories are ~4x the device pool."""
+    spec_bytes = 2 * 30 * 3 * 64 * 4  # fp32 KV bytes per token of the default model
+    rig = Rig(data_dir, kv_store=kv_store, kv_cache_bytes=4096 * spec_bytes)
+    sessions = {f"p{i}": [{"role": "system", "content": "Answer briefly."}] for i in range(32)}
+    later = []
+    for t in range(args.pressure_turns):
+        for i, (sid, messages) in enumerate(sessions.items()):
+            n = 300 if t == 0 else 40
+            messages.append({"role": "user", "content": words(700 * i + 300 * t, n)})
+            res = rig.turn(sid, messages, 8)
+            messages.append({"role": "assistant", "content": rig.tok.decode(res.reply)})
+            if t:
+                later.append(res.ttft_s)
+        say(f"  pressure {kv_store}: round {t + 1} done")
+    rig.close()
+    return statistics.mean(later)
+
+
+# -- kill -9 and restart ---------------------------------------------------------------------------
+
+CHILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+from bench.store_io import Rig, words
+rig = Rig({data_dir!r}, persist_lag_s=0.5)
+for i in range({n}):
+    ids = rig.tok.encode(words(400 * i, {words}))
+    rig.turn_ids(f"w{{i}}", ids, 8)
+    print("turn", i, len(ids), flush=True)
+time.sleep(2.0)  # > persist_lag_s: every chunk has reached LMDB
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def restart(args, data_dir: str) -> dict:
+    n = args.restart_sessions
+    code = CHILD.format(root=str(ROOT), data_dir=data_dir, n=n, words=args.restart_words)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith("ready"):
+            break
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    rig = Rig(data_dir)
+    tok = rig.tok
+    warm, ttfts = 0, []
+    for i in range(n):
+        history = tok.encode(words(400 * i, args.restart_words))
+        saved = (
+            len(rig.store.find("local", f"w{i}").token_ids)
+            if rig.store.find("local", f"w{i}")
+            else 0
+        )
+        res = rig.turn_ids(f"w{i}", history + tok.encode(" And then?"), 8)
+        warm += res.cached_tokens >= len(history) - 16 and saved > 0
+        ttfts.append(res.ttft_s)
+    rig.close()
+    cold = Rig(tempfile.mkdtemp(dir=data_dir), kv_store="off", enable_prefix_cache=False)
+    colds = []
+    for i in range(n):
+        history = tok.encode(words(400 * i, args.restart_words))
+        colds.append(cold.turn_ids(f"c{i}", history + tok.encode(" And then?"), 8).ttft_s)
+    cold.close()
+    return {
+        "warm_restart_share": warm / n,
+        "warm_restart_ttft_ratio": statistics.mean(ttfts) / statistics.mean(colds),
+        "restart_ttft_s": statistics.mean(ttfts),
+        "cold_ttft_s": statistics.mean(colds),
+        "history_tokens": len(tok.encode(words(0, args.restart_words))),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", default=",".join(SECTIONS))
+    p.add_argument("--quick", action="store_true", help="short runs (a smoke test)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="store setting for the overhead runs, e.g. --set persist=off (what it costs)",
+    )
+    args = p.parse_args()
+    args.store_overrides = dict(kv.split("=", 1) for kv in args.set)
+    args.turns, args.words, args.reply_tokens = (8, 60, 8) if args.quick else (40, 125, 24)
+    args.overhead_turns = 2 if args.quick else 5
+    args.dedup_sessions = 4 if args.quick else 32
+    args.pressure_turns = 2 if args.quick else 4
+    args.restart_sessions, args.restart_words = (2, 300) if args.quick else (6, 2900)
+    only = set(args.only.split(","))
+    result: dict = {"bench": "store_io"}
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def fresh() -> str:
+            return tempfile.mkdtemp(dir=tmp)
+
+        if "conversation" in only:
+            runs = {m: conversation(args, m, fresh()) for m in ("off", "dram", "lmdb")}
+            off, dram, lmdb = runs["off"], runs["dram"], runs["lmdb"]
+            say(
+                f"conversation: {dram['history_tokens']} tokens of history after {args.turns} turns"
+            )
+            say(
+                f"  TTFT of the last five turns: off {off['ttft_last5_s']:.3f} s, DRAM "
+                f"{dram['ttft_last5_s']:.3f} s, LMDB alone {lmdb['ttft_last5_s']:.3f} s"
+            )
+            say(
+                "  bytes written / new tokens' KV bytes: max "
+                f"{dram['bytes_written_ratio_max']:.3f}, "
+                f"mean {dram['bytes_written_ratio_mean']:.3f}; save CPU turn 5 "
+                f"{dram['save_cpu_ms_turn5']:.1f} ms, turn {args.turns} "
+                f"{dram['save_cpu_ms_turn40']:.1f} ms"
+            )
+            result |= {
+                "bytes_written_ratio_max": round(dram["bytes_written_ratio_max"], 3),
+                "bytes_written_ratio_mean": round(dram["bytes_written_ratio_mean"], 3),
+                "save_cpu_ms_turn5": round(dram["save_cpu_ms_turn5"], 2),
+                "save_cpu_ms_turn40": round(dram["save_cpu_ms_turn40"], 2),
+                "dram_ttft_ratio": round(dram["ttft_last5_s"] / off["ttft_last5_s"], 3),
+                "lmdb_ttft_ratio": round(lmdb["ttft_last5_s"] / off["ttft_last5_s"], 3),
+                "data_dir_ratio": round(lmdb["kv_lmdb_bytes"] / lmdb["session_kv_bytes"], 3),
+                "conversation_tokens": dram["history_tokens"],
+            }
+        if "overhead" in only:
+            times = {"on": [], "off": []}
+            for mode in ("on", "off", "off", "on"):
+                times[mode].append(overhead(args, mode, fresh()))
+            on, off = statistics.mean(times["on"]), statistics.mean(times["off"])
+            say(f"overhead: later-turn TTFT store on {on:.3f} s, off {off:.3f} s")
+            result["store_overhead_ratio"] = round(on / off, 3)
+        if "dedup" in only:
+            d = dedup(args, fresh())
+            say(f"shared prefix: {d}")
+            result["dedup_ratio"] = round(d["dedup_ratio"], 3)
+        if "pressure" in only:
+            on, off = pressure(args, "on", fresh()), pressure(args, "off", fresh())
+            say(f"pressure: later-turn TTFT store on {on:.3f} s, off {off:.3f} s")
+            result["pressure_ttft_ratio"] = round(on / off, 3)
+        if "restart" in only:
+            r = restart(args, fresh())
+            say(f"warm restart: {r}")
+            result["warm_restart_ttft_ratio"] = round(r["warm_restart_ttft_ratio"], 3)
+            result["warm_restart_share"] = round(r["warm_restart_share"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
