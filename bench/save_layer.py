@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.engine_speed import median_seconds  # noqa: E402
-from chatstore.store.layer_saver import LayerSaver  # noqa: E402
+from chatstore.transfer.layer_saver import LayerSaver  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, Q_HEADS = 30, 3, 64, 9
 

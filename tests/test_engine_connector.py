@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from chatstore.engine.engine_config import EngineConfig
+from chatstore.engine.kv_connector import KVConnector
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request, SamplingParams
 from tests.engine_support import (  # single_thread: autouse fixture
@@ -20,8 +21,10 @@ from tests.engine_support import (  # single_thread: autouse fixture
 B = 4
 
 
-class RecordingConnector:
+class RecordingConnector(KVConnector):
     """Keeps each finished request's (post-RoPE) KV by token prefix; serves it back on demand."""
+
+    saves_kv = True
 
     def __init__(self, engine_ref: list[LLMEngine]) -> None:
         self.engine_ref = engine_ref

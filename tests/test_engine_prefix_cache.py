@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from chatstore.engine.block_manager import BlockManager
 from chatstore.engine.block_pool import BlockPool
 from chatstore.engine.kv_cache import PagedKVCache
-from chatstore.engine.prefix_cache import BlockManager
 from chatstore.engine.request import Request, SamplingParams
 from chatstore.engine.sequence import RequestState, Sequence
 from chatstore.model.spec import ModelSpec

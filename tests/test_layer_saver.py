@@ -11,8 +11,8 @@ import weakref
 import pytest
 import torch
 
-from chatstore.store import layer_saver as ls
-from chatstore.store.layer_saver import PAGE_ROWS, LayerSaver, TurnRows
+from chatstore.transfer import layer_saver as ls
+from chatstore.transfer.layer_saver import PAGE_ROWS, LayerSaver, TurnRows
 
 LAYERS, HKV, D = 3, 3, 8
 

@@ -17,7 +17,7 @@ import pytest
 
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.writer import WriteBuffer
+from chatstore.store.write_buffer import WriteBuffer
 from tests.test_store_attention_store import SPEC, TOKEN_BYTES, save_later, value
 
 ROOT = Path(__file__).resolve().parent.parent

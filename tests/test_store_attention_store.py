@@ -15,9 +15,10 @@ import torch
 from chatstore.config import load_config
 from chatstore.engine.kv_connector import NullConnector
 from chatstore.model.spec import ModelSpec
-from chatstore.store import AttentionStore, StoreSettings, create_connector, create_store
+from chatstore.store import AttentionStore, StoreSettings, create_store
 from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
 from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.transfer import create_connector
 
 SPEC = ModelSpec(
     architecture="LlamaForCausalLM",

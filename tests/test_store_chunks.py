@@ -128,7 +128,7 @@ def test_a_tail_held_by_a_fork_is_copied_not_taken(tmp_path):
 
 
 def test_dram_extend_writes_into_the_base_blocks():
-    from chatstore.store.dram_tier import DramTier, KVLayout
+    from chatstore.store.tiers.dram import DramTier, KVLayout
 
     tier = DramTier(16 * 4 * TOKEN_BYTES, KVLayout(2, 2, 4, torch.float32), block_size=4)
     hasher = ChunkHasher("fp", torch.float32, 16)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatstore.store import codec
 from chatstore.store.session_kv import SessionKV, common_prefix_len
+from chatstore.store.tiers import codec
 
 
 def _value(num_tokens: int = 5, dtype: torch.dtype = torch.float32, seed: int = 0) -> SessionKV:
@@ -76,8 +76,8 @@ def test_common_prefix_len():
     ("tokens", "chunk"), [(0, 16), (1, 16), (5, 7), (100, 4096), (50, 1 << 20)]
 )
 def test_encode_chunks_is_split_encode_without_copies(dtype, tokens, chunk):
-    from chatstore.store.codec import decode, encode, encode_chunks, split_chunks
     from chatstore.store.session_kv import SessionKV
+    from chatstore.store.tiers.codec import decode, encode, encode_chunks, split_chunks
 
     v = SessionKV(list(range(tokens)), torch.randn(2, 2, tokens, 3, 4).to(dtype))
     chunks = encode_chunks(v, "fp", chunk)

@@ -7,14 +7,9 @@ import pytest
 import torch
 
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
-from chatstore.store.decoupled import (
-    ContextOverflowError,
-    TruncationPlan,
-    plan_truncation,
-    rope_at,
-    unrope,
-)
 from chatstore.store.session_kv import SessionKV
+from chatstore.store.truncation import ContextOverflowError, TruncationPlan, plan_truncation
+from chatstore.transfer.rerope import rope_at, unrope
 from tests.conftest import tiny_hf_model
 
 

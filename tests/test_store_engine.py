@@ -9,7 +9,8 @@ import torch
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
-from chatstore.store import AttentionStore, StoreConnector, StoreSettings
+from chatstore.store import AttentionStore, StoreSettings
+from chatstore.transfer import StoreConnector
 from tests.engine_support import (  # noqa: F401 (single_thread is an autouse fixture)
     greedy,
     prompt,

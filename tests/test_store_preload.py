@@ -10,7 +10,8 @@ import pytest
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
-from chatstore.store import AttentionStore, StoreConnector, StoreSettings
+from chatstore.store import AttentionStore, StoreSettings
+from chatstore.transfer import StoreConnector
 from tests.engine_support import (  # noqa: F401 (single_thread is an autouse fixture)
     assert_pool_clean,
     greedy,
@@ -26,9 +27,9 @@ DELAY_S = 0.02
 
 
 class SyncConnector(StoreConnector):
-    """The synchronous path: the engine's getattr finds no start_load and calls load()."""
+    """The synchronous path: not layer-wise, so the engine calls load() before the forward."""
 
-    start_load = None  # type: ignore[assignment]
+    layerwise = False
 
 
 def _engine(tmp_path, cls=StoreConnector, **conn_kw):

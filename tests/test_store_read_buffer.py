@@ -13,9 +13,10 @@ import torch
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
-from chatstore.store import AttentionStore, StoreConnector, StoreSettings
-from chatstore.store.read_buffer import ReadBuffer
+from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.transfer import StoreConnector
+from chatstore.transfer.read_buffer import ReadBuffer
 from tests.engine_support import (  # noqa: F401 (single_thread is an autouse fixture)
     assert_pool_clean,
     greedy,

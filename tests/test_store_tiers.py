@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chatstore.store import codec
 from chatstore.store.chunks import ChunkKey
-from chatstore.store.dram_tier import DramTier, KVLayout
-from chatstore.store.lmdb_tier import LmdbTier, encoded_footprint
-from chatstore.store.redis_tier import RedisTier
 from chatstore.store.session_kv import SessionKV
-from chatstore.store.tier import TierFull
+from chatstore.store.tiers import codec
+from chatstore.store.tiers.base import TierFull
+from chatstore.store.tiers.dram import DramTier, KVLayout
+from chatstore.store.tiers.lmdb import LmdbTier, encoded_footprint
+from chatstore.store.tiers.redis import RedisTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 BLOCK = 4  # tokens per DRAM block

@@ -25,7 +25,8 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
     from chatstore.engine.engine_config import EngineConfig
     from chatstore.engine.kv_cache import bytes_per_block
     from chatstore.engine.runtime import create_runtime
-    from chatstore.store import create_connector, create_store, device_occupancy
+    from chatstore.store import create_store, device_occupancy
+    from chatstore.transfer import create_connector
 
     runtime = runtime or create_runtime(config)
     model = runtime.model

@@ -99,9 +99,8 @@ class StoreAdapter:
         connector's loader stages it in the read buffer (when it has one)."""
         if self.store is not None:
             self.store.prefetch(tenant, session_id)
-            stage = getattr(self.connector, "stage", None)
-            if stage is not None:
-                stage(tenant, session_id)
+            if self.connector is not None:
+                self.connector.stage(tenant, session_id)
 
     def fit_context(
         self, tenant: str, session_id: str, prompt: list[int], head: int, tail: int, reserve: int

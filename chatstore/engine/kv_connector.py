@@ -1,17 +1,21 @@
-"""The seam between the engine and the session KV store (AttentionStore).
+"""The seam between the engine and the session KV store: every hook the engine calls.
 
 Shaped like vLLM's KV connector: the scheduler asks how many leading prompt tokens the store can
 supply beyond what the device pool already holds, the store writes that KV into the request's
-blocks before its prefill, receives every layer's pre-RoPE K and V as they are computed, and is
-told when a request finishes so it can keep the session's KV for the next turn.
+blocks before (or, layer by layer, during) its prefill, receives every layer's pre-RoPE K and V
+as they are computed, and is told when a request finishes so it can keep the session's KV for
+the next turn.
 
     prompt   [ device-cached | store-supplied | computed by this prefill ]
              0      num_computed    +num_external                     len(prompt)
+
+The defaults are the behaviour without a store (NullConnector: every turn recomputes its
+history); `chatstore.transfer.StoreConnector` overrides them.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -19,31 +23,66 @@ from chatstore.engine.forward_batch import ForwardBatch
 from chatstore.engine.request import Request
 
 
-class KVConnector(Protocol):
+class KVConnector(ABC):
+    # save_layer wants the step's rows, named by request (ForwardBatch.request_ids is set)
+    saves_kv: bool = False
+    # loads run layer by layer during the forward: start_load, wait_for_layer, finish_loads
+    layerwise: bool = False
+
+    @abstractmethod
     def num_external_tokens(self, request: Request, num_computed: int) -> int:
         """Leading prompt tokens past `num_computed` whose KV the store can load (0 = none)."""
-        ...
 
+    @abstractmethod
     def load(self, request: Request, start: int, num_tokens: int, block_table: list[int]) -> None:
         """Write KV for prompt tokens [start, start + num_tokens) into the pool via block_table,
         with RoPE applied at those positions. Must finish (or raise) before the prefill runs."""
-        ...
 
+    def start_load(
+        self, request: Request, start: int, num_tokens: int, block_table: list[int]
+    ) -> None:
+        """Queue a load to run during this step's forward (`layerwise` connectors)."""
+        self.load(request, start, num_tokens, block_table)
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Inside the forward, before layer `layer`'s attention: its loaded KV is in the pool."""
+        return None
+
+    def finish_loads(self) -> dict[str, Exception]:
+        """After the forward: join this step's loads; {request_id: error} of failed ones."""
+        return {}
+
+    def prepare(self, upcoming: list[Request]) -> None:
+        """The requests queued next (soonest first): a chance to stage their KV ahead."""
+        return None
+
+    def stage(self, tenant: str, session_id: str) -> bool:
+        """A hint that this session runs soon; whether anything was staged."""
+        return False
+
+    @abstractmethod
     def save_layer(
         self, layer: int, k_pre_rope: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> None:
         """Called inside the forward with the step's new pre-RoPE K and V ([T, Hkv, D])."""
-        ...
 
+    @abstractmethod
     def request_finished(
         self, request: Request, token_ids: list[int], block_table: list[int]
     ) -> None:
         """The request is done; token_ids (prompt + output) have KV in block_table (the blocks
         are still held by the engine during this call)."""
-        ...
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is held for a request that will never finish normally."""
+        return None
+
+    def load_stats(self) -> dict[str, float | int]:
+        """Counters of loading history KV (EngineStats' kv_* and read_buffer_* fields)."""
+        return {}
 
 
-class NullConnector:
+class NullConnector(KVConnector):
     """No store: every turn recomputes its history (the paper's RE baseline)."""
 
     def num_external_tokens(self, request: Request, num_computed: int) -> int:

@@ -8,18 +8,17 @@ block and connector call is handled by one thread.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections import deque
 
 import torch
 
+from chatstore.engine.block_manager import BlockManager
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.engine_stats import EngineStats
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.kv_connector import KVConnector, NullConnector
-from chatstore.engine.prefix_cache import BlockManager
 from chatstore.engine.request import FinishReason, InvalidRequestError, Request, RequestOutput
 from chatstore.engine.runtime import Runtime
 from chatstore.engine.sampling import sample_batch
@@ -41,12 +40,11 @@ class LLMEngine:
         self.spec = runtime.model.spec
         self.tokenizer = runtime.model.tokenizer
         self.connector: KVConnector = connector or NullConnector()
-        self._has_store = not isinstance(self.connector, NullConnector)
         self.blocks = BlockManager(runtime.pool, runtime.kv_cache, config.enable_prefix_cache)
         self.swap = None
         if config.preemption_mode == "swap":
             self.swap = HostSwapSpace(runtime.kv_cache, config.swap_space_bytes)
-        store = self.connector if self._has_store else None
+        store = self.connector if self.connector.saves_kv else None
         self.scheduler = Scheduler(config, self.blocks, self.swap, store)
         self._groups: dict[str, RequestState] = {}
         self._aborts: deque[str] = deque()
@@ -104,8 +102,7 @@ class LLMEngine:
         )
 
     def _load_stats(self) -> dict[str, float | int]:
-        load_stats = getattr(self.connector, "load_stats", None)
-        return dataclasses.asdict(load_stats()) if load_stats is not None else {}
+        return self.connector.load_stats()
 
     # -- the model thread ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -117,22 +114,20 @@ class LLMEngine:
         # Layer-wise pre-load when the connector has it: the copies run during the forward,
         # which waits per layer (layer_ready); they are all joined in this step, before any
         # block can be freed (aborts are applied at the start of a step).
-        start_load = getattr(self.connector, "start_load", None)
+        connector = self.connector
         preloading = False
         for load in plan.loads:
+            args = (load.seq.request, load.start, load.num_tokens, load.seq.block_table)
             try:
-                if start_load is not None:
-                    start_load(load.seq.request, load.start, load.num_tokens, load.seq.block_table)
+                if connector.layerwise:
+                    connector.start_load(*args)
                     preloading = True
                 else:
-                    self.connector.load(
-                        load.seq.request, load.start, load.num_tokens, load.seq.block_table
-                    )
+                    connector.load(*args)
             except Exception as exc:
                 self._load_failed(load.seq.group, exc, touched)
-        prepare = getattr(self.connector, "prepare", None)
-        if prepare is not None:  # the read buffer: the next jobs' KV staged during this one
-            prepare(self.scheduler.next_waiting(STAGE_AHEAD))
+        # The read buffer: the next jobs' KV staged during this one.
+        connector.prepare(self.scheduler.next_waiting(STAGE_AHEAD))
         items = [s for s in plan.scheduled if not s.seq.finished]
         if items:
             self._run_step(items, touched, preloading)
@@ -148,7 +143,7 @@ class LLMEngine:
     def _finish_loads(self, touched: dict[str, RequestState]) -> None:
         """Join the step's pre-loads; a request whose load failed ends with an error."""
         try:
-            errors = self.connector.finish_loads()  # type: ignore[attr-defined]
+            errors = self.connector.finish_loads()
         except Exception as exc:
             log.exception("connector.finish_loads failed")
             errors = {rid: exc for rid in self._groups}  # unknown state: fail them all
@@ -160,7 +155,7 @@ class LLMEngine:
     def _run_step(
         self, items: list[ScheduledSeq], touched: dict[str, RequestState], preloading: bool = False
     ) -> None:
-        layer_ready = getattr(self.connector, "wait_for_layer", None) if preloading else None
+        layer_ready = self.connector.wait_for_layer if preloading else None
         try:
             logits = self._forward(items, layer_ready)
         except Exception as exc:
@@ -220,7 +215,7 @@ class LLMEngine:
         runner = self.runtime.runner
         batch = ForwardBatch.build(chunks, self.blocks.block_size, runner.device)
         sink = None
-        if self._has_store:
+        if self.connector.saves_kv:
             # Lets save_layer attribute rows to requests (chunk order). Samples after the
             # first of n > 1 get their own "<id>#<index>" so they are not taken for sample 0.
             batch.request_ids = [_row_id(it.seq) for it in items]

@@ -22,9 +22,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from chatstore.engine.block_manager import BlockManager
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.kv_connector import KVConnector
-from chatstore.engine.prefix_cache import BlockManager
 from chatstore.engine.request import EngineOverloadedError, Request
 from chatstore.engine.sequence import Sequence, SequenceStatus
 from chatstore.engine.swap import HostSwapSpace

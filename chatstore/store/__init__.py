@@ -1,7 +1,8 @@
-"""AttentionStore: each session's KV kept across turns in DRAM -> LMDB -> Redis (CachedAttention).
+"""AttentionStore: each session's KV kept across turns as chunks in DRAM -> LMDB -> Redis
+(CachedAttention, Store v2). Storage only: what moves KV to and from the engine is
+`chatstore.transfer`.
 
 store = create_store(config, model.spec, model.fingerprint)      # None when kv_store = "off"
-connector = create_connector(store, runtime.kv_cache, runtime.runner.rope)
 """
 
 from chatstore.store.attention_store import (
@@ -10,16 +11,13 @@ from chatstore.store.attention_store import (
     create_store,
     device_occupancy,
 )
-from chatstore.store.connector import StoreConnector, create_connector
 from chatstore.store.session_kv import SessionKey, SessionKV
 
 __all__ = [
     "AttentionStore",
     "SessionKV",
     "SessionKey",
-    "StoreConnector",
     "StoreSettings",
-    "create_connector",
     "create_store",
     "device_occupancy",
 ]

@@ -6,7 +6,7 @@ Built from config by `create_store` (None when `kv_store = "off"`). On disk, und
     <data_dir>/records.lmdb   session records, with their chunk lists (when no Redis is set)
 
 A session is a chain of chunks (chunks.py): its record lists the chunk keys, the index
-(session_index.py) counts who holds each chunk, the tiers (chunk_tiers.py) store each chunk
+(session_index.py) counts who holds each chunk, the tiers (tiers/hierarchy.py) store each chunk
 once. A turn stores only the chunks it completed and its new tail (`plan_turn` + `save_turn`);
 a lookup (`find`) answers from memory which leading tokens are stored, and the connector reads
 only the chunks beyond the device's own prefix-cache hit (`read_chunks`).
@@ -43,23 +43,23 @@ import torch
 
 from chatstore.config import Config
 from chatstore.model.spec import ModelSpec
-from chatstore.store.chunk_tiers import ChunkTiers
 from chatstore.store.chunks import ChunkHasher, ChunkKey
-from chatstore.store.decoupled import TruncationPlan, plan_truncation
-from chatstore.store.dram_tier import DramTier, KVLayout
 from chatstore.store.events import EventLog, Listener, StoreStats
-from chatstore.store.lmdb_tier import LmdbTier
 from chatstore.store.persister import Persister
 from chatstore.store.placement import ChunkPlacement
 from chatstore.store.policy import PolicyChooser, make_policy
 from chatstore.store.prefetcher import Prefetcher
 from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordStore
-from chatstore.store.redis_tier import RedisTier
 from chatstore.store.session_index import SessionChain, SessionIndex
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
-from chatstore.store.tier import StorageTier, TierOccupancy
+from chatstore.store.tiers.base import StorageTier, TierOccupancy
+from chatstore.store.tiers.dram import DramTier, KVLayout
+from chatstore.store.tiers.hierarchy import ChunkTiers
+from chatstore.store.tiers.lmdb import LmdbTier
+from chatstore.store.tiers.redis import RedisTier
+from chatstore.store.truncation import TruncationPlan, plan_truncation
 from chatstore.store.turn_plan import ChunkDelta, TurnPlan, TurnWrite, plan_chain
-from chatstore.store.writer import WriteBuffer
+from chatstore.store.write_buffer import WriteBuffer
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from chatstore.store.session_kv import SessionKey
-from chatstore.store.tier import TierOccupancy
+from chatstore.store.tiers.base import TierOccupancy
 
 EventKind = Literal[
     "stored", "hit", "miss", "promoted", "demoted", "evicted", "dropped", "prefetched", "corrupt",

@@ -3,7 +3,7 @@
     kv: [L, 2, T, Hkv, D]    L layers, K (pre-RoPE) / V, T tokens, in the storage dtype
 
 K is kept *before* RoPE, so the same tensor is valid at whatever positions its tokens occupy when
-it is loaded again (CachedAttention §3.4); `decoupled.py` rotates it on the way back in.
+it is loaded again (CachedAttention §3.4); `transfer/rerope.py` rotates it on the way back in.
 """
 
 from __future__ import annotations

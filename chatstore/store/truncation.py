@@ -1,12 +1,12 @@
-"""Position-decoupled KV (CachedAttention §3.4): RoPE at load time, truncation without recompute.
-
-Saved K is pre-RoPE, so it can be rotated to whatever positions its tokens occupy now. When a
-conversation outgrows the context window, the oldest tokens after the system prompt are dropped
-from the prompt *and* from the saved KV; the kept KV is simply rotated to its new positions.
+"""Truncation on overflow (CachedAttention §3.4): when a conversation outgrows the context window,
+the oldest tokens after the system prompt are dropped from the prompt *and* from the saved KV;
+the kept KV (stored before RoPE) is simply rotated to its new positions when it is loaded.
 
     before   [ system | oldest ......... dropped | kept history ......... | new message ]
     after    [ system | kept history ......... | new message ]
              0        head                     head + kept
+
+The store rounds the cut to whole chunks (AttentionStore.fit_context).
 """
 
 from __future__ import annotations
@@ -15,26 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from chatstore.engine.rope import RotaryEmbedding, apply_rope
 from chatstore.store.session_kv import SessionKV
 
 
 class ContextOverflowError(ValueError):
     """Even with the whole droppable history gone the prompt does not fit the context."""
-
-
-def rope_at(
-    k_pre: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, dtype: torch.dtype
-) -> torch.Tensor:
-    """k_pre [T, Hkv, D] rotated to positions [T], in dtype (the runner's exact arithmetic)."""
-    cos, sin = rope.cos_sin(positions, dtype)
-    return apply_rope(k_pre.to(dtype), cos, sin)
-
-
-def unrope(k_post: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-    """Inverse of rope_at: K back to pre-RoPE (rotation by -angle), computed in fp32."""
-    cos, sin = rope.cos_sin(positions, torch.float32)
-    return apply_rope(k_post.float(), cos, -sin)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.tier import StorageTier, TierFull
+from chatstore.store.tiers.base import StorageTier, TierFull
 
 
 @dataclass(frozen=True)

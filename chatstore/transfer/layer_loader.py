@@ -30,9 +30,9 @@ import torch
 from chatstore.engine.cpu_threads import own_intra_op_threads
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
-from chatstore.store.chunked_kv import ChunkedKV, LazyChunkedKV
-from chatstore.store.read_buffer import ReadBuffer, StagedKV
 from chatstore.store.session_kv import SessionKey
+from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV
+from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
 
 log = logging.getLogger(__name__)
 

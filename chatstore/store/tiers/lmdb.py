@@ -21,10 +21,10 @@ from pathlib import Path
 
 import lmdb
 
-from chatstore.store import codec
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKV
-from chatstore.store.tier import FootprintIndex, StorageTier, TierFull
+from chatstore.store.tiers import codec
+from chatstore.store.tiers.base import FootprintIndex, StorageTier, TierFull
 
 _HEADER_SLACK = 512  # bytes of codec header counted per value
 

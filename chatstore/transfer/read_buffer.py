@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chatstore.store.chunked_kv import ChunkedKV
 from chatstore.store.session_kv import SessionKey
+from chatstore.transfer.chunked_kv import ChunkedKV
 
 
 @dataclass

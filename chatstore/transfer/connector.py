@@ -33,6 +33,7 @@ calling `begin_step(request_ids)` before each forward. Rows of ids the connector
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -42,17 +43,18 @@ import torch
 
 from chatstore.engine.forward_batch import ForwardBatch
 from chatstore.engine.kv_cache import PagedKVCache
+from chatstore.engine.kv_connector import KVConnector
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store.attention_store import AttentionStore, StoredSession
-from chatstore.store.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
 from chatstore.store.chunks import ChunkKey
-from chatstore.store.decoupled import unrope
-from chatstore.store.layer_loader import LayerLoader, LoadJob
-from chatstore.store.layer_saver import LayerSaver, TurnRows
-from chatstore.store.read_buffer import ReadBuffer, StagedKV
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 from chatstore.store.turn_plan import ChunkDelta
+from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
+from chatstore.transfer.layer_loader import LayerLoader, LoadJob
+from chatstore.transfer.layer_saver import LayerSaver, TurnRows
+from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
+from chatstore.transfer.rerope import unrope
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,10 @@ class LoadStats:
     read_buffer_bytes: int
 
 
-class StoreConnector:
+class StoreConnector(KVConnector):
+    saves_kv = True
+    layerwise = True
+
     def __init__(
         self,
         store: AttentionStore,
@@ -127,9 +132,9 @@ class StoreConnector:
     def load_copy_s(self) -> float:
         return self.loader.copy_s
 
-    def load_stats(self) -> LoadStats:
+    def load_stats(self) -> dict[str, float | int]:
         buffer = self.read_buffer
-        return LoadStats(
+        stats = LoadStats(
             kv_loads=self.loads,
             kv_layerwise_loads=self.loads_started,
             kv_load_wait_s=round(self.load_wait_s, 6),
@@ -140,6 +145,7 @@ class StoreConnector:
             read_buffer_layers_used=self.staged_layers_used,
             read_buffer_bytes=buffer.used_bytes(),
         )
+        return dataclasses.asdict(stats)
 
     # -- before the prefill -------------------------------------------------------------------
 

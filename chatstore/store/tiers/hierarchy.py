@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterable
 import torch
 
 from chatstore.store.chunks import ChunkKey
-from chatstore.store.codec import CorruptValueError
 from chatstore.store.events import EventLog, StoreCounters, StoreEvent
 from chatstore.store.session_kv import SessionKV
-from chatstore.store.tier import StorageTier, TierFull, TierOccupancy
+from chatstore.store.tiers.base import StorageTier, TierFull, TierOccupancy
+from chatstore.store.tiers.codec import CorruptValueError
 from chatstore.store.victims import LruChooser, VictimChooser
 
 log = logging.getLogger(__name__)

@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote, unquote
 
-from chatstore.store import codec
 from chatstore.store.chunks import ChunkKey
-from chatstore.store.lmdb_tier import encoded_footprint
 from chatstore.store.session_kv import SessionKV
-from chatstore.store.tier import FootprintIndex, StorageTier
+from chatstore.store.tiers import codec
+from chatstore.store.tiers.base import FootprintIndex, StorageTier
+from chatstore.store.tiers.lmdb import encoded_footprint
 
 NAMESPACE = "chatstore:kv"
 
