@@ -121,7 +121,7 @@ class StoreAdapter:
         out = []
         for occ in stats.occupancy:
             tc = c.tiers.get(occ.name)
-            first_store_tier = occ.name == self.store.tiers.tiers[0].name
+            first_store_tier = occ.name == stats.first_tier
             out.append(
                 TierStats(
                     name=occ.name,
@@ -141,9 +141,7 @@ class StoreAdapter:
     def flush(self) -> int:
         if self.store is None:
             return 0
-        dropped = sum(1 for key in self.store.index.sessions() if self.store.index.get(key))
-        self.store.invalidate_all()
-        return dropped
+        return self.store.invalidate_all()
 
     def close(self) -> None:
         if self.store is not None:

@@ -540,10 +540,11 @@ class AttentionStore:
             self._bump_version(key)
         return gone
 
-    def invalidate_all(self) -> None:
-        """Drop every session's KV (records keep their messages)."""
+    def invalidate_all(self) -> int:
+        """Drop every session's KV (records keep their messages); how many sessions had KV."""
         self.writer.flush(WAIT_SAVED_S)
         with self._lock:
+            dropped = len(self.index)
             for key in self.index.sessions():
                 self.index.remove(key)
                 self.session_policy.forget(key)
@@ -553,6 +554,7 @@ class AttentionStore:
             self.tiers.clear()
         for record in self.records.list_sessions():
             self.records.upsert(record.key, token_ids=[], chunks=[])
+        return dropped
 
     def _expired(self, chain: SessionChain) -> bool:
         import time
@@ -647,7 +649,7 @@ class AttentionStore:
         with self.tiers.lock:
             c = self.tiers.counters
             counters = replace(c, tiers={n: replace(t) for n, t in c.tiers.items()})
-        return StoreStats(self.tiers.stats_occupancy(), counters)
+        return StoreStats(self.tiers.stats_occupancy(), counters, self.tiers.tiers[0].name)
 
     def add_listener(self, listener: Listener) -> None:
         self.events.add_listener(listener)

@@ -55,6 +55,7 @@ class StoreCounters:
 class StoreStats:
     occupancy: list[TierOccupancy]
     counters: StoreCounters
+    first_tier: str = ""  # the store's fastest tier (misses and moves are counted there)
 
     def as_dict(self) -> dict:
         c = self.counters
