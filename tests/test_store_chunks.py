@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
@@ -253,4 +254,42 @@ def test_persist_modes(tmp_path, persist):
     turn(store, "t", "s", list(range(20)))
     on_ssd = [store.tier("ssd").contains(k) for k in store.index.get(SessionKey("t", "s")).chunks]
     assert all(on_ssd) if persist == "write_through" else not any(on_ssd)
+    store.close()
+
+
+def test_turns_lookups_and_prefetches_on_threads_keep_the_invariants(tmp_path):
+    """Turns that evict (writer thread), lookups and prefetch hints at once: the session policy
+    is read by evictions and told about uses from other threads; nothing may break or leak."""
+    store = make(tmp_path, async_save=True, dram_bytes=3 * CHUNK * TOKEN_BYTES)
+    store.set_waiting_queue(lambda: [SessionKey("t", "s0"), SessionKey("t", "s3")])
+    expected = {SessionKey("t", f"s{i}"): list(range(i * 100, i * 100 + 5)) for i in range(6)}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def readers() -> None:
+        rng = random.Random(1)
+        try:
+            while not stop.is_set():
+                sid = f"s{rng.randrange(6)}"
+                store.find("t", sid)
+                store.prefetch("t", sid)
+                store.lookup("t", sid)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=readers)
+    thread.start()
+    try:
+        rng = random.Random(0)
+        for _ in range(60):
+            key = SessionKey("t", f"s{rng.randrange(6)}")
+            expected[key] = expected[key] + [
+                rng.randrange(2, 500) for _ in range(rng.randrange(1, 12))
+            ]
+            turn(store, "t", key.session_id, expected[key])
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    check_invariants(store, expected)
     store.close()

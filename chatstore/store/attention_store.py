@@ -167,6 +167,7 @@ class AttentionStore:
         self._lock = threading.RLock()  # the index, pending chunks, versions
         self._mutate = threading.Lock()  # which chunks exist: writer jobs, persist, cleanup
         self._pending: dict[ChunkKey, Callable[[], SessionKV]] = {}
+        self._base_pins: dict[ChunkKey, int] = {}  # chunk -> pending turns building on it
         self._queue_source: Callable[[], Iterable[SessionKey]] = tuple
         if chooser is None:
             chooser = PolicyChooser(
@@ -176,7 +177,7 @@ class AttentionStore:
             )
         self.session_policy = chooser
         placement = ChunkPlacement(chooser, self.index.owners_of, self.index.position_of)
-        self.tiers = ChunkTiers(tiers, placement, self.events, wanted=self._wanted)
+        self.tiers = ChunkTiers(tiers, placement, self.events, wanted=self._needed)
         self.writer = WriteBuffer(self._commit, settings.write_buffer_bytes)
         self.prefetcher = Prefetcher(
             self._prefetch_session, self._prefetch_candidates, settings.prefetch_interval_s
@@ -244,7 +245,14 @@ class AttentionStore:
         candidates = getattr(self.session_policy, "prefetch_candidates", None)
         if candidates is None or self.tiers.top is None:
             return []
-        return candidates(self._session_tier, top=self.tiers.top.name)
+        with self.tiers.lock:
+            return candidates(self._session_tier, top=self.tiers.top.name)
+
+    def _tell_policy(self, what: str, key: Hashable) -> None:
+        """touch / forget a session. The session policy is also read by evictions, under the
+        tiers' lock: every call into it takes that lock (after ours, never before)."""
+        with self.tiers.lock:
+            getattr(self.session_policy, what)(key)
 
     def _prefetch_session(self, key: Hashable, touch: bool) -> int:
         chain = self.index.get(key)  # type: ignore[arg-type]
@@ -252,7 +260,7 @@ class AttentionStore:
             return 0
         if touch:
             with self._lock:
-                self.session_policy.touch(key)
+                self._tell_policy("touch", key)
         return sum(self.tiers.prefetch(c) for c in chain.chunks if c not in self._pending)
 
     def _session_tier(self, key: Hashable) -> str | None:
@@ -290,7 +298,7 @@ class AttentionStore:
                 expired = True
             else:
                 expired = False
-                self.session_policy.touch(key)
+                self._tell_policy("touch", key)
         if expired:
             self.delete_session(tenant, session_id)
             return None
@@ -388,12 +396,15 @@ class AttentionStore:
         key = self.key(tenant, session_id)
         memo = _Memo(lambda: {k: self._in_storage_dtype(v) for k, v in build().items()})
         chain = SessionChain(list(plan.token_ids), list(plan.chain))
+        bases = [base for base, _ in plan.bases.values()]
         with self._lock:
             for chunk in plan.new_chunks:
                 self._pending[chunk] = _pending_getter(memo, chunk)
+            for base in bases:  # kept until this turn's chunks are built on it
+                self._base_pins[base] = self._base_pins.get(base, 0) + 1
             freed = self.index.set(key, chain)
-            self.session_policy.touch(key)
-        write = TurnWrite(key, chain, list(plan.new_chunks), freed, memo)
+            self._tell_policy("touch", key)
+        write = TurnWrite(key, chain, list(plan.new_chunks), freed, memo, bases)
         if self.settings.async_save:
             self.writer.submit(key, lambda: write, nbytes)
         else:
@@ -426,7 +437,7 @@ class AttentionStore:
         chain = SessionChain(list(plan.token_ids), list(plan.chain))
         with self._lock:
             freed = self.index.set(key, chain)
-            self.session_policy.touch(key)
+            self._tell_policy("touch", key)
         self._commit(key, TurnWrite(key, chain, list(plan.new_chunks), freed, memo))
         self._bump_version(key)
         return self.tiers.where(plan.chain[-1]) if plan.chain else None
@@ -442,12 +453,13 @@ class AttentionStore:
                 values = write.values() if write.new_chunks else {}
                 for chunk in write.new_chunks:
                     value = values.get(chunk)
-                    if value is None or not self.index.referenced(chunk):
+                    if value is None or not self._needed(chunk):
                         continue
                     if isinstance(value, ChunkDelta):
-                        # The base is the session's old tail: nobody else holds it, so DRAM
-                        # may extend its blocks in place instead of copying them.
-                        free = not self.index.referenced(value.base)
+                        # The base is the session's old tail: when nobody else holds it and no
+                        # other pending turn builds on it, DRAM extends its blocks in place.
+                        base = value.base
+                        free = not self.index.referenced(base) and self._base_pins.get(base) == 1
                         landed, written = self.tiers.put_extension(
                             chunk, value.base, value.keep, value.rows, may_take_base=free
                         )
@@ -461,6 +473,10 @@ class AttentionStore:
                     for chunk in write.new_chunks:
                         if self._pending.get(chunk) is not None and self._pending_of(chunk, write):
                             del self._pending[chunk]
+                    for base in write.bases:
+                        left = self._base_pins.pop(base, 1) - 1
+                        if left:
+                            self._base_pins[base] = left
             current = self.index.get(write.key)
             if current is write.chain:  # the record after its chunks, before the frees
                 self.records.upsert(
@@ -469,7 +485,7 @@ class AttentionStore:
                     chunks=[c.digest for c in write.chain.chunks],
                 )
             for chunk in write.freed:
-                if not self.index.referenced(chunk) and chunk not in self._pending:
+                if not self._needed(chunk) and chunk not in self._pending:
                     self.tiers.delete(chunk)
 
     def _pending_of(self, chunk: ChunkKey, write: TurnWrite) -> bool:
@@ -487,8 +503,10 @@ class AttentionStore:
             if self.index.referenced(chunk):
                 self.tiers.persist(chunk)
 
-    def _wanted(self, chunk: ChunkKey) -> bool:
-        return self.index.referenced(chunk)
+    def _needed(self, chunk: ChunkKey) -> bool:
+        """Held by a session, or the base a pending turn builds a chunk on (a turn may be
+        submitted before the previous one, which stores that base, has committed)."""
+        return self.index.referenced(chunk) or chunk in self._base_pins
 
     def yield_to(self, idle: threading.Event) -> None:
         """idle is clear while the engine runs a prefill: background writes (the writer, the
@@ -518,7 +536,7 @@ class AttentionStore:
         with self._lock:
             found = self.index.get(key) is not None
             freed = self.index.remove(key)
-            self.session_policy.forget(key)
+            self._tell_policy("forget", key)
         self._free(freed)
         self._bump_version(key)
         return bool(self.records.delete(key)) or found
@@ -526,7 +544,7 @@ class AttentionStore:
     def _free(self, chunks: list[ChunkKey]) -> None:
         with self._mutate:
             for chunk in chunks:
-                if not self.index.referenced(chunk) and chunk not in self._pending:
+                if not self._needed(chunk) and chunk not in self._pending:
                     self.tiers.delete(chunk)
 
     def purge_expired(self) -> list[SessionKey]:
@@ -535,7 +553,7 @@ class AttentionStore:
         for key in gone:
             with self._lock:
                 freed = self.index.remove(key)
-                self.session_policy.forget(key)
+                self._tell_policy("forget", key)
             self._free(freed)
             self._bump_version(key)
         return gone
@@ -547,7 +565,7 @@ class AttentionStore:
             dropped = len(self.index)
             for key in self.index.sessions():
                 self.index.remove(key)
-                self.session_policy.forget(key)
+                self._tell_policy("forget", key)
             self._epoch = next(self._version_clock)
             self._versions.clear()
         with self._mutate:

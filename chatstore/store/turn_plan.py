@@ -65,6 +65,7 @@ class TurnWrite:
     new_chunks: list[ChunkKey]
     freed: list[ChunkKey]
     memo: Callable[[], dict[ChunkKey, SessionKV | ChunkDelta]]
+    bases: list[ChunkKey] = field(default_factory=list)  # chunks its deltas build on
 
     def values(self) -> dict[ChunkKey, SessionKV | ChunkDelta]:
         return self.memo()
