@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
-from chatstore.store.tiers.base import TierFull
+from chatstore.store.tiers.base import TierFull, encoded_footprint
 from chatstore.store.tiers.dram import DramTier, KVLayout
-from chatstore.store.tiers.lmdb import LmdbTier, encoded_footprint
+from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)

@@ -30,12 +30,10 @@ class Prefetcher:
         prefetch: Callable[[Hashable, bool], int],
         candidates: Callable[[], list[Hashable]] = list,
         interval_s: float = 0.05,
-        busy: Callable[[Hashable], bool] = lambda key: False,
     ) -> None:
         self._prefetch = prefetch
         self._candidates = candidates
         self.interval_s = interval_s
-        self._busy = busy
         self._hints: dict[Hashable, None] = {}  # insertion-ordered set
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -80,8 +78,6 @@ class Prefetcher:
         for key in keys:
             if self._stop.is_set():
                 break
-            if self._busy(key):
-                continue
             try:
                 moved += self._prefetch(key, key in hints)
             except Exception:

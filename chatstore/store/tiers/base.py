@@ -127,3 +127,39 @@ class StorageTier(ABC):
 
     def close(self) -> None:
         return None
+
+
+_HEADER_SLACK = 512  # bytes of codec header counted per value
+
+
+def encoded_footprint(value: SessionKV) -> int:
+    """Upper bound of the encoded size: what the LMDB and Redis tiers count a value as."""
+    return value.nbytes + 4 * value.num_tokens + _HEADER_SLACK
+
+
+class IndexedTier(StorageTier):
+    """A slow tier whose occupancy is a FootprintIndex kept in memory (LMDB, Redis): the
+    occupancy questions cost no I/O and are safe from any thread."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._capacity = capacity_bytes
+        self._index = FootprintIndex()
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def footprint(self, value: SessionKV) -> int:
+        return encoded_footprint(value)
+
+    def contains(self, key: SessionKey) -> bool:
+        return key in self._index
+
+    def used_bytes(self) -> int:
+        return self._index.total
+
+    def keys(self) -> list[SessionKey]:
+        return self._index.keys()
+
+    def size_of(self, key: SessionKey) -> int:
+        return self._index.size_of(key)

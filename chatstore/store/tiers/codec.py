@@ -6,8 +6,8 @@
 
 The header carries the model fingerprint, dtype and shape: a value of another model or dtype is
 refused (FingerprintMismatch), a value whose bytes changed is refused (CorruptValueError) — the
-caller drops it and recomputes, so a wrong answer is never served from a bad entry. Large values
-are cut into chunks for the LMDB and Redis tiers (`split_chunks` / `join_chunks`).
+caller drops it and recomputes, so a wrong answer is never served from a bad entry. One value is
+one KV chunk (Store v2), stored under one key in LMDB and in Redis.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from chatstore.store.session_kv import SessionKV
 
 MAGIC = b"CSK1"
 _PREFIX = struct.Struct("<4sII")  # magic, crc32, header length
-DEFAULT_CHUNK_BYTES = 4 << 20
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -67,25 +66,6 @@ def encode(value: SessionKV, fingerprint: str) -> bytearray:
     return out
 
 
-def encode_chunks(
-    value: SessionKV, fingerprint: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> list[bytes | memoryview]:
-    """`split_chunks(encode(value, fingerprint), chunk_bytes)` without building the blob: the
-    chunks after the first are views of the value's own KV memory (keep `value` alive while
-    they are in use). Saves three full copies of the KV on every LMDB write."""
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    kv, head = _kv_and_head(value, fingerprint)
-    body = memoryview(kv.view(torch.uint8).reshape(-1).numpy()).cast("B")
-    prefix = MAGIC + struct.pack("<I", zlib.crc32(body, zlib.crc32(head))) + head
-    first = max(chunk_bytes - len(prefix), 0)
-    chunks: list[bytes | memoryview] = []
-    lead = prefix + bytes(body[:first])
-    chunks.extend(lead[i : i + chunk_bytes] for i in range(0, len(lead), chunk_bytes))
-    chunks.extend(body[i : i + chunk_bytes] for i in range(first, len(body), chunk_bytes))
-    return chunks
-
-
 def decode(blob: bytes | bytearray | memoryview, fingerprint: str) -> SessionKV:
     """The SessionKV in `blob`; CorruptValueError or FingerprintMismatch when it is not usable."""
     header, payload = _verified_parts(blob)
@@ -127,13 +107,3 @@ def _verified_parts(blob: bytes | bytearray | memoryview) -> tuple[dict, bytearr
     except ValueError as exc:
         raise CorruptValueError(f"bad KV header: {exc}") from exc
     return header, bytearray(data[start + header_len :])
-
-
-def split_chunks(blob: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[bytes]:
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    return [blob[i : i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)] or [b""]
-
-
-def join_chunks(chunks: list[bytes]) -> bytes:
-    return b"".join(chunks)

@@ -24,31 +24,23 @@ import lmdb
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
-from chatstore.store.tiers.base import FootprintIndex, StorageTier, TierFull
-
-_HEADER_SLACK = 512  # bytes of codec header counted per value
+from chatstore.store.tiers.base import IndexedTier, TierFull
 
 
-def encoded_footprint(value: SessionKV) -> int:
-    """Upper bound of the encoded size: what the LMDB and Redis tiers count a value as."""
-    return value.nbytes + 4 * value.num_tokens + _HEADER_SLACK
-
-
-class LmdbTier(StorageTier):
+class LmdbTier(IndexedTier):
     name = "ssd"
 
     def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        super().__init__(capacity_bytes)
         self.fingerprint = fingerprint
-        self._capacity = capacity_bytes
         # Room for LMDB's own pages and freed-but-not-yet-reusable pages beyond our accounting.
         map_size = max(capacity_bytes * 2, capacity_bytes + (64 << 20))
         self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=4, sync=False)
         self._chunks = self.env.open_db(b"chunks")
         self._sizes = self.env.open_db(b"sizes")
         self._info = self.env.open_db(b"info")
-        self._index = FootprintIndex()
         self._open_for_model()
 
     def _open_for_model(self) -> None:
@@ -61,13 +53,6 @@ class LmdbTier(StorageTier):
             for digest, raw in txn.cursor(db=self._sizes):
                 meta = json.loads(raw)
                 self._index.set(ChunkKey(meta["tenant"], digest.decode()), int(meta["footprint"]))
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    def footprint(self, value: SessionKV) -> int:
-        return encoded_footprint(value)
 
     def put(self, key: ChunkKey, value: SessionKV) -> None:
         if key in self._index:
@@ -106,18 +91,6 @@ class LmdbTier(StorageTier):
             txn.delete(key.digest.encode(), db=self._sizes)
         return True
 
-    def contains(self, key: ChunkKey) -> bool:
-        return key in self._index
-
-    def used_bytes(self) -> int:
-        return self._index.total
-
-    def keys(self) -> list[ChunkKey]:
-        return self._index.keys()
-
-    def size_of(self, key: ChunkKey) -> int:
-        return self._index.size_of(key)
-
     def raw_value(self, key: ChunkKey) -> bytes | None:
         """The stored bytes of a chunk (tests and tools: inspect or damage a value)."""
         with self.env.begin() as txn:
@@ -127,10 +100,6 @@ class LmdbTier(StorageTier):
     def write_raw_value(self, key: ChunkKey, data: bytes) -> None:
         with self.env.begin(write=True) as txn:
             txn.put(key.digest.encode(), data, db=self._chunks)
-
-    def disk_bytes(self) -> int:
-        """Bytes the environment's data file takes on disk."""
-        return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
 
     def close(self) -> None:
         self.env.sync(True)

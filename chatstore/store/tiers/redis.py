@@ -19,13 +19,12 @@ from urllib.parse import quote, unquote
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
-from chatstore.store.tiers.base import FootprintIndex, StorageTier
-from chatstore.store.tiers.lmdb import encoded_footprint
+from chatstore.store.tiers.base import IndexedTier
 
 NAMESPACE = "chatstore:kv"
 
 
-class RedisTier(StorageTier):
+class RedisTier(IndexedTier):
     name = "remote"
 
     def __init__(
@@ -33,14 +32,13 @@ class RedisTier(StorageTier):
     ) -> None:
         import redis
 
+        super().__init__(capacity_bytes)
         if isinstance(url_or_client, str):
             self.client = redis.Redis.from_url(url_or_client)
         else:
             self.client = url_or_client
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
-        self._capacity = capacity_bytes
-        self._index = FootprintIndex()
         self._rebuild_index()
 
     def _name(self, key: ChunkKey) -> str:
@@ -54,13 +52,6 @@ class RedisTier(StorageTier):
             size = self.client.strlen(name)
             if tagged.startswith("{") and tagged.endswith("}") and size:
                 self._index.set(ChunkKey(unquote(tenant), tagged[1:-1]), int(size))
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    def footprint(self, value: SessionKV) -> int:
-        return encoded_footprint(value)
 
     def put(self, key: ChunkKey, value: SessionKV) -> None:
         self.put_many([(key, value)])
@@ -102,18 +93,6 @@ class RedisTier(StorageTier):
     def delete(self, key: ChunkKey) -> bool:
         removed = bool(self.client.delete(self._name(key)))
         return self._index.pop(key) or removed
-
-    def contains(self, key: ChunkKey) -> bool:
-        return key in self._index
-
-    def used_bytes(self) -> int:
-        return self._index.total
-
-    def keys(self) -> list[ChunkKey]:
-        return self._index.keys()
-
-    def size_of(self, key: ChunkKey) -> int:
-        return self._index.size_of(key)
 
     def close(self) -> None:
         self.client.close()
