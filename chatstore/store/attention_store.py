@@ -34,6 +34,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,7 +167,7 @@ class AttentionStore:
         self.index = SessionIndex()
         self._lock = threading.RLock()  # the index, pending chunks, versions
         self._mutate = threading.Lock()  # which chunks exist: writer jobs, persist, cleanup
-        self._pending: dict[ChunkKey, Callable[[], SessionKV]] = {}
+        self._pending: dict[ChunkKey, _Memo] = {}  # chunk -> the pending turn that builds it
         self._base_pins: dict[ChunkKey, int] = {}  # chunk -> pending turns building on it
         self._queue_source: Callable[[], Iterable[SessionKey]] = tuple
         if chooser is None:
@@ -322,8 +323,8 @@ class AttentionStore:
         out: list[SessionKV | None] = []
         for i, key in enumerate(keys):
             span = rows[i] if rows is not None else None
-            build = self._pending.get(key)
-            value = self._pending_value(build, key) if build is not None else None
+            memo = self._pending.get(key)
+            value = self._pending_value(memo, key) if memo is not None else None
             if value is not None:
                 if count:
                     self.tiers.count_pending_hit(key)
@@ -336,10 +337,10 @@ class AttentionStore:
                 out.append(self.tiers.get(key, count=count, rows=span))
         return out
 
-    def _pending_value(self, build: Callable[[], Any], key: ChunkKey) -> SessionKV | None:
+    def _pending_value(self, memo: _Memo, key: ChunkKey) -> SessionKV | None:
         """A chunk still in the write buffer, whole (a delta joined to its base); None if
         its base is gone, which means the turn has just landed (read the tiers)."""
-        value = build()
+        value = memo()[key]
         if not isinstance(value, ChunkDelta):
             return value
         base = self.read_chunks([value.base], count=False)[0]
@@ -393,19 +394,34 @@ class AttentionStore:
         as SessionKV or, for a chunk with a base (plan.bases), as ChunkDelta (called once, on
         the writer thread with async_save, else here). Returns once a lookup sees the new
         chain."""
-        key = self.key(tenant, session_id)
-        memo = _Memo(lambda: {k: self._in_storage_dtype(v) for k, v in build().items()})
         chain = SessionChain(list(plan.token_ids), list(plan.chain))
-        bases = [base for base, _ in plan.bases.values()]
+        self._write_turn(
+            self.key(tenant, session_id), chain, plan, build, nbytes, self.settings.async_save
+        )
+
+    def _write_turn(
+        self,
+        key: SessionKey,
+        chain: SessionChain,
+        plan: TurnPlan | None,
+        build: Callable[[], dict[ChunkKey, Any]],
+        nbytes: int,
+        background: bool,
+    ) -> None:
+        """Index `chain` as key's history now (its new chunks readable from the write buffer)
+        and commit the turn: on the writer thread when `background`, else here."""
+        memo = _Memo(lambda: {k: self._in_storage_dtype(v) for k, v in build().items()})
+        new = list(plan.new_chunks) if plan is not None else []
+        bases = [base for base, _ in plan.bases.values()] if plan is not None else []
         with self._lock:
-            for chunk in plan.new_chunks:
-                self._pending[chunk] = _pending_getter(memo, chunk)
+            for chunk in new:
+                self._pending[chunk] = memo
             for base in bases:  # kept until this turn's chunks are built on it
                 self._base_pins[base] = self._base_pins.get(base, 0) + 1
             freed = self.index.set(key, chain)
             self._tell_policy("touch", key)
-        write = TurnWrite(key, chain, list(plan.new_chunks), freed, memo, bases)
-        if self.settings.async_save:
+        write = TurnWrite(key, chain, new, freed, memo, bases)
+        if background:
             self.writer.submit(key, lambda: write, nbytes)
         else:
             self._commit(key, write)
@@ -431,15 +447,8 @@ class AttentionStore:
                     out[chunk] = SessionKV(value.token_ids[a:b], value.kv[:, :, a:b].clone())
             return out
 
-        key = self.key(tenant, session_id)
-        dtype = self.settings.storage_dtype
-        memo = _Memo(lambda: {k: v.to(dtype) for k, v in build().items()})
         chain = SessionChain(list(plan.token_ids), list(plan.chain))
-        with self._lock:
-            freed = self.index.set(key, chain)
-            self._tell_policy("touch", key)
-        self._commit(key, TurnWrite(key, chain, list(plan.new_chunks), freed, memo))
-        self._bump_version(key)
+        self._write_turn(self.key(tenant, session_id), chain, plan, build, 0, background=False)
         return self.tiers.where(plan.chain[-1]) if plan.chain else None
 
     def _commit(self, key: Hashable, write: Any) -> None:
@@ -471,7 +480,7 @@ class AttentionStore:
             finally:
                 with self._lock:
                     for chunk in write.new_chunks:
-                        if self._pending.get(chunk) is not None and self._pending_of(chunk, write):
+                        if self._pending.get(chunk) is write.memo:
                             del self._pending[chunk]
                     for base in write.bases:
                         left = self._base_pins.pop(base, 1) - 1
@@ -487,10 +496,6 @@ class AttentionStore:
             for chunk in write.freed:
                 if not self._needed(chunk) and chunk not in self._pending:
                     self.tiers.delete(chunk)
-
-    def _pending_of(self, chunk: ChunkKey, write: TurnWrite) -> bool:
-        getter = self._pending.get(chunk)
-        return getattr(getter, "memo", None) is write.memo
 
     def _persist_later(self, chunk: ChunkKey) -> None:
         if self.settings.persist == "write_through":
@@ -575,8 +580,6 @@ class AttentionStore:
         return dropped
 
     def _expired(self, chain: SessionChain) -> bool:
-        import time
-
         ttl = self.settings.session_ttl_s
         return ttl > 0 and chain.updated_at + ttl < time.time()
 
@@ -646,14 +649,7 @@ class AttentionStore:
             a, b = stored.span(i)
             ids.extend(stored.token_ids[a:b])
         chain = SessionChain(ids, [stored.chunks[i] for i in keep])
-        with self._lock:
-            freed = self.index.set(key, chain)
-        write = TurnWrite(key, chain, [], freed, _Memo(dict))
-        if self.settings.async_save:
-            self.writer.submit(key, lambda: write, 0)
-        else:
-            self._commit(key, write)
-        self._bump_version(key)
+        self._write_turn(key, chain, None, dict, 0, self.settings.async_save)
 
     # -- stats and lifecycle --------------------------------------------------------------------
 
@@ -700,14 +696,6 @@ class _Memo:
             if self._value is None:
                 self._value = self._build()
             return self._value
-
-
-def _pending_getter(memo: _Memo, chunk: ChunkKey) -> Callable[[], Any]:
-    def get() -> Any:
-        return memo()[chunk]
-
-    get.memo = memo  # type: ignore[attr-defined]
-    return get
 
 
 def create_store(
