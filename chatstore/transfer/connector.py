@@ -163,21 +163,28 @@ class StoreConnector(KVConnector):
     def _read_available(self, pending: _Pending, start: int) -> ChunkedKV | None:
         stored = pending.saved
         assert stored is not None
+        parts, reached = self._read(stored, start, pending.reusable)
+        pending.reusable = reached  # a chunk that is gone: reuse stops where it starts
+        if reached <= start:
+            return None
+        return ChunkedKV(parts, start, reached, stored.token_ids)
+
+    def _read(
+        self, stored: StoredSession, start: int, end: int
+    ) -> tuple[list[tuple[SessionKV, int]], int]:
+        """The rows of positions [start, end) from the chunks that hold them (the first chunk
+        from `start`, the last up to `end`), as (value, first position) parts, up to the first
+        chunk that is gone; and the position they reach."""
         C = stored.chunk_tokens
-        end = pending.reusable
         first, last = start // C, -(-end // C)
-        keys = stored.chunks[first:last]
-        # Only the rows the load needs: the first chunk from `start`, the last up to `end`.
         spans = [(max(start - i * C, 0), min(end - i * C, C)) for i in range(first, last)]
         parts = []
-        for i, value in enumerate(self.store.read_chunks(keys, rows=spans)):
-            if value is None:  # gone: reuse stops where it starts
-                pending.reusable = min(pending.reusable, (first + i) * C)
-                break
+        values = self.store.read_chunks(stored.chunks[first:last], rows=spans)
+        for i, value in enumerate(values):
+            if value is None:
+                return parts, (first + i) * C
             parts.append((value, (first + i) * C + spans[i][0]))
-        if pending.reusable <= start:
-            return None
-        return ChunkedKV(parts, start, pending.reusable, stored.token_ids)
+        return parts, end
 
     def _start(self, request: Request) -> _Pending:
         saved, staged = None, None
@@ -212,16 +219,11 @@ class StoreConnector(KVConnector):
         return self._fetch(stored, 0, stored.num_tokens)
 
     def _fetch(self, stored: StoredSession, start: int, end: int) -> ChunkedKV:
-        """The chunks of `stored` that hold positions [start, end), read from the store."""
-        C = stored.chunk_tokens
-        first, last = start // C, -(-end // C)
-        keys = stored.chunks[first:last]
-        values = self.store.read_chunks(keys)
-        parts = []
-        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
-            if value is None:
-                raise MissingChunkError(f"chunk {key} of {stored.key} is no longer stored")
-            parts.append((value, (first + i) * C))
+        """The KV of positions [start, end) of `stored`, read from the store."""
+        parts, reached = self._read(stored, start, end)
+        if reached < end:
+            key = stored.chunks[reached // stored.chunk_tokens]
+            raise MissingChunkError(f"chunk {key} of {stored.key} is no longer stored")
         return ChunkedKV(parts, start, end, stored.token_ids)
 
     def _version(self, key: SessionKey) -> int:
