@@ -135,12 +135,9 @@ class ChunkTiers:
         self._hit(self.tiers[0].name, key, 0)
 
     def _get_memory(self, key: ChunkKey) -> SessionKV | None:
-        top = self.top
-        if top is None:
-            return None
-        value = top.get(key) if top.contains(key) else self._transit.get(key)
+        value = self._get_memory_quiet(key)
         if value is not None:
-            self._hit(top.name, key, value.nbytes)
+            self._hit(self.tiers[0].name, key, value.nbytes)
         return value
 
     def _read_slow(self, tier: StorageTier, key: ChunkKey) -> SessionKV | None:
@@ -219,9 +216,14 @@ class ChunkTiers:
         return self.put(key, whole), whole.nbytes
 
     def _room_top(
-        self, need: int, keep: set[ChunkKey], parked: list[tuple[ChunkKey, SessionKV]]
+        self,
+        need: int,
+        keep: set[ChunkKey],
+        parked: list[tuple[ChunkKey, SessionKV]],
+        incoming: ChunkKey | None = None,
     ) -> bool:
-        """Evict from DRAM (under _lock) until `need` more bytes fit; never a key in keep."""
+        """Evict from DRAM (under _lock) until `need` more bytes fit; never a key in keep,
+        nor (with `incoming`) one the placement values above it."""
         top = self.top
         assert top is not None
         if need > top.capacity:
@@ -230,6 +232,8 @@ class ChunkTiers:
             candidates = [k for k in top.keys() if k not in keep]  # noqa: SIM118
             victim = self.placement.choose_victim(top.name, candidates)
             if victim is None:
+                return False
+            if incoming is not None and not self._may_displace(incoming, victim):
                 return False
             self._evict_top(victim, parked)
         return True
@@ -306,17 +310,10 @@ class ChunkTiers:
                     return "present"
                 if not self.wanted(key):
                     return False
-                need = top.footprint(value)
-                if need > top.capacity:
+                # A prefetch must not push out something worth more than what it brings.
+                incoming = key if kind == "prefetched" else None
+                if not self._room_top(top.footprint(value), {key}, parked, incoming):
                     return False
-                while top.used_bytes() + need > top.capacity:
-                    candidates = [k for k in top.keys() if k != key]  # noqa: SIM118
-                    victim = self.placement.choose_victim(top.name, candidates)
-                    if victim is None:
-                        return False
-                    if kind == "prefetched" and not self._may_displace(key, victim):
-                        return False  # it would push out something worth more
-                    self._evict_top(victim, parked)
                 try:
                     top.put(key, value)
                 except TierFull:
