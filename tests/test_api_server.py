@@ -59,16 +59,7 @@ def test_serve_process_with_keys_logs_and_exits_cleanly(tmp_path):
     proc = serve("--port", str(port), "--model", "default", env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.25)
+        _wait_ready(proc, url)
         assert httpx.get(url + "/v1/models").status_code == 401
         headers = {"Authorization": "Bearer k1", "X-Session-ID": "cli-session"}
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}

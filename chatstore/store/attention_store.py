@@ -44,7 +44,7 @@ import torch
 
 from chatstore.config import Config
 from chatstore.model.spec import ModelSpec
-from chatstore.store.chunks import ChunkHasher, ChunkKey
+from chatstore.store.chunks import ChunkHasher, ChunkKey, chunk_span
 from chatstore.store.events import EventLog, Listener, StoreStats
 from chatstore.store.persister import Persister
 from chatstore.store.placement import ChunkPlacement
@@ -131,8 +131,7 @@ class StoredSession:
         return len(self.token_ids)
 
     def span(self, index: int) -> tuple[int, int]:
-        start = index * self.chunk_tokens
-        return start, min(start + self.chunk_tokens, len(self.token_ids))
+        return chunk_span(index, self.chunk_tokens, len(self.token_ids))
 
 
 class AttentionStore:

@@ -60,10 +60,11 @@ class ChunkHasher:
             keys.append(ChunkKey(tenant, previous.hex()))
         return keys
 
-    def span(self, index: int, num_tokens: int) -> tuple[int, int]:
-        """Token positions [start, end) of chunk `index` in a history of num_tokens."""
-        start = index * self.chunk_tokens
-        return start, min(start + self.chunk_tokens, num_tokens)
-
     def num_chunks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.chunk_tokens)
+
+
+def chunk_span(index: int, chunk_tokens: int, num_tokens: int) -> tuple[int, int]:
+    """Token positions [start, end) of chunk `index` in a history of num_tokens."""
+    start = index * chunk_tokens
+    return start, min(start + chunk_tokens, num_tokens)

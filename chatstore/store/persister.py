@@ -9,15 +9,13 @@ chunk; until its copy lands a crash loses only that chunk, and the session reloa
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
-from chatstore.engine.cpu_threads import own_intra_op_threads
+from chatstore.engine.cpu_threads import lower_thread_priority, own_intra_op_threads
 from chatstore.store.chunks import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -77,10 +75,7 @@ class Persister:
 
     def _run(self) -> None:
         own_intra_op_threads(1)
-        # Background work with a lag budget: on a CPU host it must not take cores from the
-        # forward (a thread's nice value is its own on Linux).
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        lower_thread_priority(19)  # background work with a lag budget
         while True:
             with self._cond:
                 while not self._closed:

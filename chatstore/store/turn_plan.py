@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chatstore.store.chunks import ChunkHasher, ChunkKey
+from chatstore.store.chunks import ChunkHasher, ChunkKey, chunk_span
 from chatstore.store.session_index import SessionChain
 from chatstore.store.session_kv import SessionKey, SessionKV
 
@@ -47,8 +47,7 @@ class TurnPlan:
     bases: dict[ChunkKey, tuple[ChunkKey, int]] = field(default_factory=dict)
 
     def span(self, index: int) -> tuple[int, int]:
-        start = index * self.chunk_tokens
-        return start, min(start + self.chunk_tokens, len(self.token_ids))
+        return chunk_span(index, self.chunk_tokens, len(self.token_ids))
 
     def new_spans(self) -> list[tuple[int, ChunkKey, int, int]]:
         """(chain index, key, start, end) of every new chunk."""

@@ -29,15 +29,13 @@ thread also runs at a lower priority (`nice`, Linux only; off by default).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from chatstore.engine.cpu_threads import own_intra_op_threads
+from chatstore.engine.cpu_threads import lower_thread_priority, own_intra_op_threads
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +167,8 @@ class WriteBuffer:
     def _run(self) -> None:
         if self._intra_op_threads:
             own_intra_op_threads(self._intra_op_threads)
-        if self._nice and hasattr(os, "setpriority"):
-            with contextlib.suppress(OSError):  # Linux: a thread's nice value is its own
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+        if self._nice:
+            lower_thread_priority(self._nice)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._jobs or self._closed)
