@@ -66,6 +66,7 @@ class Config:
     max_running: int = 32  # serving engine limits: see chatstore/engine/engine_config.py
     max_tokens_per_step: int = 512
     max_waiting: int = 256
+    tenant_queue_share: float = 0.5  # of max_waiting one tenant may hold (at least one slot)
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 1 << 30
     enable_prefix_cache: bool = True
@@ -75,6 +76,13 @@ class Config:
     admin_key: str = ""
     max_body_bytes: int = 1 << 20
     max_message_chars: int = 32768
+    max_messages: int = 512  # per request and per stored session
+    max_metadata_bytes: int = 16384  # a session's metadata, as JSON
+    max_sessions_per_tenant: int = 10000
+    max_turns_per_tenant: int = 16  # turns in flight at once per tenant
+    allowed_hosts: str = ""  # local mode: Host names accepted besides loopback ones
+    cors_origins: str = ""  # "*" or "https://a,https://b": origins allowed cross-origin
+    metrics_auth: bool = False  # with keys set: /metrics needs the admin key
     log_level: str = "info"
     data_dir: str = ""
     kv_store: str = "on"
@@ -82,8 +90,13 @@ class Config:
     ssd_bytes: int = 32 << 30
     redis_url: str = ""
     redis_bytes: int = 4 << 30
+    redis_timeout_s: float = 0.25  # socket timeout of every Redis call
+    redis_breaker_failures: int = 3  # consecutive failures that take Redis out
+    redis_breaker_reset_s: float = 5.0  # then one probe after this long puts it back
     kv_storage_dtype: str = "auto"  # "auto" = the compute dtype
     session_ttl_s: int = 86400
+    purge_interval_s: float = 60.0  # how often expired sessions are deleted (0 = never)
+    records_map_bytes: int = 1 << 30  # LMDB map of the session records
     max_context_tokens: int = 8192
     truncation_ratio: float = 0.5
     policy: str = "aware"  # aware | lru | fifo: which session a full tier gives up
@@ -133,9 +146,22 @@ class Config:
                 f"kv_storage_dtype must be one of {list(DTYPE_CHOICES)}, "
                 f"got {self.kv_storage_dtype!r}"
             )
-        for name in ("dram_bytes", "ssd_bytes", "redis_bytes", "session_ttl_s"):
+        for name in (
+            "dram_bytes",
+            "ssd_bytes",
+            "redis_bytes",
+            "session_ttl_s",
+            "purge_interval_s",
+            "redis_breaker_reset_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.records_map_bytes < 1 << 20:
+            raise ValueError(f"records_map_bytes must be >= 1 MiB, got {self.records_map_bytes}")
+        if self.redis_timeout_s <= 0 or self.redis_breaker_failures < 1:
+            raise ValueError("redis_timeout_s must be > 0 and redis_breaker_failures >= 1")
+        if not 0 < self.tenant_queue_share <= 1:
+            raise ValueError(f"tenant_queue_share must be in (0, 1], got {self.tenant_queue_share}")
         if self.max_context_tokens <= 0:
             raise ValueError(f"max_context_tokens must be positive, got {self.max_context_tokens}")
         if not 0 < self.truncation_ratio < 1:

@@ -27,6 +27,13 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     max_message_chars: int = 32_768
     max_messages: int = 512
+    max_metadata_bytes: int = 16384
+    max_sessions_per_tenant: int = 10000
+    max_turns_per_tenant: int = 16
+    allowed_hosts: str = ""  # comma-separated, local mode only
+    cors_origins: str = ""  # "*" or comma-separated origins
+    metrics_auth: bool = False
+    purge_interval_s: float = 60.0
     log_level: str = "info"
     model_name: str = "SmolLM2-135M-Instruct"
     default_max_tokens: int = 256
@@ -59,14 +66,25 @@ class ServerSettings:
         if "api_keys" in values:
             values["api_keys"] = parse_api_keys(values["api_keys"])
         values["admin_key"] = values.get("admin_key") or None
-        for name in ("port", "max_body_bytes", "max_message_chars", "max_messages"):
+        for name in (
+            "port",
+            "max_body_bytes",
+            "max_message_chars",
+            "max_messages",
+            "max_metadata_bytes",
+            "max_sessions_per_tenant",
+            "max_turns_per_tenant",
+        ):
             if name in values:
                 values[name] = int(values[name])
         for name in ("default_max_tokens", "retry_after_s"):
             if name in values:
                 values[name] = int(values[name])
-        if "drain_timeout_s" in values:
-            values["drain_timeout_s"] = float(values["drain_timeout_s"])
+        for name in ("drain_timeout_s", "purge_interval_s"):
+            if name in values:
+                values[name] = float(values[name])
+        if isinstance(values.get("metrics_auth"), str):
+            values["metrics_auth"] = values["metrics_auth"].lower() in ("1", "true", "yes", "on")
         return cls(**values)
 
 

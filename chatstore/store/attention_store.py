@@ -80,6 +80,10 @@ class StoreSettings:
     ssd_bytes: int = 32 << 30
     redis_url: str = ""
     redis_bytes: int = 4 << 30
+    redis_timeout_s: float = 0.25
+    redis_breaker_failures: int = 3
+    redis_breaker_reset_s: float = 5.0
+    records_map_bytes: int = 1 << 30
     storage_dtype: torch.dtype = torch.float32
     session_ttl_s: int = 86400
     max_context_tokens: int = 8192
@@ -102,6 +106,10 @@ class StoreSettings:
             ssd_bytes=config.ssd_bytes,
             redis_url=config.redis_url,
             redis_bytes=config.redis_bytes,
+            redis_timeout_s=config.redis_timeout_s,
+            redis_breaker_failures=config.redis_breaker_failures,
+            redis_breaker_reset_s=config.redis_breaker_reset_s,
+            records_map_bytes=config.records_map_bytes,
             storage_dtype=config.storage_torch_dtype,
             session_ttl_s=config.session_ttl_s,
             max_context_tokens=config.max_context_tokens,
