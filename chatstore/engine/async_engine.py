@@ -13,6 +13,10 @@ outputs queued for it merged into one (`merge_outputs`): fewer, larger deltas, t
 raised by `submit` itself. The stream it returns aborts its request when the consumer's task is
 cancelled, when it is closed (`aclose`), or when it is dropped unfinished, so every block comes
 back even if a client goes away mid-generation.
+
+A step that raises fails the requests in flight and the thread goes on. If the thread itself
+dies (an exception outside a step, a BaseException), the engine is dead: every open stream ends
+with an error output, `submit` raises EngineDeadError, and `alive` / `failure` say so (/readyz).
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ import torch
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.engine.llm_engine import EngineStats, LLMEngine
-from chatstore.engine.request import InvalidRequestError, Request, RequestOutput, SampleDelta
+from chatstore.engine.request import (
+    EngineDeadError,
+    InvalidRequestError,
+    Request,
+    RequestOutput,
+    SampleDelta,
+)
 from chatstore.engine.runtime import Runtime
 from chatstore.engine.scheduler import WaitingEntry
 
@@ -40,6 +50,7 @@ log = logging.getLogger(__name__)
 class _Route:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    num_samples: int = 1
 
 
 class RequestStream(AsyncIterator[RequestOutput]):
@@ -125,6 +136,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._accepting = True
+        self._failure: str | None = None  # why the model thread died
         self._thread: threading.Thread | None = None
         self.device_type = runtime.runner.device.type
         # Intra-op threads of the model thread (set on it when it starts); None = torch's own.
@@ -133,19 +145,40 @@ class AsyncEngine:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("engine already started")
-        self._thread = threading.Thread(target=self._loop, name="chatstore-engine", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._loop, name="chatstore-engine", daemon=True)
+        thread.start()
+        self._thread = thread  # only once started: an unstarted thread would read as exited
 
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def alive(self) -> bool:
+        """False once the model thread has died of an unexpected error (it never comes back)."""
+        return self.failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the model thread died; None while it serves (or before start, after shutdown)."""
+        if self._failure is not None:
+            return self._failure
+        thread = self._thread
+        exited = thread is not None and not thread.is_alive() and not self._stop.is_set()
+        return "the engine thread exited unexpectedly" if exited else None
+
     def submit(self, request: Request) -> RequestStream:
-        """Queue a request (call from a coroutine); returns the stream of its outputs."""
+        """Queue a request (call from a coroutine); returns the stream of its outputs.
+
+        Raises EngineDeadError when the model thread has died, RuntimeError when the engine is
+        not running (not started, shutting down)."""
+        self._check_alive()
         if not self._accepting or not self.is_running:
             raise RuntimeError("engine is not running")
-        route = _Route(asyncio.get_running_loop(), asyncio.Queue())
+        route = _Route(asyncio.get_running_loop(), asyncio.Queue(), request.sampling.n)
         with self._routes_lock:
+            # Under the lock: either the dying thread sees this route, or this sees its failure.
+            self._check_alive()
             if request.request_id in self._routes:
                 raise InvalidRequestError("request_id", f"{request.request_id!r} is in flight")
             self._routes[request.request_id] = route
@@ -157,6 +190,11 @@ class AsyncEngine:
             raise
         self._wake.set()
         return RequestStream(self, request.request_id, route)
+
+    def _check_alive(self) -> None:
+        failure = self.failure
+        if failure is not None:
+            raise EngineDeadError(f"engine failed: {failure}")
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request ends with finish_reason "abort" at the next step."""
@@ -190,6 +228,12 @@ class AsyncEngine:
 
     # -- the model thread ----------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            self._die(exc)
+
+    def _serve(self) -> None:
         if self.compute_threads is not None:
             torch.set_num_threads(self.compute_threads)
         while not self._stop.is_set():
@@ -221,6 +265,20 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
                 loop.call_soon_threadsafe(_put_all, batch)
 
+    def _die(self, exc: BaseException) -> None:
+        """End every open stream with an error output: nothing will step their requests."""
+        self._failure = f"{type(exc).__name__}: {exc}"
+        log.critical("engine thread died; failing every request", exc_info=exc)
+        with self._routes_lock:
+            routes, self._routes = self._routes, {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for request_id, route in routes.items():
+            output = _error_output(request_id, route.num_samples, f"engine failed: {self._failure}")
+            batches.setdefault(route.loop, []).append((route.queue, output))
+        for loop, batch in batches.items():
+            with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
+                loop.call_soon_threadsafe(_put_all, batch)
+
     def _fail_all(self, exc: Exception) -> None:
         with self._routes_lock:
             routes, self._routes = self._routes, {}
@@ -228,6 +286,11 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             with contextlib.suppress(RuntimeError):
                 route.loop.call_soon_threadsafe(route.queue.put_nowait, exc)
+
+
+def _error_output(request_id: str, num_samples: int, error: str) -> RequestOutput:
+    samples = [SampleDelta(i, [], "", "error") for i in range(num_samples)]
+    return RequestOutput(request_id, samples, finished=True, error=error)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -3,6 +3,8 @@
 max_running          sequences in the running batch at once (n>1 samples count each)
 max_tokens_per_step  tokens computed per forward: decodes first, prefill chunks fill the rest
 max_waiting          requests queued before `submit` raises EngineOverloadedError (HTTP 429)
+tenant_queue_share   of max_waiting one tenant may hold, at least one slot (the server's Config
+                     sets 0.5; 1.0, the default here, leaves a lone tenant the whole queue)
 preemption_mode      "recompute" (drop the KV, prefill again later) | "swap" (copy to host)
 swap_space_bytes     host memory for swapped-out KV blocks (preemption_mode = "swap")
 enable_prefix_cache  share identical full prompt blocks within a tenant (vLLM APC)
@@ -18,6 +20,7 @@ split_mixed_batches  run a step's decodes and prefill chunks as two forwards, so
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +34,7 @@ class EngineConfig:
     max_running: int = 32
     max_tokens_per_step: int = 512
     max_waiting: int = 256
+    tenant_queue_share: float = 1.0
     preemption_mode: PreemptionMode = "recompute"
     swap_space_bytes: int = 1 << 30
     enable_prefix_cache: bool = True
@@ -44,6 +48,9 @@ class EngineConfig:
         for name in ("max_running", "max_tokens_per_step", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        share = self.tenant_queue_share
+        if not (isinstance(share, (int, float)) and 0 < share <= 1):
+            raise ValueError(f"tenant_queue_share must be in (0, 1], got {share!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}"
@@ -55,6 +62,11 @@ class EngineConfig:
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
 
+    @property
+    def tenant_queue_limit(self) -> int:
+        """Waiting slots one tenant may hold."""
+        return max(1, math.ceil(self.tenant_queue_share * self.max_waiting))
+
     @classmethod
     def from_config(cls, config: Any) -> EngineConfig:
         """The engine fields of a `chatstore.config.Config` (keys missing there keep defaults)."""
@@ -62,6 +74,7 @@ class EngineConfig:
             "max_running",
             "max_tokens_per_step",
             "max_waiting",
+            "tenant_queue_share",
             "preemption_mode",
             "swap_space_bytes",
             "enable_prefix_cache",

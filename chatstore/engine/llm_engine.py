@@ -115,58 +115,98 @@ class LLMEngine:
         # which waits per layer (layer_ready); they are all joined in this step, before any
         # block can be freed (aborts are applied at the start of a step).
         connector = self.connector
-        preloading = False
+        loading: list[RequestState] = []
         for load in plan.loads:
             args = (load.seq.request, load.start, load.num_tokens, load.seq.block_table)
             try:
                 if connector.layerwise:
                     connector.start_load(*args)
-                    preloading = True
+                    loading.append(load.seq.group)
                 else:
                     connector.load(*args)
             except Exception as exc:
                 self._load_failed(load.seq.group, exc, touched)
-        # The read buffer: the next jobs' KV staged during this one.
-        connector.prepare(self.scheduler.next_waiting(STAGE_AHEAD))
+        self._stage_next()
         items = [s for s in plan.scheduled if not s.seq.finished]
         if items:
-            self._run_step(items, touched, preloading)
-        elif preloading:
-            self._finish_loads(touched)
+            self._run_step(items, touched, loading)
+        elif loading:
+            self._finish_loads(touched, loading)
         outputs = [self._make_output(g) for g in touched.values()]
         return [o for o in outputs if o is not None]
+
+    def _stage_next(self) -> None:
+        """The read buffer: the next jobs' KV staged during this one (a hint: errors pass)."""
+        try:
+            self.connector.prepare(self.scheduler.next_waiting(STAGE_AHEAD))
+        except Exception:
+            log.exception("connector.prepare failed")
 
     def _load_failed(self, group: RequestState, exc: Exception, touched) -> None:
         log.error("KV load failed for %s", group.request_id, exc_info=exc)
         self._finish_group(group, "error", f"KV load failed: {exc}", touched)
 
-    def _finish_loads(self, touched: dict[str, RequestState]) -> None:
+    def _finish_loads(self, touched: dict[str, RequestState], loading: list[RequestState]) -> None:
         """Join the step's pre-loads; a request whose load failed ends with an error."""
         try:
             errors = self.connector.finish_loads()
         except Exception as exc:
             log.exception("connector.finish_loads failed")
-            errors = {rid: exc for rid in self._groups}  # unknown state: fail them all
+            # Unknown state for the requests loading this step; nobody else's blocks are touched.
+            errors = {g.request_id: exc for g in loading}
         for rid, exc in errors.items():
             group = self._groups.get(rid)
             if group is not None:
                 self._load_failed(group, exc, touched)
 
     def _run_step(
-        self, items: list[ScheduledSeq], touched: dict[str, RequestState], preloading: bool = False
+        self,
+        items: list[ScheduledSeq],
+        touched: dict[str, RequestState],
+        loading: list[RequestState],
     ) -> None:
-        layer_ready = self.connector.wait_for_layer if preloading else None
+        layer_ready = self.connector.wait_for_layer if loading else None
         try:
             logits = self._forward(items, layer_ready)
         except Exception as exc:
-            log.exception("forward failed")
-            if preloading:
-                self._finish_loads(touched)  # before any of their blocks is freed
-            for it in items:
-                self._finish_group(it.seq.group, "error", f"engine error: {exc}", touched)
+            log.exception("forward of %d sequences failed", len(items))
+            if loading:
+                self._finish_loads(touched, loading)  # before any of their blocks is freed
+            self._isolate(items, exc, touched)
             return
-        if preloading:
-            self._finish_loads(touched)
+        if loading:
+            self._finish_loads(touched, loading)
+        self._advance(items, logits, touched)
+
+    def _isolate(
+        self, items: list[ScheduledSeq], exc: Exception, touched: dict[str, RequestState]
+    ) -> None:
+        """A forward of `items` raised: run each half again on its own, so that only a sequence
+        that fails alone ends with the error and the rest of the batch (other tenants) goes on.
+        Nothing was committed (num_computed, prefix cache): a retry rewrites the same KV slots,
+        and the store's saver keeps the last row written per position. At most
+        2 * len(items) - 1 forwards in all."""
+        live = [it for it in items if not it.seq.finished]
+        if len(live) == 1:
+            log.error("request %s fails alone: %s", live[0].seq.group.request_id, exc)
+            self._finish_group(live[0].seq.group, "error", f"engine error: {exc}", touched)
+            return
+        mid = len(live) // 2
+        for half in (live[:mid], live[mid:]):
+            half = [it for it in half if not it.seq.finished]  # a sibling sample failed
+            if not half:
+                continue
+            try:
+                logits = self._forward(half)
+            except Exception as half_exc:
+                self._isolate(half, half_exc, touched)
+                continue
+            self._advance(half, logits, touched)
+
+    def _advance(
+        self, items: list[ScheduledSeq], logits: torch.Tensor, touched: dict[str, RequestState]
+    ) -> None:
+        """Commit a forward: computed tokens, prefix-cache blocks, then sample the new tokens."""
         self.steps += 1
         self._seqs_stepped += len(items)
         to_sample: list[tuple[Sequence, int]] = []
@@ -184,10 +224,29 @@ class LLMEngine:
         rows = [row for _, row in to_sample]
         if rows != list(range(len(logits))):  # not every row once in order: copy [rows, V]
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        tokens = sample_batch(logits, [s.sample for s, _ in to_sample])
-        for (seq, _), token in zip(to_sample, tokens, strict=True):
-            self._append(seq, token)
-            touched[seq.group.request_id] = seq.group
+        seqs = [s for s, _ in to_sample]
+        for seq, token in zip(seqs, self._sample(logits, seqs, touched), strict=True):
+            if token is not None and not seq.finished:
+                self._append(seq, token)
+                touched[seq.group.request_id] = seq.group
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, RequestState]
+    ) -> list[int | None]:
+        """A token per row of logits [len(seqs), V]; when the batch raises, each row alone, and
+        a row that still raises ends its request with the error (None)."""
+        try:
+            return list(sample_batch(logits, [s.sample for s in seqs]))
+        except Exception:
+            log.exception("sampling %d sequences failed; sampling them one by one", len(seqs))
+        tokens: list[int | None] = []
+        for row, seq in enumerate(seqs):
+            try:
+                tokens.append(sample_batch(logits[row : row + 1], [seq.sample])[0])
+            except Exception as exc:
+                self._finish_group(seq.group, "error", f"sampling failed: {exc}", touched)
+                tokens.append(None)
+        return tokens
 
     def _forward(self, items: list[ScheduledSeq], layer_ready=None) -> torch.Tensor:
         """Logits [len(items), V] of each item's last token."""

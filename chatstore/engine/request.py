@@ -26,6 +26,10 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (the API turns this into a 429 with Retry-After)."""
 
 
+class EngineDeadError(RuntimeError):
+    """The model thread died of an unexpected error: the engine serves nothing more (503)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256

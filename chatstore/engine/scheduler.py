@@ -6,28 +6,29 @@ Every step, with a budget of `max_tokens_per_step` tokens:
        pool is short, the most recently started sequence is preempted (recompute: blocks dropped,
        back to the head of the waiting queue; swap: KV copied to host, to the swapped queue)
     2. if nothing was preempted: swapped sequences come back first (FCFS)
-    3. then waiting requests are admitted in arrival order while blocks, budget and
-       `max_running` allow; the head that does not fit blocks the queue (strict FCFS). A
-       request that cannot fit into an otherwise empty pool fails instead of waiting forever.
+    3. then waiting requests are admitted while blocks, budget and `max_running` allow:
+       preempted ones first, then round-robin by tenant, FCFS within a tenant (WaitingQueue);
+       the head that does not fit blocks the queue (no overtaking, so a big request is not
+       starved by small ones). A request that cannot fit into an otherwise empty pool fails
+       instead of waiting forever.
 
-The waiting queue is readable from other threads (`waiting_sessions`) so the KV store can look
-ahead for prefetch and eviction.
+The waiting queue is readable from other threads (`waiting_sessions`, in admission order) so
+the KV store can look ahead for prefetch and eviction.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 
 from chatstore.engine.block_manager import BlockManager
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.kv_connector import KVConnector
-from chatstore.engine.request import EngineOverloadedError, Request
+from chatstore.engine.request import Request
 from chatstore.engine.sequence import Sequence, SequenceStatus
 from chatstore.engine.swap import HostSwapSpace
+from chatstore.engine.waiting_queue import WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,7 @@ class Scheduler:
         self.blocks = blocks
         self.swap = swap
         self.connector = connector
-        self._lock = threading.Lock()  # guards `waiting` (appended to from the API thread)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(config)  # pushed to from the API thread
         self.running: list[Sequence] = []  # in the order they (re)started
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -86,14 +86,9 @@ class Scheduler:
 
     # -- queues --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue a new request's first sequence (any thread); raises when the queue is full."""
-        with self._lock:
-            if len(self.waiting) >= self.config.max_waiting:
-                raise EngineOverloadedError(
-                    f"engine overloaded: {len(self.waiting)} requests waiting "
-                    f"(max_waiting={self.config.max_waiting})"
-                )
-            self.waiting.append(seq)
+        """Queue a new request's first sequence (any thread); raises EngineOverloadedError when
+        the queue, or its tenant's share of it, is full."""
+        self.waiting.push(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling joins the batch right away (it shares its parent's blocks)."""
@@ -107,9 +102,7 @@ class Scheduler:
         elif seq in self.swapped:
             self.swapped.remove(seq)
         else:
-            with self._lock:
-                if seq in self.waiting:
-                    self.waiting.remove(seq)
+            self.waiting.remove(seq)
         if seq.host_blocks and self.swap is not None:
             self.swap.free(seq.host_blocks)
             seq.host_blocks = []
@@ -123,8 +116,7 @@ class Scheduler:
 
     def waiting_sessions(self) -> list[WaitingEntry]:
         """Thread-safe snapshot of the waiting queue, in the order requests will be admitted."""
-        with self._lock:
-            seqs = list(self.waiting)
+        seqs = self.waiting.snapshot()
         entries: dict[str, WaitingEntry] = {}
         for s in seqs:
             r = s.request
@@ -137,8 +129,7 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     def next_waiting(self, n: int) -> list[Request]:
         """The first n queued requests that have not started (a read buffer stages them)."""
-        with self._lock:
-            seqs = list(itertools.islice(self.waiting, n))
+        seqs = self.waiting.snapshot(n)
         return [seq.request for seq in seqs if seq.num_computed == 0]
 
     def schedule(self) -> SchedulerOutput:
@@ -197,8 +188,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         static = self.config.batching == "static"
         while len(self.running) < self.config.max_running and (self._budget > 0 or static):
-            with self._lock:
-                seq = self.waiting[0] if self.waiting else None
+            seq = self.waiting.peek()
             if seq is None or not self._admit(seq, out):
                 return
 
@@ -213,12 +203,10 @@ class Scheduler:
         if not self.blocks.can_reserve(seq, target, hit):
             if self.running or self.swapped:
                 return False
-            with self._lock:
-                self.waiting.popleft()
+            self.waiting.pop(seq)
             out.failed.append((seq, self._too_big(seq, target)))
             return True
-        with self._lock:
-            self.waiting.popleft()
+        self.waiting.pop(seq)
         self.blocks.count_lookup(seq, hit)
         self.blocks.reserve(seq, target, hit)
         if external:
@@ -265,8 +253,7 @@ class Scheduler:
         self.blocks.free(seq)
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING
-        with self._lock:
-            self.waiting.appendleft(seq)
+        self.waiting.push_front(seq)
 
     def _put(self, seq: Sequence, n: int) -> None:
         self._scheduled[seq.seq_id] = ScheduledSeq(seq, n)
