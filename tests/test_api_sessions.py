@@ -177,7 +177,7 @@ def test_admin_cache_flush_and_metrics(server, alice, admin):
         assert key in cache["tiers"][1]
     for key in ("waiting", "running", "num_blocks", "free_blocks", "block_usage"):
         assert key in cache["engine"]
-    assert admin.post("/admin/cache/flush").json()["flushed_sessions"] >= 1
+    assert admin.post("/admin/cache/flush", json={}).json()["flushed_sessions"] >= 1
     assert alice.get(f"/v1/sessions/{sid}").json()["kv_location"] is None
     again = alice.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi again", **GREEDY})
     assert again.status_code == 200
@@ -236,10 +236,10 @@ def test_prefetch_hint_moves_kv_up_and_is_tenant_checked(server, alice, bob, adm
     push_down(store, "alice", sid)  # as if DRAM had filled up: the session is on SSD now
     assert alice.get(f"/v1/sessions/{sid}").json()["kv_location"] == "ssd"
     before = _moved_up(admin)
-    assert bob.post(f"/v1/sessions/{sid}/prefetch").status_code == 404  # another tenant's
-    assert alice.post("/v1/sessions/nope-unknown/prefetch").status_code == 404
+    assert bob.post(f"/v1/sessions/{sid}/prefetch", json={}).status_code == 404  # another tenant's
+    assert alice.post("/v1/sessions/nope-unknown/prefetch", json={}).status_code == 404
     assert _kv_store(server).tier_of("alice", sid) == "ssd"  # bob moved nothing
-    accepted = alice.post(f"/v1/sessions/{sid}/prefetch")
+    accepted = alice.post(f"/v1/sessions/{sid}/prefetch", json={})
     assert accepted.status_code == 202 and accepted.json()["accepted"] is True
     assert _poll_location(alice, sid, "dram") == "dram"
     # Moved once: by the prefetch thread, or by the read buffer's lookup (an SSD hit) if that

@@ -1,7 +1,8 @@
 """Operator endpoints: /admin/* (admin key) and the open health probes.
 
 GET  /admin/cache        per tier: capacity, used bytes, sessions, hits, misses, bytes moved
-                         up/down, evictions, prefetches, hit rate; engine queue and block pool
+                         up/down, evictions, prefetches, hit rate; engine queue and block pool;
+                         the remote tier's circuit breaker (null without Redis)
 GET  /admin/sessions     every tenant's sessions (paginated)
 POST /admin/cache/flush  drop all cached session KV (records stay; next turns recompute)
 GET  /healthz            the process is up
@@ -44,10 +45,12 @@ def cache_stats(request: Request, _: Admin) -> dict[str, Any]:
     tiers = service.store.tier_stats()
     hits = sum(t.hits for t in tiers)
     misses = sum(t.misses for t in tiers)
+    remote_health = getattr(service.store, "remote_health", None)  # not every port has one
     return {
         "tiers": [tier_body(t) for t in tiers],
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "engine": engine_body(service),
+        "remote_breaker": remote_health() if remote_health is not None else None,
     }
 
 
@@ -82,9 +85,13 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "starting or draining"}})
+@router.get("/readyz", responses={503: {"description": "starting, draining or engine failed"}})
 def readyz(request: Request) -> Any:
     service: ChatService | None = getattr(request.app.state, "service", None)
+    engine = getattr(service, "engine", None)
+    if not getattr(engine, "alive", True):  # engines without the property count as alive
+        body = {"status": "engine_failed", "error": getattr(engine, "failure", None)}
+        return JSONResponse(body, status_code=503)
     if service is None or service.draining:
         state = "draining" if service is not None else "starting"
         return JSONResponse({"status": state}, status_code=503)

@@ -3,8 +3,10 @@
     Authorization: Bearer <key>      (WebSocket clients may also pass ?api_key=<key>)
 
 With no key configured the server runs in local single-user mode: every caller is the tenant
-"local" and may use the admin endpoints (the server then only listens on loopback). Otherwise a
-tenant key grants the tenant's own sessions and nothing else; the admin key grants /admin.
+"local" and may use the admin endpoints (the server then only listens on loopback and answers
+only to loopback Host names, see origin_policy.py). Otherwise a tenant key grants the tenant's
+own sessions and nothing else; the admin key grants /admin, and /metrics too when
+`metrics_auth` is set.
 """
 
 from __future__ import annotations
@@ -72,3 +74,11 @@ def admin_principal(conn: HTTPConnection) -> Principal:
     if not principal.is_admin:
         raise APIError(403, "admin endpoints need the admin key", code="forbidden")
     return principal
+
+
+def guard_metrics(conn: HTTPConnection) -> None:
+    """/metrics needs the admin key only when `metrics_auth` asks for it: Prometheus scrapers
+    usually hold no key, and in local mode there is none to ask for."""
+    settings: ServerSettings = conn.app.state.settings
+    if settings.metrics_auth and not settings.local_mode:
+        admin_principal(conn)

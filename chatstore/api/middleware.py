@@ -1,8 +1,12 @@
 """Pure-ASGI middleware (it must not buffer streams nor swallow disconnects):
 
+* applies the browser policy (origin_policy.py): Host check in local mode, CORS, cross-origin
+  refusals and the JSON content type, for WebSocket upgrades too;
 * stamps the arrival time, for TTFT;
 * caps request bodies (413 before the app sees them) and refuses new work while draining (503);
-* logs one JSON line per request (session, tokens, cached tokens, TTFT) and counts it.
+* asks for the admin key on /metrics when `metrics_auth` is set;
+* logs one JSON line per request (session, tokens, cached tokens, TTFT) and counts it. The line
+  holds the path without its query string, so a `?api_key=` never reaches it.
 """
 
 from __future__ import annotations
@@ -12,12 +16,16 @@ import logging
 import time
 from typing import Any
 
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from chatstore.api.auth import guard_metrics
 from chatstore.api.errors import APIError
+from chatstore.api.origin_policy import Headers, Incoming, policy_for
 
 access_log = logging.getLogger("chatstore.access")
 OPEN_PATHS = ("/healthz", "/readyz", "/metrics")
+POLICY_VIOLATION = 1008  # WebSocket close code, for servers that cannot answer with a 403
 
 
 class BodyTooLarge(Exception):
@@ -30,22 +38,31 @@ class APIMiddleware:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            return await self._websocket(scope, receive, send)
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = time.perf_counter()
         scope["chatstore.started"] = started
         status = {"code": 0}
+        incoming = Incoming.from_scope(scope)
+        policy = policy_for(scope["app"].state.settings)
+        cors = policy.cors_headers(incoming)
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                if cors:
+                    message = {**message, "headers": [*message.get("headers", ()), *cors]}
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 self._log(scope, status["code"], started)
 
-        refusal = self._refusal(scope)
+        refusal = policy.refusal(incoming) or self._refusal(scope)
         if refusal is not None:
             return await self._reply(refusal, send_wrapper)
+        if incoming.is_preflight:
+            return await _preflight(policy.preflight_headers(incoming), send_wrapper)
         try:
             receive = await self._buffered(scope, receive)
         except BodyTooLarge:
@@ -69,7 +86,26 @@ class APIMiddleware:
                     return APIError(
                         413, f"request body over {self.max_body_bytes} bytes", code="too_large"
                     )
+        if scope["path"] == "/metrics":
+            try:
+                guard_metrics(HTTPConnection(scope))
+            except APIError as exc:
+                return exc
         return None
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Refuse a foreign Host or Origin before the handshake completes: browsers apply no
+        CORS to WebSockets, so this is all that stops another site's page from connecting."""
+        refusal = policy_for(scope["app"].state.settings).refusal(Incoming.from_scope(scope))
+        if refusal is None:
+            return await self.app(scope, receive, send)
+        await receive()  # websocket.connect, which the refusal answers
+        if "websocket.http.response" in scope.get("extensions", {}):
+            head, body = _error_message(refusal)
+            start = {"type": "websocket.http.response.start", "status": refusal.status}
+            await send({**start, "headers": head})
+            return await send({"type": "websocket.http.response.body", "body": body})
+        await send({"type": "websocket.close", "code": POLICY_VIOLATION})
 
     async def _buffered(self, scope: Scope, receive: Receive) -> Receive:
         """Read the whole (small) body now, so an oversized one is refused before parsing."""
@@ -91,9 +127,7 @@ class APIMiddleware:
         return _replay([body], receive)
 
     async def _reply(self, err: APIError, send: Send) -> None:
-        body = json.dumps(err.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+        headers, body = _error_message(err)
         await send({"type": "http.response.start", "status": err.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -135,6 +169,19 @@ def turn_fields(turn: Any) -> dict[str, Any]:
             finish=result.finish_reasons[0] if result.finish_reasons else None,
         )
     return fields
+
+
+def _error_message(err: APIError) -> tuple[Headers, bytes]:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    return headers, body
+
+
+async def _preflight(headers: Headers, send: Send) -> None:
+    start = {"type": "http.response.start", "status": 204}
+    await send({**start, "headers": [*headers, (b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -8,6 +8,7 @@ the app's lifespan stops the engine and closes the store (DRAM sessions flushed 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
@@ -37,12 +38,43 @@ class DrainingServer(uvicorn.Server):
             captured.clear()
 
 
+# uvicorn logs a WebSocket's path with its query string ('"WebSocket /v1/...?api_key=..."
+# [accepted]') and, at debug level, the handshake's headers; both carry keys. Every uvicorn
+# protocol logs through these two loggers (the websockets library too, given uvicorn.error).
+SECRETS = re.compile(r"(api_key=)[^&\s\"']+|(authorization:\s*\w+\s+)\S+", re.IGNORECASE)
+REDACTED_LOGGERS = ("uvicorn.error", "uvicorn.access", "chatstore.access")
+
+
+class RedactSecrets(logging.Filter):
+    """Replaces API keys in a record's message with '***' (the record is kept)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: let logging report it as it would
+            return True
+        redacted = SECRETS.sub(lambda m: (m.group(1) or m.group(2)) + "***", message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+def install_log_redaction() -> None:
+    """Filters on the loggers themselves: uvicorn's dictConfig replaces handlers, not filters
+    (a logger's filter sees only records logged on it, hence the exact names)."""
+    for name in REDACTED_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactSecrets) for f in logger.filters):
+            logger.addFilter(RedactSecrets())
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    install_log_redaction()
 
 
 def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
@@ -54,21 +86,22 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
         access_log=False,  # the API logs one structured line per request itself
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
         ws_ping_interval=20.0,
+        ws_max_size=settings.max_body_bytes,  # a frame is a request body: the same cap
     )
 
 
 def run_server(config: Any) -> int:
     """Serve until interrupted; the exit code (0 after a clean drain)."""
-    settings = ServerSettings.from_config(config)
-    # The engine thread holds the GIL between torch ops; a shorter switch interval lets the
-    # event loop take requests and deliver tokens without waiting the default 5 ms each time.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    configure_logging(settings.log_level)
     try:
+        settings = ServerSettings.from_config(config)
         settings.check_bind()
     except ValueError as exc:
         print(f"chatstore: error: {exc}", file=sys.stderr)
         return 2
+    # The engine thread holds the GIL between torch ops; a shorter switch interval lets the
+    # event loop take requests and deliver tokens without waiting the default 5 ms each time.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    configure_logging(settings.log_level)
     from chatstore.api.backend import build_backend
     from chatstore.engine.cpu_threads import in_temporary_thread, leave_cores_to_engine
 

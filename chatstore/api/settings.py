@@ -94,12 +94,15 @@ def parse_api_keys(raw: str | Mapping[str, str] | list[str]) -> dict[str, str]:
         return {str(k): str(v) for k, v in raw.items()}
     items = raw.split(",") if isinstance(raw, str) else list(raw)
     keys: dict[str, str] = {}
-    for item in (i.strip() for i in items):
+    for position, item in enumerate((i.strip() for i in items), start=1):
         if not item:
             continue
         key, sep, tenant = item.partition(":")
         if not sep or not key or not tenant:
-            raise ValueError(f"API key entry {item!r} is not of the form key:tenant")
+            # The entry is (or holds) a secret: name it by position, never echo it into a log.
+            raise ValueError(
+                f"API key entry {position} of {len(items)} is not of the form key:tenant"
+            )
         keys[key] = tenant
     return keys
 
