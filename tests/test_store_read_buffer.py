@@ -16,6 +16,7 @@ from chatstore.engine.request import Request
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.transfer import StoreConnector
+from chatstore.transfer.chunked_kv import ChunkedKV
 from chatstore.transfer.read_buffer import ReadBuffer
 from tests.engine_support import (  # noqa: F401 (single_thread is an autouse fixture)
     assert_pool_clean,
@@ -133,8 +134,8 @@ def test_a_staged_copy_older_than_the_saved_kv_is_not_used(tmp_path):
     store.close()
 
 
-def _entry_kv(n: int) -> SessionKV:
-    return SessionKV(list(range(n)), torch.zeros(1, 2, n, 1, 1))
+def _entry_kv(n: int) -> ChunkedKV:
+    return ChunkedKV([(SessionKV(list(range(n)), torch.zeros(1, 2, n, 1, 1)), 0)], 0, n, [])
 
 
 def test_read_buffer_budget_evicts_idle_entries_only():
@@ -143,24 +144,29 @@ def test_read_buffer_budget_evicts_idle_entries_only():
     b = buffer.want(SessionKey("t", "b"), 0)
     assert a is not None and b is not None
     assert buffer.want(SessionKey("t", "a"), 0) is None  # fresh already
-    assert buffer.begin(a) and buffer.reserve(a, 60)
+    assert buffer.begin(a) and buffer.publish(a, _entry_kv(4), 60)
     assert buffer.claim(SessionKey("t", "a"), 0) is a  # in use from here on
     assert buffer.begin(b)
-    assert not buffer.reserve(b, 60)  # a is in use: no room, nothing evicted
-    assert buffer.used_bytes() == 60
+    assert not buffer.publish(b, _entry_kv(4), 60)  # a is in use: no room, nothing evicted
+    assert buffer.used_bytes() == 60 and b.cancelled and b.saved is None  # b holds nothing
     buffer.release(a)  # consumed
-    assert len(buffer) == 1 and buffer.reserve(b, 60)
+    b = buffer.want(SessionKey("t", "b"), 0)
+    assert len(buffer) == 1 and buffer.begin(b) and buffer.publish(b, _entry_kv(4), 60)
     c = buffer.want(SessionKey("t", "c"), 0)
-    assert c is not None and buffer.begin(c) and buffer.reserve(c, 70)  # b (idle) evicted
-    assert buffer.evicted == 1 and b.cancelled and buffer.used_bytes() == 70
+    assert c is not None and buffer.begin(c) and buffer.publish(c, _entry_kv(4), 70)
+    assert buffer.evicted == 1 and b.cancelled and buffer.used_bytes() == 70  # b (idle) out
 
 
-def test_claim_before_the_lookup_began_cancels_and_a_new_version_replaces():
+def test_claim_before_the_lookup_finished_cancels_and_a_new_version_replaces():
     buffer = ReadBuffer(layers=2, capacity_bytes=1 << 20)
     key = SessionKey("t", "a")
     entry = buffer.want(key, 3)
     assert buffer.claim(key, 3) is None and entry.cancelled  # caller looks up itself
     assert not buffer.begin(entry)  # the loader then skips it
+    looking = buffer.want(key, 3)
+    assert buffer.begin(looking)
+    assert buffer.claim(key, 3) is None and looking.cancelled  # not waited for either
+    assert not buffer.publish(looking, _entry_kv(4), 10) and len(buffer) == 0
     old = buffer.want(key, 3)
     assert buffer.begin(old)
     new = buffer.want(key, 4)  # the session was saved again: the old stage is dropped

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import stat
+import threading
 import time
 from collections import deque
 
@@ -141,6 +144,46 @@ def test_lmdb_flipped_byte_is_detected_and_dropped(tmp_path):
     with pytest.raises(codec.CorruptValueError):
         tier.get(key)
     assert not tier.contains(key) and tier.used_bytes() == 0
+    tier.close()
+
+
+def test_lmdb_files_are_private_whatever_the_umask(tmp_path):
+    path = tmp_path / "kv.lmdb"
+    path.mkdir(mode=0o755)  # left by an older version
+    umask = os.umask(0o022)
+    try:
+        tier = LmdbTier(path, 1 << 20, "fp")
+        tier.put(K("a"), value(4))
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    files = list(path.iterdir())
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    tier.close()
+
+
+def test_lmdb_reader_drops_a_vanished_value_only_if_no_writer_put_it_back(tmp_path):
+    tier = LmdbTier(tmp_path / "kv.lmdb", 1 << 20, "fp")
+    key, gone = K("a"), K("b")
+    for k in (key, gone):
+        tier.put(k, value(6))
+    good = tier.raw_value(key)
+    with tier.env.begin(write=True) as txn:  # both values vanish under a reader
+        for k in (key, gone):
+            txn.delete(k.digest.encode(), db=tier._chunks)
+    got = []
+    with tier._write_lock:  # a writer is putting `key` back meanwhile
+        reader = threading.Thread(target=lambda: got.append(tier.get(key)))
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive()  # the reader's drop waits for the writer...
+        with tier.env.begin(write=True) as txn:
+            txn.put(key.digest.encode(), good, db=tier._chunks)
+    reader.join(5)
+    assert got == [None]  # ...then looks again and keeps what the writer put
+    assert tier.contains(key) and tier.get(key).equal(value(6))
+    assert tier.get(gone) is None and not tier.contains(gone)  # still gone: dropped
+    assert tier.used_bytes() == tier.footprint(value(6))
     tier.close()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -56,9 +58,16 @@ def create_app(backend: Backend, settings: ServerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         backend.engine.start()
         app.state.ready = True
+        purger = None
+        if settings.purge_interval_s > 0:
+            purger = asyncio.create_task(purge_periodically(service, settings.purge_interval_s))
         try:
             yield
         finally:
+            if purger is not None:
+                purger.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await purger
             await shutdown(service, settings.drain_timeout_s)
 
     app = FastAPI(
@@ -77,6 +86,19 @@ def create_app(backend: Backend, settings: ServerSettings) -> FastAPI:
         app.include_router(module.router)
     app.add_middleware(APIMiddleware, max_body_bytes=settings.max_body_bytes)
     return app
+
+
+async def purge_periodically(service: ChatService, interval_s: float) -> None:
+    """Delete expired sessions (records and KV) every interval, off the event loop."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            gone = await asyncio.to_thread(service.purge_expired)
+        except Exception:
+            log.exception("purging expired sessions failed")
+            continue
+        if gone:
+            log.info("purged %d expired sessions", gone)
 
 
 async def shutdown(service: ChatService, drain_timeout: float) -> None:

@@ -85,7 +85,9 @@ def _records_only(config: Any) -> Any:
 
     data_dir = config.data_dir or os.environ.get("CHATSTORE_DATA_DIR", "")
     root = Path(data_dir).expanduser() if data_dir else default_data_dir()
-    return LmdbRecordStore(root / "records.lmdb", config.session_ttl_s)
+    return LmdbRecordStore(
+        root / "records.lmdb", config.session_ttl_s, map_size=config.records_map_bytes
+    )
 
 
 def _model_name(name_or_path: str) -> str:

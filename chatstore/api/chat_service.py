@@ -1,9 +1,15 @@
 """The session service: ties engine, session store and chat template together.
 
-A turn is opened synchronously (so every refusal - unknown session, bad parameter, full queue -
-becomes an HTTP error before any byte of a stream is sent) and consumed asynchronously by the
-route. When it ends normally the session's record gains the new messages; the store has by then
-saved the KV of the turn's tokens, which the next turn's prompt extends.
+A turn is opened before any byte of a stream is sent (so every refusal - unknown session, bad
+parameter, full queue, tenant limit - becomes an HTTP error), its blocking part (records, the
+store's truncation, tokenizing) in a worker thread so the event loop keeps serving, and consumed
+asynchronously by the route. When it ends normally the session's record gains the new messages;
+the store has by then saved the KV of the turn's tokens, which the next turn's prompt extends.
+The turn is acknowledged (200, `done`) only once that record is durable: a record that cannot be
+written fails the turn with 503/507 and leaves the session as it was.
+
+A session has at most one turn in flight (409 otherwise), a delete waits for none, and a tenant
+has at most `max_turns_per_tenant` turns in flight and `max_sessions_per_tenant` sessions (429).
 
 The assistant message of a turn that ended on EOS or max_tokens carries `kv_tokens` (the number
 of tokens the store saved) and `last_token` (the sampled token after them); when the record still
@@ -14,18 +20,23 @@ conversation is rendered afresh and the store reuses the longest common prefix.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
 from chatstore.api.chat_template import ChatTemplate, Message
-from chatstore.api.errors import APIError, bad_param, not_found
+from chatstore.api.errors import APIError, bad_param, not_found, store_error
 from chatstore.api.settings import ServerSettings
 from chatstore.api.store_port import SessionRecord, SessionStorePort
 from chatstore.api.turn import Turn
 from chatstore.engine.request import (
+    EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
     Request,
@@ -82,15 +93,23 @@ class ChatService:
         self.vocab_size = vocab_size
         self.on_turn_end = on_turn_end
         self.draining = False
-        self._busy: set[tuple[str, str]] = set()
+        self._busy: set[tuple[str, str]] = set()  # sessions with a turn (or a delete) running
+        self._turns: Counter[str] = Counter()  # turns in flight per tenant
+        self._lock = threading.Lock()  # _busy and _turns: turns open in worker threads
 
     # -- sessions ---------------------------------------------------------------------------
 
     def create_session(
         self, tenant: str, system_prompt: str | None, metadata: dict[str, str], sid: str | None
     ) -> SessionRecord:
+        size, limit = len(json.dumps(metadata)), self.settings.max_metadata_bytes
+        if size > limit:
+            raise bad_param(
+                "metadata", f"metadata is {size} bytes as JSON; the limit is {limit}", "too_long"
+            )
         if sid is not None and self.store.get(tenant, sid) is not None:
             raise APIError(409, f"session {sid} already exists", param="id", code="conflict")
+        self._check_session_quota(tenant)
         messages = []
         if system_prompt is not None:
             self._check_chars("system_prompt", system_prompt)
@@ -107,38 +126,88 @@ class ChatService:
         return record
 
     def delete_session(self, tenant: str, sid: str) -> None:
-        if (tenant, sid) in self._busy:
-            raise self._busy_error(sid)
-        if not self.store.delete(tenant, sid):
-            raise not_found(f"session {sid}")
+        key = (tenant, sid)
+        with self._lock:  # held busy while deleting: no turn opens in between
+            if key in self._busy:
+                raise self._busy_error(sid)
+            self._busy.add(key)
+        try:
+            if not self.store.delete(tenant, sid):
+                raise not_found(f"session {sid}")
+        finally:
+            with self._lock:
+                self._busy.discard(key)
+
+    def purge_expired(self) -> int:
+        """Delete the sessions idle past the TTL (records and KV); how many went."""
+        return self.store.purge_expired()
 
     # -- turns ------------------------------------------------------------------------------
 
-    def open_turn(self, spec: TurnSpec) -> Turn:
+    async def open_turn(self, spec: TurnSpec) -> Turn:
+        """Prepare the turn in a worker thread (it reads records, may truncate the stored KV,
+        tokenizes up to a MiB), then submit it to the engine from the event loop."""
         if self.draining:
             raise self._draining()
-        if spec.session_id is not None and (spec.tenant, spec.session_id) in self._busy:
-            raise self._busy_error(spec.session_id)
-        prep = self._prepare(spec)
+        prep = await asyncio.to_thread(self._prepare_reserved, spec)
         key = (spec.tenant, prep.record.session_id)
-        if key in self._busy:
-            raise self._busy_error(prep.record.session_id)
-        sampling = self._fit_max_tokens(spec.sampling, len(prep.prompt))
-        request = Request(
-            request_id="chatcmpl-" + uuid.uuid4().hex[:24],
-            prompt_token_ids=prep.prompt,
-            sampling=sampling,
-            tenant=spec.tenant,
-            session_id=prep.record.session_id,
-        )
-        stream = self._submit(request)
-        self._busy.add(key)
+        try:
+            sampling = self._fit_max_tokens(spec.sampling, len(prep.prompt))
+            request = Request(
+                request_id="chatcmpl-" + uuid.uuid4().hex[:24],
+                prompt_token_ids=prep.prompt,
+                sampling=sampling,
+                tenant=spec.tenant,
+                session_id=prep.record.session_id,
+            )
+            stream = self._submit(request)
+        except BaseException:
+            self._release(key)
+            raise
         turn = Turn(
             request, stream, sampling.n, spec.started, self._finish, self._end, self.engine.abort
         )
         turn.record_messages = prep.messages
         turn.log.update(record=prep.record, api=spec.api)
         return turn
+
+    def _prepare_reserved(self, spec: TurnSpec) -> _Prepared:
+        """`_prepare`, with the session reserved for this turn (released if it fails)."""
+        if spec.session_id is not None:
+            key = (spec.tenant, spec.session_id)
+            self._reserve(key)
+            try:
+                return self._prepare(spec)
+            except BaseException:
+                self._release(key)
+                raise
+        prep = self._prepare(spec)
+        self._reserve((spec.tenant, prep.record.session_id))
+        return prep
+
+    def _reserve(self, key: tuple[str, str]) -> None:
+        tenant = key[0]
+        with self._lock:
+            if key in self._busy:
+                raise self._busy_error(key[1])
+            limit = self.settings.max_turns_per_tenant
+            if self._turns[tenant] >= limit:
+                raise APIError(
+                    429,
+                    f"tenant has {limit} turns in flight (max_turns_per_tenant)",
+                    code="tenant_busy",
+                    headers=self._retry(),
+                )
+            self._busy.add(key)
+            self._turns[tenant] += 1
+
+    def _release(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            if key in self._busy:
+                self._busy.discard(key)
+                self._turns[key[0]] -= 1
+                if self._turns[key[0]] <= 0:
+                    del self._turns[key[0]]
 
     def _prepare(self, spec: TurnSpec) -> _Prepared:
         if spec.new_message is not None:
@@ -158,6 +227,7 @@ class ChatService:
         else:
             record = self._continued(spec.tenant, prompt, messages)
         if record is None:
+            self._check_session_quota(spec.tenant)
             now = time.time()
             sid = spec.session_id or new_session_id()
             record = SessionRecord(spec.tenant, sid, [], [], {}, now, now)
@@ -168,6 +238,14 @@ class ChatService:
     def _prepare_session_turn(self, spec: TurnSpec, new: Message) -> _Prepared:
         record = self.get_session(spec.tenant, spec.session_id or "")
         self._check_chars("content", new["content"])
+        limit = self.settings.max_messages
+        if len(record.messages) + 2 > limit:
+            raise bad_param(
+                "content",
+                f"session {record.session_id} has {len(record.messages)} messages; a session "
+                f"keeps at most {limit} (max_messages): start a new session",
+                "session_full",
+            )
         history = plain(record.messages)
         last = record.messages[-1] if record.messages else {}
         exact = bool(record.token_ids) and last.get("kv_tokens") == len(record.token_ids)
@@ -187,7 +265,9 @@ class ChatService:
         """The tenant's session this resent history continues, if one is idle and matches."""
         sid = self.store.match_prefix(tenant, prompt)
         record = self.store.get(tenant, sid) if sid else None
-        if record is None or (tenant, record.session_id) in self._busy:
+        with self._lock:
+            busy = record is not None and (tenant, record.session_id) in self._busy
+        if record is None or busy:
             return None
         if messages[: len(record.messages)] != plain(record.messages):
             return None  # shares a prefix only (a system prompt): a new conversation
@@ -236,13 +316,17 @@ class ChatService:
             raise APIError(
                 429, f"server busy: {exc}", code="queue_full", headers=self._retry()
             ) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_failed", headers=self._retry()) from None
         except RuntimeError:  # the engine stopped accepting: shutting down
             raise self._draining() from None
 
     # -- the end of a turn ------------------------------------------------------------------
 
     def _finish(self, turn: Turn) -> None:
-        """The engine ended the turn: keep the new messages (runs in a worker thread)."""
+        """The engine ended the turn: keep the new messages (runs in a worker thread). Raises
+        APIError (503/507) when the record could not be made durable: the turn must not be
+        acknowledged then."""
         record: SessionRecord = turn.log["record"]
         result = turn.result
         ended = result.finish_reasons[0] if result and result.finish_reasons else None
@@ -250,12 +334,15 @@ class ChatService:
             return
         try:
             self._save(turn, record)
-        except Exception:
-            log.exception("saving session %s failed", record.session_id)
+        except APIError:
+            raise
+        except Exception as exc:
+            log.error("saving session %s failed: %s", record.session_id, exc)
+            raise store_error(exc) from None
 
     def _end(self, turn: Turn) -> None:
         record: SessionRecord = turn.log["record"]
-        self._busy.discard((record.tenant, record.session_id))
+        self._release((record.tenant, record.session_id))
         if self.on_turn_end is not None:
             self.on_turn_end(turn)
 
@@ -280,6 +367,16 @@ class ChatService:
         if len(text) > limit:
             raise bad_param(
                 param, f"message is {len(text)} characters; the limit is {limit}", "too_long"
+            )
+
+    def _check_session_quota(self, tenant: str) -> None:
+        limit = self.settings.max_sessions_per_tenant
+        if self.store.count_sessions(tenant) >= limit:
+            raise APIError(
+                429,
+                f"tenant has {limit} sessions (max_sessions_per_tenant): delete some first",
+                code="too_many_sessions",
+                headers=self._retry(),
             )
 
     def _busy_error(self, sid: str) -> APIError:

@@ -25,8 +25,10 @@ _TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
+    507: "insufficient_storage_error",
 }
 
 
@@ -70,6 +72,18 @@ def bad_param(param: str, message: str, code: str = "invalid_value") -> APIError
     return APIError(400, message, param=param, code=code)
 
 
+def store_error(exc: Exception) -> APIError:
+    """A session record that could not be read or written durably: 507 when the records
+    store is full (nothing more fits until sessions are deleted), 503 when it is unreachable."""
+    from chatstore.store.records import RecordStoreFull
+
+    if isinstance(exc, RecordStoreFull):
+        return APIError(507, f"session store is full: {exc}", code="store_full")
+    retry = {"Retry-After": "1"}
+    message = f"session store unavailable: {exc}"
+    return APIError(503, message, code="store_unavailable", headers=retry)
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first validation problem, naming its field as a dotted path ('messages.0.content')."""
     first = exc.errors()[0] if exc.errors() else {}
@@ -100,6 +114,10 @@ async def _http(_: Request, exc: Exception) -> JSONResponse:
     return error_response(err)
 
 
+async def _store(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(store_error(exc))
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(APIError(500, "internal server error", code="internal_error"))
@@ -109,4 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
+    from chatstore.store.records import RecordStoreError
+
+    app.add_exception_handler(RecordStoreError, _store)
     app.add_exception_handler(Exception, _unexpected)

@@ -1,5 +1,12 @@
 """Prometheus metrics (GET /metrics): request counters and latency histograms kept here, engine
-and store state read at scrape time by a collector (nothing is copied in the hot path)."""
+and store state read at scrape time by a collector (nothing is copied in the hot path).
+
+The remote (Redis) tier's circuit breaker, when the store has one:
+
+    chatstore_remote_breaker_open             1 while open or half-open (Redis counts as absent)
+    chatstore_remote_breaker_opens_total      times it opened
+    chatstore_remote_short_circuited_total    calls answered without touching Redis
+"""
 
 from __future__ import annotations
 
@@ -46,6 +53,30 @@ class StateCollector(Collector):
             yield c
 
 
+class RemoteBreakerCollector(Collector):
+    """The breaker as `remote_health()` (StoreAdapter) describes it; nothing without Redis."""
+
+    def __init__(self, health: Callable[[], dict[str, Any] | None]) -> None:
+        self.health = health
+
+    def collect(self) -> Iterator[Any]:
+        health = self.health()
+        if health is None:
+            return
+        is_open = int(health["state"] != "closed")
+        yield GaugeMetricFamily(
+            "chatstore_remote_breaker_open", "remote tier circuit breaker open (0/1)", is_open
+        )
+        yield CounterMetricFamily(
+            "chatstore_remote_breaker_opens", "remote tier circuit breaker openings",
+            health["opens"],
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "chatstore_remote_short_circuited", "remote tier calls refused while open",
+            health["short_circuited"],
+        )  # fmt: skip
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -88,5 +119,10 @@ class Metrics:
 
 @router.get("/metrics", include_in_schema=False)
 def metrics(request: Request) -> Response:
-    registry = request.app.state.metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    state = request.app.state
+    body = generate_latest(state.metrics.registry)
+    service = getattr(state, "service", None)
+    health = getattr(getattr(service, "store", None), "remote_health", None)
+    if health is not None:  # read per scrape from the store port (app.py attaches no more)
+        body += generate_latest(RemoteBreakerCollector(health))  # type: ignore[arg-type]
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

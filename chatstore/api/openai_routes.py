@@ -77,7 +77,7 @@ async def chat_completions(
         session_id=x_session_id or body.session_id,
         messages=messages,
     )
-    turn = service.open_turn(spec)
+    turn = await service.open_turn(spec)
     request.scope["chatstore.turn"] = turn
     model = body.model or request.app.state.settings.model_name
     headers = {"X-Session-ID": turn.session_id}
@@ -89,6 +89,8 @@ async def chat_completions(
         return Response(status_code=499)
     if result.error is not None:
         raise APIError(500, f"generation failed: {result.error}", code="engine_error")
+    if turn.save_error is not None:  # not kept: never acknowledge it
+        raise turn.save_error
     return JSONResponse(_completion(turn, result, model), headers=headers)
 
 
@@ -145,6 +147,8 @@ async def _stream(turn: Turn, model: str, include_usage: bool) -> AsyncIterator[
         assert result is not None
         if result.error is not None:
             yield sse(error_body(500, f"generation failed: {result.error}", code="engine_error"))
+        elif turn.save_error is not None:
+            yield sse(turn.save_error.body())
         elif include_usage:
             yield sse({**base, "choices": [], "usage": usage_body(result)})
         yield sse("[DONE]")

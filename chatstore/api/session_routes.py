@@ -125,7 +125,7 @@ async def post_message(
         create_missing=False,
         api="sessions",
     )
-    turn = service.open_turn(spec)
+    turn = await service.open_turn(spec)
     request.scope["chatstore.turn"] = turn
     if body.stream:
         return sse_response(_stream(turn))
@@ -134,6 +134,8 @@ async def post_message(
         return Response(status_code=499)
     if result.error is not None:
         raise APIError(500, f"generation failed: {result.error}", code="engine_error")
+    if turn.save_error is not None:  # not kept: never acknowledge it
+        raise turn.save_error
     return reply_body(turn, result)
 
 
@@ -172,6 +174,8 @@ async def _stream(turn: Turn) -> AsyncIterator[bytes]:
         assert result is not None
         if result.error is not None:
             yield sse(error_body(500, f"generation failed: {result.error}", code="engine_error"))
+        elif turn.save_error is not None:
+            yield sse(turn.save_error.body())
         else:
             yield sse({"type": "done", **reply_body(turn, result)})
         yield sse("[DONE]")

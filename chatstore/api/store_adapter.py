@@ -52,12 +52,12 @@ class StoreAdapter:
         if not self.records.get(key):
             changes["created_at"] = record.created_at
         saved = self.records.upsert(key, **changes)
-        record.token_ids = list(saved.token_ids)
+        record.token_ids = self._saved_ids(saved)
         record.updated_at = saved.updated_at
         with self._lock:
             index = self._tenant_index(record.tenant)
             index.pop(record.session_id, None)  # most recently used last
-            index[record.session_id] = list(saved.token_ids)
+            index[record.session_id] = list(record.token_ids)
 
     def delete(self, tenant: str, session_id: str) -> bool:
         with self._lock:
@@ -66,6 +66,22 @@ class StoreAdapter:
         if self.store is None:
             return bool(self.records.delete(SessionKey(tenant, session_id)))
         return bool(self.store.delete_session(tenant, session_id))
+
+    def count_sessions(self, tenant: str) -> int:
+        with self._lock:
+            return len(self._tenant_index(tenant))
+
+    def purge_expired(self) -> int:
+        """Delete sessions idle past the TTL, records and KV; how many went."""
+        if self.store is not None:
+            gone = self.store.purge_expired()
+        else:
+            gone = self.records.purge_expired()
+        with self._lock:
+            for key in gone:
+                self._index.get(key.tenant, {}).pop(key.session_id, None)
+                self._metadata.pop((key.tenant, key.session_id), None)
+        return len(gone)
 
     def list(self, tenant: str | None, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
         records = self.records.list_sessions(tenant)
@@ -149,6 +165,12 @@ class StoreAdapter:
         else:
             self.records.close()
 
+    def remote_health(self) -> dict[str, Any] | None:
+        """The remote (Redis) tier's circuit breaker: state, failures, opens, short_circuited,
+        last_error; None without a remote tier."""
+        health = self.store.stats().remote if self.store is not None else None
+        return dataclasses.asdict(health) if health is not None else None
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _wait_saved(self, tenant: str, session_id: str) -> None:
@@ -160,9 +182,16 @@ class StoreAdapter:
         if index is None:
             records = self.records.list_sessions(tenant)
             records.sort(key=lambda r: r.updated_at)
-            index = {r.session_id: list(r.token_ids) for r in records}
+            index = {r.session_id: self._saved_ids(r) for r in records}
             self._index[tenant] = index
         return index
+
+    def _saved_ids(self, raw: Any) -> list[int]:
+        """The record's token ids, or none when another model saved them (the next turn then
+        renders the messages afresh rather than feed this model foreign ids)."""
+        if self.store is not None and getattr(raw, "fingerprint", "") != self.store.fingerprint:
+            return []
+        return list(raw.token_ids)
 
     def _to_port(self, raw: Any) -> SessionRecord:
         metadata = getattr(raw, "metadata", None)
@@ -172,7 +201,7 @@ class StoreAdapter:
             tenant=raw.tenant,
             session_id=raw.session_id,
             messages=[dict(m) for m in raw.messages],
-            token_ids=list(raw.token_ids),
+            token_ids=self._saved_ids(raw),
             metadata=dict(metadata),
             created_at=raw.created_at,
             updated_at=raw.updated_at,

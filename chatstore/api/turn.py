@@ -1,7 +1,8 @@
 """One chat turn in flight: the engine's output stream, folded into texts, usage and timings.
 
 ChatService.open_turn ─► deltas(): SampleDeltas with text ─► result (usage, timings)
-                             │ the engine finished it: on_finish (save, in a worker thread)
+                             │ the engine finished it: on_finish (save, in a worker thread;
+                             │   a record it cannot keep sets save_error: not acknowledged)
                              │ the consumer stopped early: abort in the engine (blocks freed)
                              └ either way, once: on_end (release the session, count the turn)
 """
@@ -9,12 +10,16 @@ ChatService.open_turn ─► deltas(): SampleDeltas with text ─► result (usa
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from chatstore.api.errors import APIError
 from chatstore.engine.request import Request, RequestOutput, SampleDelta, Usage
+
+log = logging.getLogger("chatstore.api")
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Turn:
     abort: Callable[[str], None]
     record_messages: list[dict[str, str]] = field(default_factory=list)
     result: TurnResult | None = None
+    save_error: APIError | None = None  # the reply was made but its record was not kept
     log: dict[str, Any] = field(default_factory=dict)
     _texts: list[str] = field(default_factory=list)
     _ids: list[list[int]] = field(default_factory=list)
@@ -62,18 +68,29 @@ class Turn:
         self._ids = [[] for _ in range(self.n)]
         self._finish = [None] * self.n
         try:
-            async for output in self.stream:
-                for delta in output.samples:
-                    self._fold(delta)
-                    if delta.text or delta.finish_reason:
-                        yield delta
-                if output.finished:
-                    self._finish_with(output)
-                    # Save the record (blocking I/O: off the event loop) before the caller sends
-                    # its last frame, so the client's next turn sees it.
+            try:
+                async for output in self.stream:
+                    for delta in output.samples:
+                        self._fold(delta)
+                        if delta.text or delta.finish_reason:
+                            yield delta
+                    if output.finished:
+                        self._finish_with(output)
+                        break
+            except Exception as exc:  # the engine's stream broke: an error reply, not a hang
+                log.error("turn %s: engine stream failed: %s", self.request_id, exc)
+                self._finish = [r or "error" for r in self._finish]
+                self.result = self._make_result(None, f"engine failed: {exc}")
+            if self.result is None:  # the stream ended without a final output
+                self.result = self._make_result(None, "engine stopped before the turn ended")
+                return
+            if self.result.error is None:
+                # Save the record (blocking I/O: off the event loop) before the caller sends
+                # its last frame, so the client's next turn sees it.
+                try:
                     await asyncio.to_thread(self.on_finish, self)
-                    self.close()
-                    return
+                except APIError as exc:
+                    self.save_error = exc
         finally:
             self.close()
 

@@ -28,11 +28,12 @@ from pydantic import ValidationError
 
 from chatstore.api.auth import Principal, tenant_principal
 from chatstore.api.chat_service import ChatService, TurnSpec
-from chatstore.api.errors import APIError, error_body
+from chatstore.api.errors import APIError, error_body, store_error
 from chatstore.api.sampling import to_sampling
 from chatstore.api.schemas import SESSION_ID_PATTERN, SessionMessageRequest
 from chatstore.api.session_routes import reply_body
 from chatstore.api.turn import Turn
+from chatstore.store.records import RecordStoreError
 
 router = APIRouter(tags=["websocket"])
 log = logging.getLogger("chatstore.api")
@@ -63,6 +64,10 @@ class SessionSocket:
                 if frame["type"] == "websocket.disconnect":
                     break
                 raw = frame.get("text") or (frame.get("bytes") or b"").decode("utf-8", "replace")
+                limit = self.service.settings.max_body_bytes
+                if len(raw) > limit:  # the same cap as an HTTP body
+                    await self.error(APIError(413, f"frame over {limit} bytes", code="too_large"))
+                    continue
                 await self.handle(raw)
         except WebSocketDisconnect:
             pass
@@ -80,7 +85,7 @@ class SessionSocket:
         if kind == "cancel":
             return await self.cancel()
         if kind == "typing":
-            self.service.store.prefetch(self.tenant, self.sid)
+            await asyncio.to_thread(self.service.store.prefetch, self.tenant, self.sid)
             return None
         if kind == "ping":
             return await self.send({"type": "pong"})
@@ -102,13 +107,15 @@ class SessionSocket:
                 create_missing=False,
                 api="websocket",
             )
-            turn = self.service.open_turn(spec)
+            turn = await self.service.open_turn(spec)
         except ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"])
             return await self.error(APIError(400, f"{param}: {err['msg']}", param=param))
         except APIError as exc:
             return await self.error(exc)
+        except RecordStoreError as exc:
+            return await self.error(store_error(exc))
         self._turn = turn
         self._task = asyncio.create_task(self.run(turn))
 
@@ -123,6 +130,8 @@ class SessionSocket:
             if result.error is not None:
                 err = error_body(500, f"generation failed: {result.error}", code="engine_error")
                 await self.send({"type": "error", **err})
+            elif turn.save_error is not None:
+                await self.error(turn.save_error)
             else:
                 await self.send({"type": "done", **reply_body(turn, result)})
         except (WebSocketDisconnect, RuntimeError):
@@ -150,7 +159,12 @@ async def session_ws(ws: WebSocket, session_id: str) -> None:
         principal: Principal = tenant_principal(ws)
         if not _valid_id(session_id):
             raise APIError(404, f"session {session_id[:64]} not found", code="not_found")
-        service.get_session(principal.tenant, session_id)
+        await asyncio.to_thread(service.get_session, principal.tenant, session_id)
+    except RecordStoreError as exc:
+        exc = store_error(exc)
+        await ws.send_text(json.dumps({"type": "error", **exc.body()}))
+        await ws.close(code=4000 + exc.status)
+        return
     except APIError as exc:
         await ws.send_text(json.dumps({"type": "error", **exc.body()}))
         await ws.close(code=4000 + exc.status)

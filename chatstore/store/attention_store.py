@@ -54,10 +54,11 @@ from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordSto
 from chatstore.store.session_index import SessionChain, SessionIndex
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 from chatstore.store.tiers.base import StorageTier, TierOccupancy
+from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.dram import DramTier, KVLayout
 from chatstore.store.tiers.hierarchy import ChunkTiers
 from chatstore.store.tiers.lmdb import LmdbTier
-from chatstore.store.tiers.redis import RedisTier
+from chatstore.store.tiers.redis import RedisTier, connect_redis
 from chatstore.store.truncation import TruncationPlan, plan_truncation
 from chatstore.store.turn_plan import ChunkDelta, TurnPlan, TurnWrite, plan_chain
 from chatstore.store.write_buffer import WriteBuffer
@@ -65,6 +66,7 @@ from chatstore.store.write_buffer import WriteBuffer
 log = logging.getLogger(__name__)
 
 WAIT_SAVED_S = 30.0  # the longest a reader waits for a session's pending write
+TOMBSTONES_MAX = 100_000  # deleted sessions remembered, so late saves of old turns are dropped
 
 
 def default_data_dir() -> Path:
@@ -160,21 +162,27 @@ class AttentionStore:
         )
         self.hasher = ChunkHasher(fingerprint, settings.storage_dtype, settings.chunk_tokens)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        remote = redis_client if redis_client is not None else settings.redis_url
+        remote = redis_client
+        if remote is None and settings.redis_url:
+            # One client for the KV tier and the records: every call gives up after the
+            # timeout, so a hung Redis costs a bounded wait (and the tier's breaker, less).
+            remote = connect_redis(settings.redis_url, settings.redis_timeout_s)
         tiers: list[StorageTier] = []
         if settings.dram_bytes > 0:
             tiers.append(DramTier(settings.dram_bytes, self.layout, settings.block_size))
         if settings.ssd_bytes > 0:
             tiers.append(LmdbTier(settings.data_dir / "kv.lmdb", settings.ssd_bytes, fingerprint))
-        if remote and settings.redis_bytes > 0:
-            tiers.append(
-                RedisTier(remote, settings.redis_bytes, fingerprint, settings.session_ttl_s)
-            )
+        if remote is not None and settings.redis_bytes > 0:
+            s = settings
+            breaker = CircuitBreaker(s.redis_breaker_failures, s.redis_breaker_reset_s)
+            ttl, timeout = s.session_ttl_s, s.redis_timeout_s
+            tiers.append(RedisTier(remote, s.redis_bytes, fingerprint, ttl, timeout, breaker))
         self.events = EventLog()
         self.index = SessionIndex()
         self._lock = threading.RLock()  # the index, pending chunks, versions
         self._mutate = threading.Lock()  # which chunks exist: writer jobs, persist, cleanup
         self._pending: dict[ChunkKey, _Memo] = {}  # chunk -> the pending turn that builds it
+        self._deleted: dict[SessionKey, float] = {}  # session -> monotonic time of its deletion
         self._base_pins: dict[ChunkKey, int] = {}  # chunk -> pending turns building on it
         self._queue_source: Callable[[], Iterable[SessionKey]] = tuple
         if chooser is None:
@@ -195,9 +203,13 @@ class AttentionStore:
         if settings.persist == "write_back" and lmdb_tier is not None and self.tiers.top:
             self.persister = Persister(self._persist_chunk, settings.persist_lag_s)
         self.records: RecordStore = (
-            RedisRecordStore(remote, settings.session_ttl_s)
-            if remote
-            else LmdbRecordStore(settings.data_dir / "records.lmdb", settings.session_ttl_s)
+            RedisRecordStore(remote, settings.session_ttl_s, settings.redis_timeout_s)
+            if remote is not None
+            else LmdbRecordStore(
+                settings.data_dir / "records.lmdb",
+                settings.session_ttl_s,
+                map_size=settings.records_map_bytes,
+            )
         )
         self._version_clock = itertools.count(1)
         self._versions: dict[SessionKey, int] = {}
@@ -218,6 +230,11 @@ class AttentionStore:
         for record in self.records.list_sessions():
             chunks = getattr(record, "chunks", None) or []
             if not chunks or not record.token_ids:
+                continue
+            if record.fingerprint != self.fingerprint:
+                # Another model's ids (the API hides them: the next turn re-renders the
+                # messages); its chunks are orphans, deleted below.
+                log.info("session %s was saved by another model: its KV is not reused", record.key)
                 continue
             if self.hasher.num_chunks(len(record.token_ids)) != len(chunks):
                 continue  # a record from another chunk size: its KV is not reused
@@ -396,14 +413,23 @@ class AttentionStore:
         plan: TurnPlan,
         build: Callable[[], dict[ChunkKey, Any]],
         nbytes: int,
+        opened_at: float | None = None,
     ) -> None:
         """Make plan's chain the session's history; `build()` gives the plan's new chunks,
         as SessionKV or, for a chunk with a base (plan.bases), as ChunkDelta (called once, on
         the writer thread with async_save, else here). Returns once a lookup sees the new
-        chain."""
+        chain. `opened_at` (time.monotonic() when the turn began): a turn older than the
+        session's deletion is dropped, so an aborted turn cannot bring a deleted session
+        back."""
         chain = SessionChain(list(plan.token_ids), list(plan.chain))
         self._write_turn(
-            self.key(tenant, session_id), chain, plan, build, nbytes, self.settings.async_save
+            self.key(tenant, session_id),
+            chain,
+            plan,
+            build,
+            nbytes,
+            self.settings.async_save,
+            opened_at,
         )
 
     def _write_turn(
@@ -414,6 +440,7 @@ class AttentionStore:
         build: Callable[[], dict[ChunkKey, Any]],
         nbytes: int,
         background: bool,
+        opened_at: float | None = None,
     ) -> None:
         """Index `chain` as key's history now (its new chunks readable from the write buffer)
         and commit the turn: on the writer thread when `background`, else here."""
@@ -421,12 +448,19 @@ class AttentionStore:
         new = list(plan.new_chunks) if plan is not None else []
         bases = [base for base, _ in plan.bases.values()] if plan is not None else []
         with self._lock:
-            for chunk in new:
-                self._pending[chunk] = memo
-            for base in bases:  # kept until this turn's chunks are built on it
-                self._base_pins[base] = self._base_pins.get(base, 0) + 1
-            freed = self.index.set(key, chain)
-            self._tell_policy("touch", key)
+            deleted = self._deleted.get(key)
+            drop = deleted is not None and opened_at is not None and opened_at <= deleted
+            if not drop:
+                for chunk in new:
+                    self._pending[chunk] = memo
+                for base in bases:  # kept until this turn's chunks are built on it
+                    self._base_pins[base] = self._base_pins.get(base, 0) + 1
+                freed = self.index.set(key, chain)
+                self._tell_policy("touch", key)
+        if drop:
+            log.info("dropped the save of a turn begun before %s was deleted", key)
+            build()  # it releases what the turn's rows hold (the layer saver's arena)
+            return
         write = TurnWrite(key, chain, new, freed, memo, bases)
         if background:
             self.writer.submit(key, lambda: write, nbytes)
@@ -499,6 +533,7 @@ class AttentionStore:
                     write.key,
                     token_ids=list(write.chain.token_ids),
                     chunks=[c.digest for c in write.chain.chunks],
+                    fingerprint=self.fingerprint,
                 )
             for chunk in write.freed:
                 if not self._needed(chunk) and chunk not in self._pending:
@@ -545,13 +580,25 @@ class AttentionStore:
         """Remove the session's record and the chunks no other session holds."""
         key = self.key(tenant, session_id)
         self.writer.wait(key, WAIT_SAVED_S)
-        with self._lock:
-            found = self.index.get(key) is not None
-            freed = self.index.remove(key)
-            self._tell_policy("forget", key)
+        # Under _mutate, so a turn the writer is committing cannot re-create the record
+        # between its check and our delete; the tombstone drops turns begun before now.
+        with self._mutate:
+            with self._lock:
+                self._tombstone(key)
+                found = self.index.get(key) is not None
+                freed = self.index.remove(key)
+                self._tell_policy("forget", key)
+            existed = bool(self.records.delete(key))
         self._free(freed)
         self._bump_version(key)
-        return bool(self.records.delete(key)) or found
+        return existed or found
+
+    def _tombstone(self, key: SessionKey) -> None:
+        now = time.monotonic()
+        self._deleted[key] = now
+        if len(self._deleted) > TOMBSTONES_MAX:  # keep the newest; old turns are long over
+            for old in sorted(self._deleted, key=self._deleted.__getitem__)[: TOMBSTONES_MAX // 2]:
+                del self._deleted[old]
 
     def _free(self, chunks: list[ChunkKey]) -> None:
         with self._mutate:
@@ -564,6 +611,7 @@ class AttentionStore:
         gone = self.records.purge_expired()
         for key in gone:
             with self._lock:
+                self._tombstone(key)
                 freed = self.index.remove(key)
                 self._tell_policy("forget", key)
             self._free(freed)
@@ -670,7 +718,10 @@ class AttentionStore:
         with self.tiers.lock:
             c = self.tiers.counters
             counters = replace(c, tiers={n: replace(t) for n, t in c.tiers.items()})
-        return StoreStats(self.tiers.stats_occupancy(), counters, self.tiers.tiers[0].name)
+        remote = self.tier("remote")
+        health = remote.health() if isinstance(remote, RedisTier) else None
+        first = self.tiers.tiers[0].name
+        return StoreStats(self.tiers.stats_occupancy(), counters, first, health)
 
     def add_listener(self, listener: Listener) -> None:
         self.events.add_listener(listener)
@@ -685,6 +736,8 @@ class AttentionStore:
         if flush_dram:
             with self._mutate:
                 self.tiers.demote_all()
+        else:
+            self.tiers.drain_background()  # write-downs in flight land before the tiers close
         for tier in self.tiers.tiers:
             tier.close()
         self.records.close()

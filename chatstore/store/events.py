@@ -6,6 +6,7 @@ else reaches into the tiers.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Literal
 
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.tiers.base import TierOccupancy
+from chatstore.store.tiers.breaker import BreakerHealth
 
 EventKind = Literal[
     "stored", "hit", "miss", "promoted", "demoted", "evicted", "dropped", "prefetched", "corrupt",
@@ -56,10 +58,11 @@ class StoreStats:
     occupancy: list[TierOccupancy]
     counters: StoreCounters
     first_tier: str = ""  # the store's fastest tier (misses and moves are counted there)
+    remote: BreakerHealth | None = None  # the remote tier's circuit breaker (None: no remote)
 
     def as_dict(self) -> dict:
         c = self.counters
-        return {
+        out = {
             "tiers": [
                 {
                     "name": o.name,
@@ -79,6 +82,9 @@ class StoreStats:
             "prefetches": c.prefetches,
             "dropped": c.dropped,
         }
+        if self.remote is not None:
+            out["remote"] = dataclasses.asdict(self.remote)
+        return out
 
 
 Listener = Callable[[StoreEvent], None]

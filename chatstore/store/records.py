@@ -3,13 +3,20 @@
 Embedded default: LMDB with synchronous commits (`sync=True`), so once `put` returns the record
 survives a `kill -9`. With a Redis URL configured the records live in Redis instead (durability is
 then Redis's own persistence setting). A record idle longer than the TTL reads as absent.
+
+A write that cannot be made durable raises `RecordStoreFull` (the LMDB map or the disk is full)
+or `RecordStoreUnavailable` (Redis down or too slow): the API then refuses to acknowledge the
+turn instead of answering 200 for a record it does not have. LMDB keys start with the tenant, so
+listing one tenant's sessions reads only that tenant's records.
 """
 
 from __future__ import annotations
 
 import array
 import base64
+import errno
 import json
+import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -31,6 +38,8 @@ class SessionRecord:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     metadata: dict[str, Any] = field(default_factory=dict)  # the client's, from POST /v1/sessions
+    # The model the token ids (and chunks) were made for: another model's ids are not reused.
+    fingerprint: str = ""
 
     @property
     def key(self) -> SessionKey:
@@ -52,7 +61,20 @@ class SessionRecord:
             ids = array.array("i")
             ids.frombytes(base64.b64decode(packed))
             fields["token_ids"] = ids.tolist()
-        return cls(**fields)
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in fields.items() if k in known})
+
+
+class RecordStoreError(Exception):
+    """A record could not be written durably (or read); the caller must not acknowledge."""
+
+
+class RecordStoreFull(RecordStoreError):
+    """No room for the record: the LMDB map (records_map_bytes) or the disk is full."""
+
+
+class RecordStoreUnavailable(RecordStoreError):
+    """The records backend (Redis) is down or did not answer in time."""
 
 
 class RecordStore(ABC):
@@ -92,8 +114,13 @@ class RecordStore(ABC):
 
     def list_sessions(self, tenant: str | None = None) -> list[SessionRecord]:
         return [
-            r for r in self._all() if (tenant is None or r.tenant == tenant) and not self.expired(r)
+            r
+            for r in self._all(tenant)
+            if (tenant is None or r.tenant == tenant) and not self.expired(r)
         ]
+
+    def count_sessions(self, tenant: str) -> int:
+        return len(self.list_sessions(tenant))
 
     def purge_expired(self, now: float | None = None) -> list[SessionKey]:
         gone = [r.key for r in self._all() if self.expired(r, now)]
@@ -111,44 +138,135 @@ class RecordStore(ABC):
     def _load(self, key: SessionKey) -> SessionRecord | None: ...
 
     @abstractmethod
-    def _all(self) -> list[SessionRecord]: ...
+    def _all(self, tenant: str | None = None) -> list[SessionRecord]:
+        """Every record (of `tenant` when given; a backend may return more)."""
 
     def close(self) -> None:
         return None
 
 
 class LmdbRecordStore(RecordStore):
+    """Records in one LMDB environment, keyed `t:<tenant>/<digest>` (one tenant = one key range).
+    The directory is 0700 and its files 0600: they hold every tenant's chat history."""
+
     def __init__(self, path: str | Path, ttl_s: int = 0, map_size: int = 1 << 30) -> None:
         import lmdb
 
         super().__init__(ttl_s)
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(path), map_size=map_size, sync=True, metasync=True)
+        self._lmdb = lmdb
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(path, 0o700)
+        self.env = lmdb.open(str(path), map_size=map_size, sync=True, metasync=True, mode=0o600)
+        for name in path.iterdir():
+            os.chmod(name, 0o600)
+        self.map_size = map_size
+        # Deletes need free pages too (copy-on-write): writes stop this short of the map, so
+        # that a full store can still delete sessions and recover.
+        self._headroom = min(map_size // 16, 8 << 20)
+        self._migrate()
+
+    @staticmethod
+    def _prefix(tenant: str) -> bytes:
+        return f"t:{quote(tenant, safe='')}/".encode()
+
+    def _name(self, key: SessionKey) -> bytes:
+        return self._prefix(key.tenant) + key_digest(key).encode()
+
+    def _migrate(self) -> None:
+        """Records written before keys carried the tenant: re-key them once."""
+        with self.env.begin() as txn:
+            old = [(k, v) for k, v in txn.cursor() if not k.startswith(b"t:")]
+        if not old:
+            return
+        with self.env.begin(write=True) as txn:
+            for name, raw in old:
+                record = SessionRecord.from_json(raw)
+                txn.put(self._name(record.key), raw)
+                txn.delete(name)
+
+    def used_bytes(self) -> int:
+        stat = self.env.stat()
+        pages = stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        return pages * stat["psize"]
+
+    def _check_room(self, nbytes: int) -> None:
+        if self.used_bytes() + 2 * nbytes + self._headroom > self.map_size:
+            raise RecordStoreFull(
+                f"session records store is full ({self.map_size} bytes, records_map_bytes); "
+                "delete sessions or raise the limit"
+            )
+
+    def _write(self, fn: Any) -> Any:
+        try:
+            with self.env.begin(write=True) as txn:
+                return fn(txn)
+        except self._lmdb.MapFullError:
+            raise RecordStoreFull(
+                f"session records store is full ({self.map_size} bytes, records_map_bytes)"
+            ) from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise RecordStoreFull(f"disk full writing session records: {exc}") from None
+            raise RecordStoreUnavailable(f"writing session records failed: {exc}") from None
+        except self._lmdb.Error as exc:
+            raise RecordStoreUnavailable(f"writing session records failed: {exc}") from None
 
     def put(self, record: SessionRecord) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.put(key_digest(record.key).encode(), record.to_json())
+        raw = record.to_json()
+        self._check_room(len(raw))
+        self._write(lambda txn: txn.put(self._name(record.key), raw))
 
     def delete(self, key: SessionKey) -> bool:
-        with self.env.begin(write=True) as txn:
-            return txn.delete(key_digest(key).encode())
+        return bool(self._write(lambda txn: txn.delete(self._name(key))))
 
     def _update(self, key: SessionKey, change: Any) -> SessionRecord:
-        name = key_digest(key).encode()
-        with self.env.begin(write=True) as txn:  # LMDB serialises write transactions
+        name = self._name(key)
+        done: list[SessionRecord] = []
+
+        def update(txn: Any) -> None:  # LMDB serialises write transactions
             raw = txn.get(name)
             record = change(SessionRecord.from_json(raw) if raw is not None else None)
-            txn.put(name, record.to_json())
-        return record
+            encoded = record.to_json()
+            self._check_room(len(encoded) - (len(raw) if raw is not None else 0))
+            txn.put(name, encoded)
+            done.append(record)
+
+        self._write(update)
+        return done[0]
 
     def _load(self, key: SessionKey) -> SessionRecord | None:
         with self.env.begin() as txn:
-            raw = txn.get(key_digest(key).encode())
+            raw = txn.get(self._name(key))
         return SessionRecord.from_json(raw) if raw is not None else None
 
-    def _all(self) -> list[SessionRecord]:
+    def _all(self, tenant: str | None = None) -> list[SessionRecord]:
+        prefix = b"t:" if tenant is None else self._prefix(tenant)
+        out = []
         with self.env.begin() as txn:
-            return [SessionRecord.from_json(raw) for _, raw in txn.cursor()]
+            cursor = txn.cursor()
+            if not cursor.set_range(prefix):
+                return out
+            for name, raw in cursor:
+                if not name.startswith(prefix):
+                    break
+                out.append(SessionRecord.from_json(raw))
+        return out
+
+    def count_sessions(self, tenant: str) -> int:
+        prefix = self._prefix(tenant)
+        now = time.time()
+        n = 0
+        with self.env.begin() as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(prefix):
+                return 0
+            for name, raw in cursor:
+                if not name.startswith(prefix):
+                    break
+                if self.ttl_s <= 0 or not self.expired(SessionRecord.from_json(raw), now):
+                    n += 1
+        return n
 
     def close(self) -> None:
         self.env.close()
@@ -157,21 +275,41 @@ class LmdbRecordStore(RecordStore):
 class RedisRecordStore(RecordStore):
     PREFIX = "chatstore:rec:"
 
-    def __init__(self, url_or_client: str | Any, ttl_s: int = 0) -> None:
+    def __init__(self, url_or_client: str | Any, ttl_s: int = 0, timeout_s: float = 0.25) -> None:
         import redis
 
         super().__init__(ttl_s)
-        is_url = isinstance(url_or_client, str)
-        self.client = redis.Redis.from_url(url_or_client) if is_url else url_or_client
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        if isinstance(url_or_client, str):
+            from chatstore.store.tiers.redis import connect_redis
+
+            self.client = connect_redis(url_or_client, timeout_s)
+        else:
+            self.client = url_or_client
 
     def _name(self, key: SessionKey) -> str:
         return f"{self.PREFIX}{quote(key.tenant, safe='')}:{key_digest(key)}"
 
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except self._errors as exc:
+            raise RecordStoreUnavailable(f"session records (Redis) unavailable: {exc}") from None
+
     def put(self, record: SessionRecord) -> None:
-        self.client.set(self._name(record.key), record.to_json(), ex=self.ttl_s or None)
+        self._call(self.client.set, self._name(record.key), record.to_json(), ex=self.ttl_s or None)
 
     def delete(self, key: SessionKey) -> bool:
-        return bool(self.client.delete(self._name(key)))
+        return bool(self._call(self.client.delete, self._name(key)))
+
+    def get(self, key: SessionKey) -> SessionRecord | None:
+        return self._call(super().get, key)
+
+    def upsert(self, key: SessionKey, **changes: Any) -> SessionRecord:
+        return self._call(super().upsert, key, **changes)
+
+    def list_sessions(self, tenant: str | None = None) -> list[SessionRecord]:
+        return self._call(super().list_sessions, tenant)
 
     def _update(self, key: SessionKey, change: Any) -> SessionRecord:
         name = self._name(key)
@@ -191,8 +329,10 @@ class RedisRecordStore(RecordStore):
         raw = self.client.get(self._name(key))
         return SessionRecord.from_json(raw) if raw is not None else None
 
-    def _all(self) -> list[SessionRecord]:
-        names = list(self.client.scan_iter(match=f"{self.PREFIX}*", count=1000))
+    def _all(self, tenant: str | None = None) -> list[SessionRecord]:
+        # quote() leaves no glob character in a tenant (*, ?, [ are %-escaped).
+        match = f"{self.PREFIX}{quote(tenant, safe='')}:*" if tenant else f"{self.PREFIX}*"
+        names = list(self.client.scan_iter(match=match, count=1000))
         raws = self.client.mget(names) if names else []
         return [SessionRecord.from_json(raw) for raw in raws if raw is not None]
 

@@ -16,8 +16,13 @@ Load, three ways (CachedAttention §3.2.1):
     layer 0, 1, ... while the forward runs; the runner waits right before layer i's attention;
   - with a read buffer (`read_buffer_layers` > 0): `stage(tenant, session)` on a client hint and
     `prepare(next requests)` after each schedule (`stage_queued`; by default on a GPU only) look
-    the sessions up on the loader thread and stage their first layers, rotated, before their
-    job starts (ReadBuffer).
+    the sessions up on the loader's lookup thread and stage their first layers, rotated, before
+    their job starts (ReadBuffer); a job never waits for a lookup still running.
+
+Remote (Redis) chunks: the admission read runs on the engine thread, so it reads local tiers
+only (`ChunkTiers.foreground`): where a chunk only Redis holds cuts the reuse, the rest is
+recomputed and the session is hinted to the store's prefetch thread, which brings its chunks to
+DRAM for the next turn (queued sessions' chunks come up ahead of their turn the same way).
 
 Save (§3.2.2): save_layer copies each tracked request's rows once per layer (LayerSaver); at the
 end of the turn the engine thread copies only what lives in the device pool alone (rows never
@@ -161,13 +166,24 @@ class StoreConnector(KVConnector):
         return max(0, pending.reusable - num_computed)
 
     def _read_available(self, pending: _Pending, start: int) -> ChunkedKV | None:
+        """The engine thread's read: local tiers only (`foreground`), so a chunk only Redis
+        holds ends the reuse here (recomputed) and is prefetched to DRAM for the next turn,
+        rather than make the step wait on the network."""
         stored = pending.saved
         assert stored is not None
-        parts, reached = self._read(stored, start, pending.reusable)
+        with self.store.tiers.foreground():
+            parts, reached = self._read(stored, start, pending.reusable)
+        if reached < pending.reusable and self._only_remote(stored, reached):
+            self.store.prefetch(stored.key.tenant, stored.key.session_id)
         pending.reusable = reached  # a chunk that is gone: reuse stops where it starts
         if reached <= start:
             return None
         return ChunkedKV(parts, start, reached, stored.token_ids)
+
+    def _only_remote(self, stored: StoredSession, position: int) -> bool:
+        tiers = self.store.tiers
+        where = tiers.where(stored.chunks[position // stored.chunk_tokens])
+        return any(t.remote and t.name == where for t in tiers.slow)
 
     def _read(
         self, stored: StoredSession, start: int, end: int
@@ -190,12 +206,7 @@ class StoreConnector(KVConnector):
         saved, staged = None, None
         if request.session_id is not None:
             key = SessionKey(request.tenant, request.session_id)
-            staged = self.read_buffer.claim(key, self._version(key))
-            if staged is not None:
-                staged.looked_up.wait()
-                if staged.saved is None:  # looked up, nothing there (or dropped): no use
-                    self.read_buffer.release(staged)
-                    staged = None
+            staged = self.read_buffer.claim(key, self._version(key))  # published ones only
             saved = self.store.find(key.tenant, key.session_id)
         reusable = 0
         if saved is not None:
@@ -234,7 +245,6 @@ class StoreConnector(KVConnector):
         job = self._job(request, start, num_tokens, block_table)
         for layer in range(self.kv_cache.spec.num_layers):
             self.loader.copy_layer(job, layer)
-        job.done.set()
         self._done(job)
 
     def _job(
@@ -426,7 +436,9 @@ class StoreConnector(KVConnector):
         nbytes = new_tokens * store.layout.bytes_per_token + rows.nbytes()
         if not spans:
             rows.release()
-        store.save_turn(request.tenant, request.session_id, plan, build, nbytes)
+        store.save_turn(
+            request.tenant, request.session_id, plan, build, nbytes, request.arrival_time
+        )
 
     def _copy_from_device(self, positions: torch.Tensor, block_table: list[int]) -> torch.Tensor:
         """Tokens the connector never saw computed (device prefix cache): un-rotated pool K and

@@ -1,19 +1,26 @@
 """The read stream of layer-wise pre-load (CachedAttention §3.2.1): one loader thread that writes
 history KV into the device pool layer by layer while the forward runs, and fills the read
-buffer for the jobs queued next when it has nothing else to do.
+buffer for the jobs queued next when it has nothing else to do; one lookup thread that reads
+the hinted sessions' KV out of the store for it.
 
     engine thread                          loader thread
     submit(job) x loads of this step  ──►  layer 0 of every job, layer 1, ..., L-1
     forward: layer i waits job.layers[i],  (per layer: read buffer copy, or tier copy + RoPE)
       or copies it itself if the loader has not started it (take_layer: one claim per layer);
       on a CPU host staged layers are left to the forward (_left_to_forward)
-    finish(job): join                      idle: stage(entry) = lookup + layers 0..N-1 rotated,
-                                           pausing between layers whenever a load arrives
+    finish(job): the layers nobody         idle: stage layers 0..N-1 rotated of a looked-up
+      took yet are copied right here         entry, pausing between layers whenever a load
+                                             arrives
+    stage(entry) ──► lookup thread: find + read the session (any tier; may be slow) ->
+                     ReadBuffer.publish -> the loader stages its layers
 
-Loads always come first: staging checks for them between layers. On CUDA the copies run on a
-stream of the loader's own and a layer's event is set only once that stream is done with it; on
-a CPU host the thread runs torch with `threads` intra-op threads (1: it does not start an OpenMP
-team as wide as the forward's on the same cores).
+The engine thread waits only for a layer copy another thread is doing: never for a lookup (a
+client's hint may name a session whose KV sits in a slow or unreachable tier), nor for the
+loader to get round to a job (`finish` copies what is left itself). Loads always come first:
+staging checks for them between layers. On CUDA the copies run on a stream of the loader's own
+and a layer's event is set only once that stream is done with it; on a CPU host the threads run
+torch with `threads` intra-op threads (1: no OpenMP team as wide as the forward's on the same
+cores).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from chatstore.engine.cpu_threads import own_intra_op_threads
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
 from chatstore.store.session_kv import SessionKey
-from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV
+from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
 from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
 
 log = logging.getLogger(__name__)
@@ -48,7 +55,6 @@ class LoadJob:
     slots: torch.Tensor  # flat pool slots of positions [start, end), on the pool's device
     layers: list[threading.Event]  # layer i's history KV is in the pool (or the load failed)
     staged: StagedKV | None = None  # read-buffer entry: its layers need no RoPE, no tier read
-    done: threading.Event = field(default_factory=threading.Event)  # the loader's part is done
     error: Exception | None = None
     claims: list[threading.Lock] = field(default_factory=list)  # who copies layer i
     from_buffer: list[bool] = field(default_factory=list)
@@ -82,9 +88,12 @@ class LayerLoader:
         self.layer_delay_s = layer_delay_s
         self.threads = threads
         self._loads: deque[LoadJob] = deque()
-        self._stages: deque[StagedKV] = deque()
+        self._stages: deque[StagedKV] = deque()  # looked up, layers to stage
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._lookups: deque[StagedKV] = deque()
+        self._lookup_cond = threading.Condition()
+        self._lookup_thread: threading.Thread | None = None
         self._stream = None
         self.copy_s = 0.0  # time spent writing loads into the pool (delays included)
         self.stage_s = 0.0  # time spent staging (lookups included)
@@ -98,10 +107,15 @@ class LayerLoader:
             self._cond.notify_all()
 
     def stage(self, entry: StagedKV) -> None:
-        with self._cond:
-            self._stages.append(entry)
-            self._ensure_thread()
-            self._cond.notify_all()
+        """Look the entry up (lookup thread), then stage its layers (loader thread)."""
+        with self._lookup_cond:
+            self._lookups.append(entry)
+            if self._lookup_thread is None:
+                self._lookup_thread = threading.Thread(
+                    target=self._run_lookups, name="chatstore-stage-lookup", daemon=True
+                )
+                self._lookup_thread.start()
+            self._lookup_cond.notify_all()
 
     def take_layer(self, job: LoadJob, layer: int) -> bool:
         """Copy layer `layer` of the job now, on the calling thread, unless another thread has
@@ -162,11 +176,11 @@ class LayerLoader:
                 t0 = time.perf_counter()
                 try:
                     with torch.no_grad():
-                        self._stage(entry)
+                        self._stage_layers(entry)
                 except Exception:
                     log.exception("read-buffer staging of %s failed", entry.key)
+                    self.buffer.discard(entry.key)
                 finally:
-                    entry.looked_up.set()
                     self.stage_s += time.perf_counter() - t0
 
     def _serve_loads(self) -> None:
@@ -184,8 +198,6 @@ class LayerLoader:
                         if not self._left_to_forward(job, layer):
                             self.take_layer(job, layer)
         finally:
-            for job in jobs:
-                job.done.set()
             self.copy_s += time.perf_counter() - t0
 
     def _left_to_forward(self, job: LoadJob, layer: int) -> bool:
@@ -197,28 +209,69 @@ class LayerLoader:
         return self._stream is None and staged is not None and layer < staged.num_staged_layers
 
     def finish(self, job: LoadJob) -> None:
-        """After the forward: the loader is done with the job and every layer is in the pool
-        (a layer the forward never reached, e.g. after it failed, is copied now)."""
-        job.done.wait()
+        """After the forward: every layer is in the pool when this returns. A layer nobody
+        has taken (the forward never reached it, or the loader is busy) is copied here; the
+        loader, when it gets to the job, finds every layer claimed and copies nothing."""
         for layer, event in enumerate(job.layers):
             if not event.is_set() and not self.take_layer(job, layer):
                 event.wait()
 
-    def _stage(self, entry: StagedKV) -> None:
+    # -- lookup thread -----------------------------------------------------------------------
+
+    def _run_lookups(self) -> None:
+        if self.threads:
+            own_intra_op_threads(self.threads)
+        while True:
+            with self._lookup_cond:
+                self._lookup_cond.wait_for(lambda: bool(self._lookups))
+                entry = self._lookups.popleft()
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    self._look_up(entry)
+            except MissingChunkError as exc:  # gone, or out of reach: nothing to stage
+                log.debug("read-buffer lookup of %s: %s", entry.key, exc)
+                self.buffer.publish(entry, None, 0)
+            except Exception:
+                log.exception("read-buffer lookup of %s failed", entry.key)
+                self.buffer.publish(entry, None, 0)  # dropped: a claim reads the store itself
+            finally:
+                self.stage_s += time.perf_counter() - t0
+
+    def _look_up(self, entry: StagedKV) -> None:
+        """Read the entry's session and publish it, counted with the layers to stage; those
+        are then staged by the loader thread."""
         if not self.buffer.begin(entry):
             return
         saved = self.lookup(entry.key)
-        entry.saved = saved
-        entry.looked_up.set()
-        layers = min(self.buffer.layers, self.kv_cache.spec.num_layers)
-        if saved is None or saved.num_tokens == 0 or layers == 0:
+        layers = self._layers_to_stage(saved)
+        if not self.buffer.publish(entry, saved, self._staged_bytes(saved, layers)) or not layers:
             return
+        with self._cond:
+            self._stages.append(entry)
+            self._ensure_thread()
+            self._cond.notify_all()
+
+    def _layers_to_stage(self, saved: ChunkedKV | None) -> int:
+        if saved is None or saved.num_tokens == 0:
+            return 0
+        return min(self.buffer.layers, self.kv_cache.spec.num_layers)
+
+    def _staged_bytes(self, saved: ChunkedKV | None, layers: int) -> int:
+        """The saved copy plus `layers` rotated K and V in the pool's dtype."""
+        if saved is None:
+            return 0
         spec = self.kv_cache.spec
         per_token = spec.num_kv_heads * spec.head_dim * self.kv_cache.kv.element_size()
-        per_layer = 2 * saved.num_tokens * per_token
-        if not self.buffer.reserve(entry, saved.nbytes + layers * per_layer):
+        return saved.nbytes + layers * 2 * saved.num_tokens * per_token
+
+    # -- loader thread: staging --------------------------------------------------------------
+
+    def _stage_layers(self, entry: StagedKV) -> None:
+        saved = entry.saved
+        layers = self._layers_to_stage(saved)
+        if saved is None or entry.cancelled:
             return
-        self.buffer.staged += 1
         dev, dtype = self.kv_cache.device, self.kv_cache.dtype
         cos, sin = self.rope.cos_sin(torch.arange(saved.num_tokens, device=dev), dtype)
         for layer in range(layers):
@@ -226,7 +279,7 @@ class LayerLoader:
             if entry.cancelled:
                 return
 
-            def stage_layer(layer: int = layer) -> None:
+            def stage_layer(layer: int = layer, saved: ChunkedKV = saved) -> None:
                 k = apply_rope(saved.k(layer).to(dev, dtype), cos, sin)
                 v = saved.v(layer).to(dev, dtype)  # on a CPU host: a view, no copy
                 if self.layer_delay_s > 0:

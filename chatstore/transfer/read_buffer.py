@@ -2,18 +2,26 @@
 
 Without it a job's pre-load can only start when the job does: layer 0's copy is on the critical
 path and the lookup that finds the session's KV (and reads it out of its tier) runs on the engine
-thread. With it, while earlier jobs compute, the loader thread looks up the sessions queued next
-(or hinted: WebSocket "typing", POST /v1/sessions/{id}/prefetch) and stages the first
-`layers` layers of their history KV in device memory, RoPE already applied at positions 0..T-1:
+thread. With it, while earlier jobs compute, the loader's lookup thread looks up the sessions
+queued next (or hinted: WebSocket "typing", POST /v1/sessions/{id}/prefetch) and the loader
+thread stages the first `layers` layers of their history KV in device memory, RoPE already
+applied at positions 0..T-1:
 
     staged entry (per session):  its stored chunks  +  layers 0..N-1 as (K rotated, V) [T, Hkv, D]
     job scheduled:               layers < N  buffer -> pool slots (a plain copy)
                                  layers >= N  tier copy -> RoPE -> pool slots, during the forward
 
+An entry's life: `want` (a hint) -> `begin` (its lookup starts, off the engine thread) ->
+`publish` (the lookup's result, with the bytes it will hold: the saved copy plus the layers to
+stage) -> `claim` by the job that loads it -> `release` (consumed). A published entry is counted
+in full from the start; one the budget refuses is dropped and holds nothing. A job claims only a
+published entry: one still being looked up is cancelled and the job reads the store itself, so a
+slow lookup (a cold tier, a hung Redis) never holds up the engine thread.
+
 An entry is valid for the store version it was looked up at (`AttentionStore.version`): a newer
 save of the session makes it stale and it is dropped, never used. Entries are bounded by
-`capacity_bytes` (the saved copy plus the staged layers); an entry in use by a load is never
-evicted, others go least recently staged first. All methods are thread-safe.
+`capacity_bytes`; an entry in use by a load is never evicted, others go least recently staged
+first. All methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -33,11 +41,10 @@ class StagedKV:
     key: SessionKey
     version: int
     saved: ChunkedKV | None = None  # every stored chunk of the session, positions 0..T-1
-    looked_up: threading.Event = field(default_factory=threading.Event)
+    looked_up: threading.Event = field(default_factory=threading.Event)  # published or dropped
     k: list[torch.Tensor] = field(default_factory=list)  # layer i rotated K [T, Hkv, D]
     v: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
-    started: bool = False  # the loader began its lookup (a claim must then wait for it)
     cancelled: bool = False
     users: int = 0
 
@@ -86,22 +93,35 @@ class ReadBuffer:
             return entry
 
     def begin(self, entry: StagedKV) -> bool:
-        """The loader is about to look the entry up; False when it was cancelled meanwhile."""
+        """The entry is about to be looked up; False when it was cancelled meanwhile."""
         with self._lock:
-            if entry.cancelled:
-                return False
-            entry.started = True
-            return True
+            return not entry.cancelled
+
+    def publish(self, entry: StagedKV, saved: ChunkedKV | None, nbytes: int) -> bool:
+        """The lookup found `saved` (None: nothing stored), to be held with nbytes counted;
+        room is made by evicting idle entries least recently staged first. False when the
+        entry was cancelled, found nothing, or does not fit: it is then dropped, holding
+        nothing."""
+        with self._lock:
+            ok = saved is not None and self._make_room(entry, nbytes)
+            if ok:
+                entry.saved = saved
+                entry.nbytes += nbytes
+                self.staged += 1
+            else:
+                self._remove(entry)
+            entry.looked_up.set()
+            return ok
 
     def claim(self, key: SessionKey, version: int) -> StagedKV | None:
-        """The entry a job about to load `key` at `version` may use (wait for `looked_up`
-        before reading `saved`); None when there is none. An entry whose lookup has not begun
-        is cancelled: the caller looks up itself rather than waiting in line."""
+        """The published entry a job about to load `key` at `version` may use, or None. An
+        entry whose lookup has not finished is cancelled: the caller reads the store itself
+        rather than wait for a lookup it cannot bound."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 return None
-            if entry.version != version or not entry.started:
+            if entry.version != version or not entry.looked_up.is_set():
                 if not entry.users:
                     self._remove(entry)
                 return None
@@ -116,25 +136,22 @@ class ReadBuffer:
             if entry.users <= 0 and self._entries.get(entry.key) is entry:
                 self._remove(entry)
 
-    def reserve(self, entry: StagedKV, nbytes: int) -> bool:
-        """Room for nbytes more in `entry`, evicting idle entries least recently staged first;
-        False (nothing evicted) when even that would not make room."""
-        with self._lock:
-            if entry.cancelled or self._entries.get(entry.key) is not entry:
-                return False
-            used = sum(e.nbytes for e in self._entries.values())
-            idle = [e for e in self._entries.values() if e is not entry and not e.users]
-            free_able = sum(e.nbytes for e in idle)
-            if used + nbytes - free_able > self.capacity_bytes:
-                return False
-            for victim in idle:
-                if used + nbytes <= self.capacity_bytes:
-                    break
-                used -= victim.nbytes
-                self._remove(victim)
-                self.evicted += 1
-            entry.nbytes += nbytes
-            return True
+    def _make_room(self, entry: StagedKV, nbytes: int) -> bool:
+        """(Under the lock) room for nbytes more in `entry`, evicting idle entries; False,
+        nothing evicted, when even that would not make room."""
+        if entry.cancelled or self._entries.get(entry.key) is not entry:
+            return False
+        used = sum(e.nbytes for e in self._entries.values())
+        idle = [e for e in self._entries.values() if e is not entry and not e.users]
+        if used + nbytes - sum(e.nbytes for e in idle) > self.capacity_bytes:
+            return False
+        for victim in idle:
+            if used + nbytes <= self.capacity_bytes:
+                break
+            used -= victim.nbytes
+            self._remove(victim)
+            self.evicted += 1
+        return True
 
     def discard(self, key: SessionKey) -> None:
         """Forget key's entry (unless a job is using it)."""
@@ -147,6 +164,8 @@ class ReadBuffer:
         entry.cancelled = True
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
+        entry.saved = None  # a dropped entry holds nothing (its KV is what counts)
+        entry.nbytes = 0
         entry.k.clear()
         entry.v.clear()
-        entry.looked_up.set()  # nobody waits on a dropped entry
+        entry.looked_up.set()

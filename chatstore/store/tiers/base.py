@@ -9,6 +9,10 @@ fails its checksum (the tier has already dropped it) and returns None for a plai
 copies. The others (LMDB, Redis) are slow: ChunkTiers writes and deletes there outside that lock,
 from one thread at a time, while other threads may read. Such a tier keeps `contains`, `keys`,
 `size_of` and `used_bytes` safe to call from any thread at any time.
+
+A `remote` tier (Redis) is reached over the network: its calls may fail or hang, so it raises
+TierUnavailable (treated as a miss, or as a write not taken) instead of waiting, and the engine
+thread does not read it where a local tier can take its chunks (hierarchy.py, `foreground`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ from chatstore.store.session_kv import SessionKey, SessionKV
 
 class TierFull(RuntimeError):
     """The tier cannot take the value now (no room, or the backend refused it)."""
+
+
+class TierUnavailable(RuntimeError):
+    """The tier's backend cannot be reached now (the call failed, or its circuit breaker is
+    open): a read is a miss, a write is not taken, and nothing stored is dropped."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,7 @@ class FootprintIndex:
 class StorageTier(ABC):
     name: str = "tier"
     in_memory: bool = False  # a DRAM-like tier: fast, volatile, guarded by ChunkTiers' lock
+    remote: bool = False  # reached over the network: may be slow or down (TierUnavailable)
 
     @property
     @abstractmethod

@@ -11,9 +11,16 @@ no copy below is written down when evicted, and a chunk leaves a slow tier for t
 only when it has no copy further down.
 
 Locks. `_lock` (RLock) guards what lives in memory: the DRAM tier, `_transit` (chunks evicted
-from DRAM and being written down: still readable), counters and the placement. `_io_lock`
-serialises writes into slow tiers (one thread at a time; taken before `_lock`, never while
-holding it). Reads of slow tiers need neither lock (LMDB MVCC, a thread-safe Redis pool).
+from DRAM and being written down: still readable), counters and the placement; no I/O ever
+happens under it. `_io_lock` serialises writes into slow tiers (one thread at a time; taken
+before `_lock`, never while holding it), so it may be held across a Redis call (bounded by the
+client's timeout and the tier's circuit breaker). Reads of slow tiers need neither lock (LMDB
+MVCC, a thread-safe Redis pool).
+
+The engine thread never waits for `_io_lock` nor for Redis: its reads run inside `foreground()`,
+where the remote tier is skipped (a miss: the caller recomputes and hints a prefetch, which
+brings the chunk to DRAM off the engine thread) whenever a DRAM tier exists, and where the
+write-down of victims a promotion evicts is queued to a background thread (BackgroundIO).
 
 The owner (AttentionStore) decides which chunks exist: `wanted(key)` says whether any session
 references a chunk, and a chunk read from a slow tier is copied up only while it is wanted, so a
@@ -24,14 +31,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.events import EventLog, StoreCounters, StoreEvent
 from chatstore.store.session_kv import SessionKV
-from chatstore.store.tiers.base import StorageTier, TierFull, TierOccupancy
+from chatstore.store.tiers.background import BackgroundIO
+from chatstore.store.tiers.base import StorageTier, TierFull, TierOccupancy, TierUnavailable
 from chatstore.store.tiers.codec import CorruptValueError
 from chatstore.store.victims import LruChooser, VictimChooser
 
@@ -61,6 +70,27 @@ class ChunkTiers:
         self._lock = threading.RLock()
         self._io_lock = threading.Lock()
         self._transit: dict[ChunkKey, SessionKV] = {}
+        self._local = threading.local()  # .foreground: this thread must not wait on slow I/O
+        self._background = BackgroundIO()
+
+    @contextmanager
+    def foreground(self) -> Iterator[None]:
+        """The calling thread's reads, inside, are latency-critical (the engine's): the remote
+        tier is not read when a DRAM tier can hold its chunks instead (a miss; the prefetch
+        thread brings them up), and promotions leave writing their victims down to a
+        background thread instead of waiting for `_io_lock`."""
+        before = self._in_foreground()
+        self._local.foreground = True
+        try:
+            yield
+        finally:
+            self._local.foreground = before
+
+    def _in_foreground(self) -> bool:
+        return getattr(self._local, "foreground", False)
+
+    def _readable(self, tier: StorageTier) -> bool:
+        return not (tier.remote and self.top is not None and self._in_foreground())
 
     # -- where ------------------------------------------------------------------------------
 
@@ -97,7 +127,7 @@ class ChunkTiers:
             if value is not None:
                 return _rows(value, rows)
         for tier in self.slow:
-            value = self._read_slow(tier, key)
+            value = self._read_slow(tier, key) if self._readable(tier) else None
             if value is None:
                 continue
             source = tier.name
@@ -145,6 +175,8 @@ class ChunkTiers:
             return None
         try:
             return tier.get(key)
+        except TierUnavailable:
+            pass  # out of reach now (the tier's breaker counts it): a miss
         except CorruptValueError:
             with self._lock:
                 self.counters.tier(tier.name).corrupt += 1
@@ -203,7 +235,7 @@ class ChunkTiers:
                             self.placement.touch(key)
             finally:
                 if parked:
-                    self._land(parked)
+                    self._land_soon(parked)
             if landed:
                 self._emit("stored", key, top.name, rows.nbytes)
                 return top.name, rows.nbytes
@@ -289,6 +321,7 @@ class ChunkTiers:
 
     def demote_all(self) -> None:
         """Every DRAM chunk without a copy below is written down (graceful shutdown)."""
+        self.drain_background()
         if self.top is None or not self.slow:
             return
         for key in self.top.keys():  # noqa: SIM118 (a tier, not a dict)
@@ -325,7 +358,19 @@ class ChunkTiers:
             return True
         finally:
             if parked:
-                self._land(parked)
+                self._land_soon(parked)
+
+    def _land_soon(self, parked: list[tuple[ChunkKey, SessionKV]]) -> None:
+        """Write evicted chunks down now, or (a foreground thread) on the background thread:
+        meanwhile they stay readable in `_transit`."""
+        if self._in_foreground():
+            self._background.submit(lambda: self._land(parked))
+        else:
+            self._land(parked)
+
+    def drain_background(self, timeout: float | None = None) -> bool:
+        """Until write-downs handed to the background thread have landed; False on timeout."""
+        return self._background.drain(timeout)
 
     def _may_displace(self, incoming: ChunkKey, victim: ChunkKey) -> bool:
         check = getattr(self.placement, "may_displace", None)
@@ -383,7 +428,7 @@ class ChunkTiers:
                 continue
             try:
                 tier.put(key, value)
-            except TierFull:
+            except (TierFull, TierUnavailable):
                 continue
             except Exception:
                 log.exception("writing chunk %s to the %s tier failed", key, tier.name)

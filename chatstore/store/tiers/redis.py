@@ -8,41 +8,96 @@ writing a key that exists changes nothing. Occupancy is this process's view of w
 (rebuilt by SCAN at start), bounded by `capacity_bytes`. A chunk Redis expired or evicted reads
 as a miss. `get_many` / `put_many` batch chunks in one pipeline.
 
+Outages: every call goes through a CircuitBreaker (breaker.py) and, on a client made by
+`connect_redis`, gives up after `timeout_s` without retrying. A failed or refused call raises
+TierUnavailable (the hierarchy reads a miss, or writes elsewhere); while the breaker is open the
+tier holds nothing as far as `contains` is concerned, and a delete only forgets the key here
+(Redis expires it by TTL).
+
 Threads: the client is thread-safe (a connection pool), the index is a FootprintIndex.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
-from chatstore.store.tiers.base import IndexedTier
+from chatstore.store.tiers.base import IndexedTier, TierUnavailable
+from chatstore.store.tiers.breaker import BreakerHealth, CircuitBreaker
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "chatstore:kv"
+T = TypeVar("T")
+
+
+def connect_redis(url: str, timeout_s: float) -> Any:
+    """A client whose every call (connect included) gives up after timeout_s, once: redis-py
+    otherwise retries a timed-out call up to 10 times with backoff, which turns a hung server
+    into a multi-second stall per call."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
 
 
 class RedisTier(IndexedTier):
     name = "remote"
+    remote = True
 
     def __init__(
-        self, url_or_client: str | Any, capacity_bytes: int, fingerprint: str, ttl_s: int = 86400
+        self,
+        url_or_client: str | Any,
+        capacity_bytes: int,
+        fingerprint: str,
+        ttl_s: int = 86400,
+        timeout_s: float = 0.25,
+        breaker: CircuitBreaker | None = None,
     ) -> None:
         import redis
 
         super().__init__(capacity_bytes)
         if isinstance(url_or_client, str):
-            self.client = redis.Redis.from_url(url_or_client)
+            self.client = connect_redis(url_or_client, timeout_s)
         else:
             self.client = url_or_client
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
-        self._rebuild_index()
+        self.breaker = breaker or CircuitBreaker()
+        self._outage = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        try:
+            self._call(self._rebuild_index)
+        except TierUnavailable as exc:
+            log.warning("remote tier unreachable at start (%s): its index starts empty", exc)
 
     def _name(self, key: ChunkKey) -> str:
         return f"{NAMESPACE}:{self.fingerprint}:{quote(key.tenant, safe='')}:{{{key.digest}}}"
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """fn() (socket I/O) through the breaker; TierUnavailable when refused or failed."""
+        if not self.breaker.allow():
+            raise TierUnavailable("remote tier: circuit open")
+        try:
+            out = fn()
+        except self._outage as exc:
+            self.breaker.failure(exc)
+            raise TierUnavailable(f"remote tier: {exc}") from exc
+        except BaseException:
+            self.breaker.success()  # the server answered (an error reply, not an outage)
+            raise
+        self.breaker.success()
+        return out
 
     def _rebuild_index(self) -> None:
         prefix = f"{NAMESPACE}:{self.fingerprint}:"
@@ -53,6 +108,10 @@ class RedisTier(IndexedTier):
             if tagged.startswith("{") and tagged.endswith("}") and size:
                 self._index.set(ChunkKey(unquote(tenant), tagged[1:-1]), int(size))
 
+    def contains(self, key: ChunkKey) -> bool:
+        # No I/O: the index, unless the breaker says the server is out (then absent).
+        return key in self._index and not self.breaker.is_open()
+
     def put(self, key: ChunkKey, value: SessionKV) -> None:
         self.put_many([(key, value)])
 
@@ -62,10 +121,15 @@ class RedisTier(IndexedTier):
             return
         needs = [self.check_fits(k, v) for k, v in todo]
         ttl = self.ttl_s if self.ttl_s > 0 else None
-        with self.client.pipeline(transaction=False) as pipe:
-            for key, value in todo:
-                pipe.set(self._name(key), codec.encode(value, self.fingerprint), ex=ttl)
-            pipe.execute()
+        blobs = [(self._name(k), codec.encode(v, self.fingerprint)) for k, v in todo]
+
+        def write() -> None:
+            with self.client.pipeline(transaction=False) as pipe:
+                for name, blob in blobs:
+                    pipe.set(name, blob, ex=ttl)
+                pipe.execute()
+
+        self._call(write)
         for (key, _), need in zip(todo, needs, strict=True):
             self._index.set(key, need)
 
@@ -73,10 +137,15 @@ class RedisTier(IndexedTier):
         return self.get_many([key])[0]
 
     def get_many(self, keys: list[ChunkKey]) -> list[SessionKV | None]:
-        with self.client.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.get(self._name(key))
-            raws = pipe.execute()
+        """The chunks (None: Redis no longer has it); TierUnavailable when out of reach."""
+
+        def read() -> list[Any]:
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.get(self._name(key))
+                return pipe.execute()
+
+        raws = self._call(read)
         out: list[SessionKV | None] = []
         for key, raw in zip(keys, raws, strict=True):
             if raw is None:
@@ -91,8 +160,15 @@ class RedisTier(IndexedTier):
         return out
 
     def delete(self, key: ChunkKey) -> bool:
-        removed = bool(self.client.delete(self._name(key)))
-        return self._index.pop(key) or removed
+        known = self._index.pop(key)
+        try:
+            removed = bool(self._call(lambda: self.client.delete(self._name(key))))
+        except TierUnavailable:
+            removed = False  # out of reach: Redis expires it by TTL
+        return known or removed
+
+    def health(self) -> BreakerHealth:
+        return self.breaker.health()
 
     def close(self) -> None:
         self.client.close()

@@ -1,0 +1,54 @@
+"""Redis outages on demand, for tests: a redis-server of the test's own, hung or killed.
+
+Hung is SIGSTOP: the kernel still accepts connections and buffers requests, nobody answers (what
+a stalled or partitioned server looks like to a client). Dead is SIGKILL: connections refused.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+import pytest
+
+from chatstore.store.redis_server import LocalRedis, redis_server_binary, start_local_redis
+
+
+def own_server() -> Iterator[LocalRedis]:
+    """A redis-server for one test alone (the shared one must never be stopped); a test
+    module makes it a fixture: `own_redis = pytest.fixture(own_server)`."""
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    server = start_local_redis()
+    yield server
+    _resume(server.process.pid)
+    server.stop()
+
+
+@contextmanager
+def hung(server: LocalRedis, max_s: float = 3.0) -> Iterator[None]:
+    """Redis stopped for the block, resumed at its end, or after max_s at the latest: code that
+    would wait for it forever makes the test fail on its timings instead of hanging it."""
+    pid = server.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    timer = threading.Timer(max_s, _resume, (pid,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        _resume(pid)
+
+
+def kill(server: LocalRedis) -> None:
+    server.process.kill()
+    server.process.wait()
+
+
+def _resume(pid: int) -> None:
+    with suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
