@@ -312,21 +312,14 @@ class AttentionStore:
     def find(self, tenant: str, session_id: str) -> StoredSession | None:
         """The session's stored history: its leading tokens whose chunks are all available
         (stored in a tier or waiting in the write buffer). No KV is read. An expired session
-        is forgotten."""
+        reads as absent (the purge timer deletes it: not here, on the engine thread)."""
         key = self.key(tenant, session_id)
         with self._lock:
             chain = self.index.get(key)
-            if chain is None:
+            if chain is None or self._expired(chain):
                 self.tiers.counters.misses += 1
                 return None
-            if self._expired(chain):
-                expired = True
-            else:
-                expired = False
-                self._tell_policy("touch", key)
-        if expired:
-            self.delete_session(tenant, session_id)
-            return None
+            self._tell_policy("touch", key)
         n = 0
         for chunk in chain.chunks:
             if chunk not in self._pending and not self.tiers.contains(chunk):
