@@ -233,6 +233,7 @@ class ChatService:
             record = SessionRecord(spec.tenant, sid, [], [], {}, now, now)
         tail = len(self.template.render(messages[-1:])) if messages else 0
         prompt = self._fit_context(record, messages, prompt, tail, spec.sampling)
+        self.store.fetch_remote(record.tenant, record.session_id)
         return _Prepared(record, messages, prompt)
 
     def _prepare_session_turn(self, spec: TurnSpec, new: Message) -> _Prepared:
@@ -257,6 +258,7 @@ class ChatService:
             prompt = self.template.render([*history, new])
             tail = len(self.template.render([new]))
         prompt = self._fit_context(record, [*history, new], prompt, tail, spec.sampling)
+        self.store.fetch_remote(record.tenant, record.session_id)
         return _Prepared(record, [*history, new], prompt)
 
     def _continued(
@@ -368,6 +370,12 @@ class ChatService:
             raise bad_param(
                 param, f"message is {len(text)} characters; the limit is {limit}", "too_long"
             )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): JSON allows it
+            raise bad_param(
+                param, f"text is not valid Unicode at character {exc.start}", "invalid_text"
+            ) from None
 
     def _check_session_quota(self, tenant: str) -> None:
         limit = self.settings.max_sessions_per_tenant

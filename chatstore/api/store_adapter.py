@@ -110,6 +110,12 @@ class StoreAdapter:
             return None
         return self.store.tier_of(tenant, session_id)
 
+    def fetch_remote(self, tenant: str, session_id: str) -> None:
+        """Bring the session's chunks held only by Redis up to DRAM now (called from the
+        worker thread that opens a turn: the engine's own thread never waits on Redis)."""
+        if self.store is not None:
+            self.store.fetch_remote(tenant, session_id)
+
     def prefetch(self, tenant: str, session_id: str) -> None:
         """Returns at once: the store's prefetch thread moves the KV up to DRAM and the
         connector's loader stages it in the read buffer (when it has one)."""

@@ -83,6 +83,10 @@ class SessionStorePort(Protocol):
 
     def tier_stats(self) -> list[TierStats]: ...
 
+    def fetch_remote(self, tenant: str, session_id: str) -> None:
+        """Before a turn: bring what only the remote tier holds up to a local tier."""
+        ...
+
     def prefetch(self, tenant: str, session_id: str) -> None:
         """Hint: this session will run soon (its client is typing)."""
         ...

@@ -68,7 +68,13 @@ class SessionSocket:
                 if len(raw) > limit:  # the same cap as an HTTP body
                     await self.error(APIError(413, f"frame over {limit} bytes", code="too_large"))
                     continue
-                await self.handle(raw)
+                try:
+                    await self.handle(raw)
+                except WebSocketDisconnect:
+                    raise
+                except Exception:  # one bad frame must not drop the connection
+                    log.exception("websocket frame failed on session %s", self.sid)
+                    await self.error(APIError(500, "internal server error", code="internal_error"))
         except WebSocketDisconnect:
             pass
         finally:
@@ -77,7 +83,7 @@ class SessionSocket:
     async def handle(self, raw: str) -> None:
         try:
             message = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
             return await self.error(APIError(400, "frame is not valid JSON", code="invalid_json"))
         kind = message.get("type") if isinstance(message, dict) else None
         if kind == "message":

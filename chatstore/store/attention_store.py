@@ -172,9 +172,11 @@ class AttentionStore:
             tiers.append(DramTier(settings.dram_bytes, self.layout, settings.block_size))
         if settings.ssd_bytes > 0:
             tiers.append(LmdbTier(settings.data_dir / "kv.lmdb", settings.ssd_bytes, fingerprint))
+        # One breaker per Redis: the KV tier and the records fail (and recover) together.
+        breaker = CircuitBreaker(settings.redis_breaker_failures, settings.redis_breaker_reset_s)
+        self.redis_breaker = breaker if remote is not None else None
         if remote is not None and settings.redis_bytes > 0:
             s = settings
-            breaker = CircuitBreaker(s.redis_breaker_failures, s.redis_breaker_reset_s)
             ttl, timeout = s.session_ttl_s, s.redis_timeout_s
             tiers.append(RedisTier(remote, s.redis_bytes, fingerprint, ttl, timeout, breaker))
         self.events = EventLog()
@@ -203,7 +205,7 @@ class AttentionStore:
         if settings.persist == "write_back" and lmdb_tier is not None and self.tiers.top:
             self.persister = Persister(self._persist_chunk, settings.persist_lag_s)
         self.records: RecordStore = (
-            RedisRecordStore(remote, settings.session_ttl_s, settings.redis_timeout_s)
+            RedisRecordStore(remote, settings.session_ttl_s, settings.redis_timeout_s, breaker)
             if remote is not None
             else LmdbRecordStore(
                 settings.data_dir / "records.lmdb",
@@ -265,6 +267,30 @@ class AttentionStore:
         """Hint: this session runs soon; move its chunks up to DRAM in the background."""
         if len(self.tiers.tiers) > 1:
             self.prefetcher.hint(self.key(tenant, session_id))
+
+    def fetch_remote(self, tenant: str, session_id: str) -> int:
+        """Copy the session's chunks whose only copy is in the remote tier up to DRAM, in
+        order, stopping at the first that fails; how many moved. For the thread that opens a
+        turn: the engine's thread reads no remote tier, so what stays remote is recomputed."""
+        chain = self.index.get(self.key(tenant, session_id))
+        if chain is None or self.tier("remote") is None or self.tiers.top is None:
+            return 0
+        moved = 0
+        for chunk in chain.chunks:
+            if chunk in self._pending:
+                continue
+            where = self.tiers.where(chunk)
+            if where == "remote":
+                # Promoted as a use would be (no prefetch veto: this turn runs next); the
+                # engine's read from DRAM counts the hit.
+                self.tiers.get(chunk, promote=True, count=False)
+                where = self.tiers.where(chunk)
+                if where == "remote":
+                    break
+                moved += 1
+            elif where is None:
+                break
+        return moved
 
     def _prefetch_candidates(self) -> list[Hashable]:
         candidates = getattr(self.session_policy, "prefetch_candidates", None)
@@ -711,8 +737,7 @@ class AttentionStore:
         with self.tiers.lock:
             c = self.tiers.counters
             counters = replace(c, tiers={n: replace(t) for n, t in c.tiers.items()})
-        remote = self.tier("remote")
-        health = remote.health() if isinstance(remote, RedisTier) else None
+        health = self.redis_breaker.health() if self.redis_breaker is not None else None
         first = self.tiers.tiers[0].name
         return StoreStats(self.tiers.stats_occupancy(), counters, first, health)
 

@@ -155,6 +155,7 @@ class LmdbRecordStore(RecordStore):
         super().__init__(ttl_s)
         self._lmdb = lmdb
         path = Path(path)
+        self.path = path
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(path, 0o700)
         self.env = lmdb.open(str(path), map_size=map_size, sync=True, metasync=True, mode=0o600)
@@ -205,12 +206,26 @@ class LmdbRecordStore(RecordStore):
             raise RecordStoreFull(
                 f"session records store is full ({self.map_size} bytes, records_map_bytes)"
             ) from None
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        except (OSError, self._lmdb.Error) as exc:
+            if self._disk_full(exc):
                 raise RecordStoreFull(f"disk full writing session records: {exc}") from None
             raise RecordStoreUnavailable(f"writing session records failed: {exc}") from None
-        except self._lmdb.Error as exc:
-            raise RecordStoreUnavailable(f"writing session records failed: {exc}") from None
+
+    def _disk_full(self, exc: Exception) -> bool:
+        """py-lmdb reports a failed commit as lmdb.Error with the errno's text only; a full
+        disk can also surface as EIO, so the file system's free space decides then."""
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if os.strerror(errno.ENOSPC) in text or os.strerror(errno.EDQUOT) in text:
+            return True
+        if os.strerror(errno.EIO) in text or isinstance(exc, OSError):
+            try:
+                fs = os.statvfs(self.path)
+            except OSError:
+                return False
+            return fs.f_bavail * fs.f_frsize < max(2 * self._headroom, 1 << 20)
+        return False
 
     def put(self, record: SessionRecord) -> None:
         raw = record.to_json()
@@ -275,10 +290,19 @@ class LmdbRecordStore(RecordStore):
 class RedisRecordStore(RecordStore):
     PREFIX = "chatstore:rec:"
 
-    def __init__(self, url_or_client: str | Any, ttl_s: int = 0, timeout_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        url_or_client: str | Any,
+        ttl_s: int = 0,
+        timeout_s: float = 0.25,
+        breaker: Any = None,
+    ) -> None:
+        """breaker: the KV tier's CircuitBreaker when both live in one Redis, so an outage
+        costs a few timeouts in all, then record operations fail at once (503)."""
         import redis
 
         super().__init__(ttl_s)
+        self.breaker = breaker
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         if isinstance(url_or_client, str):
             from chatstore.store.tiers.redis import connect_redis
@@ -291,10 +315,22 @@ class RedisRecordStore(RecordStore):
         return f"{self.PREFIX}{quote(key.tenant, safe='')}:{key_digest(key)}"
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        breaker = self.breaker
+        if breaker is not None and not breaker.allow():
+            raise RecordStoreUnavailable("session records (Redis) unavailable: circuit open")
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         except self._errors as exc:
+            if breaker is not None:
+                breaker.failure(exc)
             raise RecordStoreUnavailable(f"session records (Redis) unavailable: {exc}") from None
+        except BaseException:
+            if breaker is not None:
+                breaker.success()  # Redis answered (an error reply is not an outage)
+            raise
+        if breaker is not None:
+            breaker.success()
+        return out
 
     def put(self, record: SessionRecord) -> None:
         self._call(self.client.set, self._name(record.key), record.to_json(), ex=self.ttl_s or None)

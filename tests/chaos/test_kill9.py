@@ -1,0 +1,25 @@
+"""kill -9 under load, ten times over on one data dir (tests/chaos/kill9.py): no acknowledged
+turn is lost or changed, a deleted session stays deleted, and after the last restart the next
+turn reuses the KV held in LMDB and says what a recompute server says."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos.kill9 import Kill9Config, run
+
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def test_acknowledged_turns_survive_repeated_kill_9(tmp_path):
+    report = run(tmp_path, Kill9Config(cycles=10, sessions=8, up_s=(0.3, 1.8)))
+    history = report.history
+    assert report.cycles == 10
+    assert history.acked >= 16, f"too little load ran to mean anything: {report.codes}"
+    assert not history.lost, f"acknowledged, then lost: {history.lost}"
+    assert not history.wrong, f"stored with another reply: {history.wrong}"
+    assert not history.phantom, f"stored twice or never sent: {history.phantom}"
+    assert not report.deleted_back, "a session deleted before a kill -9 came back"
+    cold = {sid: n for sid, n in report.final_cached.items() if n <= 0}
+    assert not cold, f"no KV reused from LMDB after the last restart: {cold}"
+    assert not report.mismatches, f"differs from the recompute server: {report.mismatches}"
