@@ -90,7 +90,13 @@ class Config:
     ssd_bytes: int = 32 << 30
     redis_url: str = ""
     redis_bytes: int = 4 << 30
+    redis_cluster: bool = False  # redis_url names a Redis Cluster (or use redis+cluster://)
     redis_timeout_s: float = 0.25  # socket timeout of every Redis call
+    session_lease_s: float = 30.0  # a turn's lease on its session in Redis (renewed while it runs)
+    replica_id: str = ""  # this server's name in leases and KV events ("" = host:port:pid)
+    kv_events_endpoint: str = ""  # ZMQ PUB endpoint for KV cache events, e.g. tcp://*:5557
+    kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint replaying buffered events
+    kv_events_topic: str = ""  # topic frame of every published batch
     redis_breaker_failures: int = 3  # consecutive failures that take Redis out
     redis_breaker_reset_s: float = 5.0  # then one probe after this long puts it back
     kv_storage_dtype: str = "auto"  # "auto" = the compute dtype

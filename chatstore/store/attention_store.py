@@ -82,7 +82,10 @@ class StoreSettings:
     ssd_bytes: int = 32 << 30
     redis_url: str = ""
     redis_bytes: int = 4 << 30
+    redis_cluster: bool = False
     redis_timeout_s: float = 0.25
+    session_lease_s: float = 30.0
+    replica_id: str = ""
     redis_breaker_failures: int = 3
     redis_breaker_reset_s: float = 5.0
     records_map_bytes: int = 1 << 30
@@ -108,7 +111,10 @@ class StoreSettings:
             ssd_bytes=config.ssd_bytes,
             redis_url=config.redis_url,
             redis_bytes=config.redis_bytes,
+            redis_cluster=config.redis_cluster,
             redis_timeout_s=config.redis_timeout_s,
+            session_lease_s=config.session_lease_s,
+            replica_id=config.replica_id,
             redis_breaker_failures=config.redis_breaker_failures,
             redis_breaker_reset_s=config.redis_breaker_reset_s,
             records_map_bytes=config.records_map_bytes,
