@@ -15,6 +15,7 @@ from websockets.sync.client import connect
 from chatstore.api.launcher import local_server
 from chatstore.api.server import RedactSecrets, install_log_redaction, uvicorn_config
 from chatstore.api.settings import ServerSettings, parse_api_keys
+from tests.test_api_limits import error_of
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -44,13 +45,6 @@ def keyed(default_model, tmp_path_factory):
 def http(local):
     with httpx.Client(base_url=local.url, timeout=120) as c:
         yield c
-
-
-def error_of(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]
 
 
 def upgrade(server, path: str, **headers: str) -> httpx.Response:
