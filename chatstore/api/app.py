@@ -7,9 +7,9 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI
@@ -36,6 +36,7 @@ class Backend:
     max_context: int
     vocab_size: int
     model_name: str | None = None  # what /v1/models lists (default: settings.model_name)
+    on_shutdown: list[Callable[[], None]] = field(default_factory=list)  # after the store closes
 
 
 def create_app(backend: Backend, settings: ServerSettings) -> FastAPI:
@@ -68,7 +69,11 @@ def create_app(backend: Backend, settings: ServerSettings) -> FastAPI:
                 purger.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await purger
-            await shutdown(service, settings.drain_timeout_s)
+            try:
+                await shutdown(service, settings.drain_timeout_s)
+            finally:
+                for close in backend.on_shutdown:
+                    close()
 
     app = FastAPI(
         title="chatstore",

@@ -4,6 +4,7 @@ runtime = create_runtime(config)                 model + device KV pool + runner
 store   = create_store(config, spec, fingerprint)   None when kv_store = "off"
 engine  = AsyncEngine(runtime, EngineConfig.from_config(config), connector(store))
 store.set_waiting_queue(engine's waiting sessions)  look-ahead for eviction and prefetch
+kv events (config.kv_events_endpoint)            device prefix cache + store tiers over ZMQ
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
     max_context = model.spec.max_context
     if store is not None:
         max_context = min(max_context, store.settings.max_context_tokens)
+    on_shutdown = []
+    if config.kv_events_endpoint:
+        on_shutdown.append(start_kv_events(config, engine, store))
     return Backend(
         engine=engine,
         store=StoreAdapter(store, connector, records),
@@ -64,7 +68,25 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
         max_context=max_context,
         vocab_size=model.spec.vocab_size,
         model_name=_model_name(config.model),
+        on_shutdown=on_shutdown,
     )
+
+
+def start_kv_events(config: Any, engine: Any, store: Any) -> Any:
+    """Publish the device prefix cache's and the store's changes; the publisher's close."""
+    from chatstore.kv_events import EngineSource, KVEventPublisher, StoreSource
+
+    publisher = KVEventPublisher(
+        config.kv_events_endpoint,
+        config.kv_events_replay_endpoint or None,
+        config.kv_events_topic,
+    )
+    blocks = engine.engine.blocks
+    EngineSource(publisher, blocks.block_size).attach(blocks)
+    if store is not None:
+        StoreSource(publisher, store).attach()
+    log.info("KV events: publishing on %s", config.kv_events_endpoint)
+    return publisher.close
 
 
 def waiting_keys(engine: Any) -> list[Any]:

@@ -6,6 +6,16 @@ The remote (Redis) tier's circuit breaker, when the store has one:
     chatstore_remote_breaker_open             1 while open or half-open (Redis counts as absent)
     chatstore_remote_breaker_opens_total      times it opened
     chatstore_remote_short_circuited_total    calls answered without touching Redis
+
+vLLM's names, which the Gateway API Inference Extension's endpoint picker scrapes (its model
+server protocol), labelled model_name as vLLM does:
+
+    vllm:num_requests_waiting     requests queued for admission
+    vllm:num_requests_running     requests in the running batch
+    vllm:kv_cache_usage_perc      KV blocks in use, a fraction in [0, 1] (cached free blocks
+                                  count as free, as in vLLM)
+    vllm:gpu_cache_usage_perc     the same under its pre-v0.10 name
+    vllm:cache_config_info        1, labels block_size and num_gpu_blocks (prefix-cache scorer)
 """
 
 from __future__ import annotations
@@ -77,6 +87,35 @@ class RemoteBreakerCollector(Collector):
         )  # fmt: skip
 
 
+class GatewayCollector(Collector):
+    """Engine stats under vLLM's metric names (read per scrape)."""
+
+    def __init__(self, engine_stats: Callable[[], Any], model_name: str) -> None:
+        self.engine_stats = engine_stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.engine_stats()
+        if stats is None:
+            return
+        usage = (stats.num_blocks - stats.free_blocks) / stats.num_blocks if stats.num_blocks else 0
+        for name, doc, value in (
+            ("vllm:num_requests_waiting", "requests waiting to be admitted", stats.waiting),
+            ("vllm:num_requests_running", "requests in the running batch", stats.running),
+            ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", usage),
+            ("vllm:gpu_cache_usage_perc", "KV cache usage (1 = full), old name", usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            yield g
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "KV cache configuration",
+            labels=["block_size", "num_gpu_blocks"],
+        )  # fmt: skip
+        info.add_metric([str(stats.block_size), str(stats.num_blocks)], 1)
+        yield info
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -125,4 +164,20 @@ def metrics(request: Request) -> Response:
     health = getattr(getattr(service, "store", None), "remote_health", None)
     if health is not None:  # read per scrape from the store port (app.py attaches no more)
         body += generate_latest(RemoteBreakerCollector(health))  # type: ignore[arg-type]
+    engine = getattr(service, "engine", None)
+    if engine is not None:
+        gateway = GatewayCollector(_quiet(engine.stats), state.settings.model_name)
+        body += generate_latest(gateway)  # type: ignore[arg-type]
     return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def _quiet(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """A scrape shows what it can: stats that fail to read are left out, not a 500."""
+
+    def call() -> Any:
+        try:
+            return fn()
+        except Exception:
+            return None
+
+    return call

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Protocol
 
 from chatstore.engine.block_pool import BlockPool
 from chatstore.engine.kv_cache import PagedKVCache
@@ -41,6 +42,13 @@ class PrefixCacheStats:
     evictions: int  # cached blocks reused for other content
 
 
+class PrefixCacheListener(Protocol):
+    """Told, on the engine thread, when full blocks enter and leave the prefix cache."""
+
+    def block_stored(self, block_hash: bytes, parent: bytes | None, tokens: list[int]) -> None: ...
+    def block_removed(self, block_hash: bytes) -> None: ...
+
+
 class BlockManager:
     def __init__(self, pool: BlockPool, kv_cache: PagedKVCache, enable_caching: bool = True):
         self.pool = pool
@@ -50,6 +58,7 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self.hits = self.misses = self.evictions = 0
+        self.listener: PrefixCacheListener | None = None  # KV events; None costs one test
 
     # -- prefix lookup at admission ----------------------------------------------------------
     def lookup(self, seq: Sequence) -> list[int]:
@@ -125,6 +134,8 @@ class BlockManager:
             if h not in self._block_of and block not in self._hash_of:
                 self._block_of[h] = block
                 self._hash_of[block] = h
+                if self.listener is not None:
+                    self._tell_stored(seq, i)
         seq.num_registered = full
 
     def stats(self) -> PrefixCacheStats:
@@ -162,6 +173,12 @@ class BlockManager:
         self.pool.free([old])
         seq.block_table[index] = new
 
+    def _tell_stored(self, seq: Sequence, i: int) -> None:
+        assert self.listener is not None
+        bs, hashes = self.block_size, seq.block_hashes
+        parent = hashes[i - 1] if i else None
+        self.listener.block_stored(hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
+
     def _allocate(self, n: int) -> list[int]:
         blocks = self.pool.allocate(n)
         for b in blocks:
@@ -169,6 +186,8 @@ class BlockManager:
             if h is not None:
                 del self._block_of[h]
                 self.evictions += 1
+                if self.listener is not None:
+                    self.listener.block_removed(h)
         return blocks
 
     def _take(self, blocks: list[int]) -> None:
