@@ -10,6 +10,10 @@ written fails the turn with 503/507 and leaves the session as it was.
 
 A session has at most one turn in flight (409 otherwise), a delete waits for none, and a tenant
 has at most `max_turns_per_tenant` turns in flight and `max_sessions_per_tenant` sessions (429).
+Across replicas sharing one Redis, a turn or a delete also holds the session's lease in Redis
+(409 `session_busy` while another replica has it), and the turn's messages are appended only on
+top of the record version it read (409 `session_conflict` otherwise): an acknowledged turn is
+never overwritten by another replica's save.
 
 The assistant message of a turn that ended on EOS or max_tokens carries `kv_tokens` (the number
 of tokens the store saved) and `last_token` (the sampled token after them); when the record still
@@ -42,6 +46,7 @@ from chatstore.engine.request import (
     Request,
     SamplingParams,
 )
+from chatstore.store.records import RecordStoreError
 
 log = logging.getLogger("chatstore.api")
 
@@ -94,6 +99,7 @@ class ChatService:
         self.on_turn_end = on_turn_end
         self.draining = False
         self._busy: set[tuple[str, str]] = set()  # sessions with a turn (or a delete) running
+        self._leases: dict[tuple[str, str], Any] = {}  # their leases (shared with replicas)
         self._turns: Counter[str] = Counter()  # turns in flight per tenant
         self._lock = threading.Lock()  # _busy and _turns: turns open in worker threads
 
@@ -108,7 +114,7 @@ class ChatService:
                 "metadata", f"metadata is {size} bytes as JSON; the limit is {limit}", "too_long"
             )
         if sid is not None and self.store.get(tenant, sid) is not None:
-            raise APIError(409, f"session {sid} already exists", param="id", code="conflict")
+            raise self._exists(sid)
         self._check_session_quota(tenant)
         messages = []
         if system_prompt is not None:
@@ -116,7 +122,8 @@ class ChatService:
             messages = [{"role": "system", "content": system_prompt}]
         now = time.time()
         record = SessionRecord(tenant, sid or new_session_id(), messages, [], metadata, now, now)
-        self.store.put(record)
+        if not self.store.create(record):  # another replica created the id meanwhile
+            raise self._exists(record.session_id)
         return record
 
     def get_session(self, tenant: str, sid: str) -> SessionRecord:
@@ -132,8 +139,12 @@ class ChatService:
                 raise self._busy_error(sid)
             self._busy.add(key)
         try:
-            if not self.store.delete(tenant, sid):
-                raise not_found(f"session {sid}")
+            lease = self._lease(key)
+            try:
+                if not self.store.delete(tenant, sid):
+                    raise not_found(f"session {sid}")
+            finally:
+                self.store.release_lease(lease)
         finally:
             with self._lock:
                 self._busy.discard(key)
@@ -200,14 +211,49 @@ class ChatService:
                 )
             self._busy.add(key)
             self._turns[tenant] += 1
+        try:
+            lease = self._lease(key)
+        except BaseException:
+            self._release(key)
+            raise
+        with self._lock:
+            self._leases[key] = lease
+
+    def _lease(self, key: tuple[str, str]) -> Any:
+        """The session's lease across replicas (after the local busy check, which settles
+        turns within this process without a round trip)."""
+        try:
+            lease = self.store.acquire_lease(*key)
+        except RecordStoreError as exc:
+            raise store_error(exc) from None
+        if lease is None:
+            raise APIError(
+                409,
+                f"session {key[1]}: a turn is in progress on another replica",
+                code="session_busy",
+            )
+        return lease
 
     def _release(self, key: tuple[str, str]) -> None:
+        """Free the session here; its lease goes back in the background (this may run on the
+        event loop, which must not wait on Redis)."""
         with self._lock:
+            lease = self._leases.pop(key, None)
             if key in self._busy:
                 self._busy.discard(key)
                 self._turns[key[0]] -= 1
                 if self._turns[key[0]] <= 0:
                     del self._turns[key[0]]
+        if lease is not None:
+            self.store.release_lease(lease, wait=False)
+
+    def _release_lease(self, key: tuple[str, str]) -> None:
+        """Give the lease back now (a worker thread), before the turn is acknowledged: the
+        client's next turn may go to another replica."""
+        with self._lock:
+            lease = self._leases.pop(key, None)
+        if lease is not None:
+            self.store.release_lease(lease)
 
     def _prepare(self, spec: TurnSpec) -> _Prepared:
         if spec.new_message is not None:
@@ -341,6 +387,8 @@ class ChatService:
         except Exception as exc:
             log.error("saving session %s failed: %s", record.session_id, exc)
             raise store_error(exc) from None
+        finally:
+            self._release_lease((record.tenant, record.session_id))
 
     def _end(self, turn: Turn) -> None:
         record: SessionRecord = turn.log["record"]
@@ -359,8 +407,14 @@ class ChatService:
             # text short of its tokens: the next turn renders afresh then.)
             reply["kv_tokens"] = len(turn.request.prompt_token_ids) + len(ids) - 1
             reply["last_token"] = ids[-1]
-        record.messages = [*turn.record_messages, reply]
-        self.store.put(record)
+        # Append on top of what the turn read: the version check refuses the save if another
+        # replica wrote the session since. A client that resent an edited history (OpenAI)
+        # replaces the stored one instead.
+        stored, sent = plain(record.messages), turn.record_messages
+        if sent[: len(stored)] == stored:
+            self.store.append_turn(record, [*sent[len(stored) :], reply])
+        else:
+            self.store.append_turn(record, [*sent, reply], keep=0)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -386,6 +440,9 @@ class ChatService:
                 code="too_many_sessions",
                 headers=self._retry(),
             )
+
+    def _exists(self, sid: str) -> APIError:
+        return APIError(409, f"session {sid} already exists", param="id", code="conflict")
 
     def _busy_error(self, sid: str) -> APIError:
         return APIError(409, f"session {sid} has a turn in progress", code="session_busy")

@@ -74,11 +74,15 @@ def bad_param(param: str, message: str, code: str = "invalid_value") -> APIError
 
 def store_error(exc: Exception) -> APIError:
     """A session record that could not be read or written durably: 507 when the records
-    store is full (nothing more fits until sessions are deleted), 503 when it is unreachable."""
-    from chatstore.store.records import RecordStoreFull
+    store is full (nothing more fits until sessions are deleted), 503 when it is unreachable,
+    409 when another replica wrote the session since this turn read it."""
+    from chatstore.store.records import RecordConflict, RecordStoreFull
 
     if isinstance(exc, RecordStoreFull):
         return APIError(507, f"session store is full: {exc}", code="store_full")
+    if isinstance(exc, RecordConflict):
+        message = "the session changed on another replica; retry"
+        return APIError(409, f"{message} ({exc})", code="session_conflict")
     retry = {"Retry-After": "1"}
     message = f"session store unavailable: {exc}"
     return APIError(503, message, code="store_unavailable", headers=retry)

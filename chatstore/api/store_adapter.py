@@ -3,7 +3,8 @@
 The store owns durable records (tenant, messages, token ids whose KV is saved, timestamps) and
 the KV tiers; the engine's StoreConnector saves and loads KV. This adapter adds what the API
 needs on top: pagination, a per-tenant prefix index (for OpenAI clients that resend their
-history without a session id) and the tier numbers in the admin shape.
+history without a session id), the tier numbers in the admin shape, and the session leases
+that keep replicas sharing one Redis from running turns on one session at once.
 """
 
 from __future__ import annotations
@@ -15,15 +16,20 @@ from typing import Any
 from chatstore.api.store_port import SessionRecord, TierStats
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.store.session_kv import SessionKey, common_prefix_len
+from chatstore.store.session_lease import SessionLease, session_leases
 
 PREFIX_SCAN_LIMIT = 512  # sessions compared token by token when no stored history is a prefix
 
 
 class StoreAdapter:
-    def __init__(self, store: Any, connector: KVConnector | None, records: Any = None) -> None:
-        """store: an AttentionStore, or None (kv_store = "off": records only, no KV kept)."""
+    def __init__(
+        self, store: Any, connector: KVConnector | None, records: Any = None, leases: Any = None
+    ) -> None:
+        """store: an AttentionStore, or None (kv_store = "off": records only, no KV kept).
+        leases: the session leases (default: in the records' Redis, or local no-ops)."""
         self.store = store
         self.records = records if records is not None else store.records
+        self.leases = leases if leases is not None else self._leases(store, self.records)
         self._connector = connector
         self._has_metadata = _has_field("metadata")
         self._metadata: dict[tuple[str, str], dict[str, str]] = {}
@@ -51,13 +57,47 @@ class StoreAdapter:
             self._metadata[(record.tenant, record.session_id)] = dict(record.metadata)
         if not self.records.get(key):
             changes["created_at"] = record.created_at
-        saved = self.records.upsert(key, **changes)
-        record.token_ids = self._saved_ids(saved)
-        record.updated_at = saved.updated_at
-        with self._lock:
-            index = self._tenant_index(record.tenant)
-            index.pop(record.session_id, None)  # most recently used last
-            index[record.session_id] = list(record.token_ids)
+        self._saved(record, self.records.upsert(key, **changes))
+
+    def create(self, record: SessionRecord) -> bool:
+        """Write a new session's record; False when the id is taken (maybe by another
+        replica a moment ago)."""
+        from chatstore.store.records import RecordConflict
+        from chatstore.store.records import SessionRecord as StoreRecord
+
+        new = StoreRecord(
+            record.tenant,
+            record.session_id,
+            messages=list(record.messages),
+            created_at=record.created_at,
+            updated_at=record.updated_at,
+            metadata=dict(record.metadata),
+        )
+        try:
+            saved = self.records.create(new)
+        except RecordConflict:
+            return False
+        self._saved(record, saved)
+        return True
+
+    def append_turn(
+        self, record: SessionRecord, new_messages: list[dict[str, Any]], keep: int | None = None
+    ) -> None:
+        """Append a turn to the stored messages if the record is still at `record.version`
+        (what the turn read); RecordConflict otherwise. `record` becomes what was stored."""
+        self._wait_saved(record.tenant, record.session_id)  # token_ids of the turn just ended
+        key = SessionKey(record.tenant, record.session_id)
+        saved = self.records.append_turn(key, record.version, new_messages, keep)
+        record.messages = [dict(m) for m in saved.messages]
+        self._saved(record, saved)
+
+    def acquire_lease(self, tenant: str, session_id: str) -> SessionLease | None:
+        """The session's lease for one turn (or delete); None while another replica holds it."""
+        return self.leases.acquire(SessionKey(tenant, session_id))
+
+    def release_lease(self, lease: SessionLease, wait: bool = True) -> None:
+        """wait=False: return at once (the event loop), the release goes out in the background."""
+        self.leases.release(lease, wait)
 
     def delete(self, tenant: str, session_id: str) -> bool:
         with self._lock:
@@ -166,6 +206,7 @@ class StoreAdapter:
         return self.store.invalidate_all()
 
     def close(self) -> None:
+        self.leases.close()
         if self.store is not None:
             self.store.close()  # DRAM sessions move to LMDB; records are closed with it
         else:
@@ -178,6 +219,21 @@ class StoreAdapter:
         return dataclasses.asdict(health) if health is not None else None
 
     # -- helpers ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _leases(store: Any, records: Any) -> Any:
+        settings = getattr(store, "settings", None)
+        lease_s = getattr(settings, "session_lease_s", 30.0)
+        return session_leases(records, lease_s, getattr(settings, "replica_id", ""))
+
+    def _saved(self, record: SessionRecord, saved: Any) -> None:
+        record.token_ids = self._saved_ids(saved)
+        record.updated_at = saved.updated_at
+        record.version = saved.version
+        with self._lock:
+            index = self._tenant_index(record.tenant)
+            index.pop(record.session_id, None)  # most recently used last
+            index[record.session_id] = list(record.token_ids)
 
     def _wait_saved(self, tenant: str, session_id: str) -> None:
         if self.store is not None:
@@ -211,6 +267,7 @@ class StoreAdapter:
             metadata=dict(metadata),
             created_at=raw.created_at,
             updated_at=raw.updated_at,
+            version=getattr(raw, "version", 0),
         )
 
 

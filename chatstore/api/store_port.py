@@ -8,7 +8,7 @@ sight. `StoreAdapter` (store_adapter.py) implements this port over chatstore.sto
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from chatstore.engine.kv_connector import KVConnector
 
@@ -24,6 +24,7 @@ class SessionRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = 0.0
     updated_at: float = 0.0
+    version: int = 0  # of the stored messages when read: a turn appends only on top of it
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,24 @@ class SessionStorePort(Protocol):
     def get(self, tenant: str, session_id: str) -> SessionRecord | None: ...
 
     def put(self, record: SessionRecord) -> None: ...
+
+    def create(self, record: SessionRecord) -> bool:
+        """Write a new session's record; False when the id is taken."""
+        ...
+
+    def append_turn(
+        self, record: SessionRecord, new_messages: list[dict[str, Any]], keep: int | None = None
+    ) -> None:
+        """Append a turn's messages on top of `record.version`, keeping the first `keep` stored
+        messages (None: all); raises RecordConflict when the session changed meanwhile."""
+        ...
+
+    def acquire_lease(self, tenant: str, session_id: str) -> Any:
+        """The session's lease for one turn or delete (shared by replicas); None when another
+        replica holds it. Raises RecordStoreUnavailable when the store cannot be reached."""
+        ...
+
+    def release_lease(self, lease: Any, wait: bool = True) -> None: ...
 
     def delete(self, tenant: str, session_id: str) -> bool:
         """Forget the record and its KV in every tier; False when it did not exist."""

@@ -172,7 +172,9 @@ class AttentionStore:
         if remote is None and settings.redis_url:
             # One client for the KV tier and the records: every call gives up after the
             # timeout, so a hung Redis costs a bounded wait (and the tier's breaker, less).
-            remote = connect_redis(settings.redis_url, settings.redis_timeout_s)
+            remote = connect_redis(
+                settings.redis_url, settings.redis_timeout_s, cluster=settings.redis_cluster
+            )
         tiers: list[StorageTier] = []
         if settings.dram_bytes > 0:
             tiers.append(DramTier(settings.dram_bytes, self.layout, settings.block_size))

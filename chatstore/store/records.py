@@ -40,6 +40,9 @@ class SessionRecord:
     metadata: dict[str, Any] = field(default_factory=dict)  # the client's, from POST /v1/sessions
     # The model the token ids (and chunks) were made for: another model's ids are not reused.
     fingerprint: str = ""
+    # Bumped by every write of the messages (not by the store's KV bookkeeping): a turn appends
+    # only if the record is still at the version it read (append_turn).
+    version: int = 0
 
     @property
     def key(self) -> SessionKey:
@@ -77,6 +80,10 @@ class RecordStoreUnavailable(RecordStoreError):
     """The records backend (Redis) is down or did not answer in time."""
 
 
+class RecordConflict(RecordStoreError):
+    """The record changed since the writer read it (another replica wrote the session)."""
+
+
 class RecordStore(ABC):
     def __init__(self, ttl_s: int = 0) -> None:
         self.ttl_s = ttl_s
@@ -103,8 +110,52 @@ class RecordStore(ABC):
             record = SessionRecord(key.tenant, key.session_id)
         for name, value in changes.items():
             setattr(record, name, value)
+        if "messages" in changes:
+            record.version += 1
         record.updated_at = time.time()
         return record
+
+    def create(self, record: SessionRecord) -> SessionRecord:
+        """Write a new record (version 1); RecordConflict when a live one has its key."""
+
+        def created(current: SessionRecord | None) -> SessionRecord:
+            if current is not None and not self.expired(current):
+                raise RecordConflict(f"session {record.session_id} already exists")
+            record.version = (current.version if current is not None else 0) + 1
+            return record
+
+        return self._update(record.key, created)
+
+    def append_turn(
+        self,
+        key: SessionKey,
+        base_version: int,
+        new_messages: list[dict[str, Any]],
+        keep: int | None = None,
+        **changes: Any,
+    ) -> SessionRecord:
+        """Append a turn's messages if the record is still at `base_version` (an absent one is
+        at 0), atomically; RecordConflict otherwise. `keep`: the stored messages kept before the
+        new ones (a client that resent an edited history); None keeps them all."""
+
+        def appended(current: SessionRecord | None) -> SessionRecord:
+            if current is not None and self.expired(current):
+                current = None
+            found = current.version if current is not None else 0
+            if found != base_version:
+                raise RecordConflict(
+                    f"session {key.session_id} is at version {found}, not {base_version}"
+                )
+            record = current or SessionRecord(key.tenant, key.session_id)
+            kept = record.messages if keep is None else record.messages[:keep]
+            record.messages = [*kept, *new_messages]
+            for name, value in changes.items():
+                setattr(record, name, value)
+            record.version = found + 1
+            record.updated_at = time.time()
+            return record
+
+        return self._update(key, appended)
 
     def _update(self, key: SessionKey, change: Any) -> SessionRecord:
         """Read-modify-write; backends make it atomic."""
@@ -299,20 +350,44 @@ class RedisRecordStore(RecordStore):
     ) -> None:
         """breaker: the KV tier's CircuitBreaker when both live in one Redis, so an outage
         costs a few timeouts in all, then record operations fail at once (503)."""
-        import redis
+        from chatstore.store.tiers.redis import connect_redis, outage_errors
 
         super().__init__(ttl_s)
         self.breaker = breaker
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self._errors = outage_errors()
         if isinstance(url_or_client, str):
-            from chatstore.store.tiers.redis import connect_redis
-
             self.client = connect_redis(url_or_client, timeout_s)
         else:
             self.client = url_or_client
+        self._rename_legacy_records()
 
     def _name(self, key: SessionKey) -> str:
-        return f"{self.PREFIX}{quote(key.tenant, safe='')}:{key_digest(key)}"
+        # The hash tag puts a record and anything named after it (`<name>:…`) in one Redis
+        # Cluster slot, so one transaction can cover them.
+        return f"{self.PREFIX}{{{quote(key.tenant, safe='')}:{key_digest(key)}}}"
+
+    def _rename_legacy_records(self) -> None:
+        """Records named before the hash tag (`chatstore:rec:<tenant>:<digest>`, single-node
+        Redis only) get their tagged name, once; a tagged record already there wins."""
+        import logging
+
+        def rename() -> int:
+            done = 0
+            for raw in self.client.scan_iter(match=f"{self.PREFIX}*", count=1000):
+                old = raw.decode() if isinstance(raw, bytes) else raw
+                rest = old[len(self.PREFIX) :]
+                if rest.startswith("{"):
+                    continue
+                if not self.client.renamenx(old, f"{self.PREFIX}{{{rest}}}"):
+                    self.client.delete(old)
+                done += 1
+            return done
+
+        try:
+            if done := self._call(rename):
+                logging.getLogger(__name__).info("renamed %d session records (hash tags)", done)
+        except RecordStoreUnavailable as exc:
+            logging.getLogger(__name__).warning("session records: legacy names kept (%s)", exc)
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         breaker = self.breaker
@@ -344,6 +419,19 @@ class RedisRecordStore(RecordStore):
     def upsert(self, key: SessionKey, **changes: Any) -> SessionRecord:
         return self._call(super().upsert, key, **changes)
 
+    def create(self, record: SessionRecord) -> SessionRecord:
+        return self._call(super().create, record)
+
+    def append_turn(
+        self,
+        key: SessionKey,
+        base_version: int,
+        new_messages: list[dict[str, Any]],
+        keep: int | None = None,
+        **changes: Any,
+    ) -> SessionRecord:
+        return self._call(super().append_turn, key, base_version, new_messages, keep, **changes)
+
     def list_sessions(self, tenant: str | None = None) -> list[SessionRecord]:
         return self._call(super().list_sessions, tenant)
 
@@ -366,10 +454,19 @@ class RedisRecordStore(RecordStore):
         return SessionRecord.from_json(raw) if raw is not None else None
 
     def _all(self, tenant: str | None = None) -> list[SessionRecord]:
-        # quote() leaves no glob character in a tenant (*, ?, [ are %-escaped).
-        match = f"{self.PREFIX}{quote(tenant, safe='')}:*" if tenant else f"{self.PREFIX}*"
-        names = list(self.client.scan_iter(match=match, count=1000))
-        raws = self.client.mget(names) if names else []
+        # quote() leaves no glob character in a tenant (*, ?, [ are %-escaped; `{` is literal
+        # in a Redis glob). Only names ending in the tag's `}` are records.
+        tag = f"{{{quote(tenant, safe='')}:" if tenant else "{"
+        names = [
+            name
+            for raw in self.client.scan_iter(match=f"{self.PREFIX}{tag}*", count=1000)
+            if (name := raw.decode() if isinstance(raw, bytes) else raw).endswith("}")
+        ]
+        # GETs in a pipeline, not one MGET: the names lie in many cluster slots.
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.get(name)
+            raws = pipe.execute() if names else []
         return [SessionRecord.from_json(raw) for raw in raws if raw is not None]
 
     def close(self) -> None:

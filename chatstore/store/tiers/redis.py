@@ -14,6 +14,10 @@ TierUnavailable (the hierarchy reads a miss, or writes elsewhere); while the bre
 tier holds nothing as far as `contains` is concerned, and a delete only forgets the key here
 (Redis expires it by TTL).
 
+Redis Cluster: `connect_redis` returns a RedisCluster for a `redis+cluster://h:p,h:p` URL (or
+`cluster=True`). Every call here names keys of one slot or goes through a non-transactional
+pipeline, which RedisCluster splits per node; SCAN at start walks every master.
+
 Threads: the client is thread-safe (a connection pool), the index is a FootprintIndex.
 """
 
@@ -36,19 +40,68 @@ NAMESPACE = "chatstore:kv"
 T = TypeVar("T")
 
 
-def connect_redis(url: str, timeout_s: float) -> Any:
-    """A client whose every call (connect included) gives up after timeout_s, once: redis-py
-    otherwise retries a timed-out call up to 10 times with backoff, which turns a hung server
-    into a multi-second stall per call."""
+def is_cluster_url(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in ("redis+cluster", "rediss+cluster")
+
+
+def cluster_startup_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """`redis+cluster://[user:pass@]h1:p1,h2:p2/…` (or a plain `redis://h:p`) -> the nodes to
+    discover the topology from and the connection kwargs. urlsplit cannot parse a comma list of
+    host:port pairs (`.port` raises), hence by hand; a database path is ignored (cluster: db 0)."""
+    scheme, _, rest = url.partition("://")
+    netloc = rest.split("/", 1)[0].split("?", 1)[0]
+    userinfo, _, hosts = netloc.rpartition("@")
+    kwargs: dict[str, Any] = {"ssl": scheme.lower().startswith("rediss")}
+    if userinfo:
+        user, _, password = userinfo.partition(":")
+        kwargs["username"] = unquote(user) or None
+        kwargs["password"] = unquote(password) or None
+    nodes = []
+    for part in filter(None, hosts.split(",")):
+        host, colon, port = part.rpartition(":")
+        if not colon or port.endswith("]"):  # no port: `host` or `[v6]`
+            host, port = part, "6379"
+        nodes.append((host.strip("[]"), int(port)))
+    if not nodes:
+        raise ValueError(f"no host:port in Redis Cluster URL {url!r}")
+    return nodes, kwargs
+
+
+def outage_errors() -> tuple[type[BaseException], ...]:
+    """Errors meaning "Redis is out of reach", as opposed to an error reply. ClusterError covers
+    CLUSTERDOWN / MASTERDOWN (a master lost, failover pending); RedisClusterException covers an
+    uncovered slot and a topology no startup node could report."""
+    from redis import exceptions as e
+
+    return (e.ConnectionError, e.TimeoutError, OSError, e.ClusterError, e.RedisClusterException)
+
+
+def connect_redis(url: str, timeout_s: float, cluster: bool = False) -> Any:
+    """A client whose every call (connect included) gives up after timeout_s: redis-py otherwise
+    retries a timed-out call up to 10 times with backoff, which turns a hung server into a
+    multi-second stall per call. A cluster (`cluster`, or a `redis+cluster://` URL) gets one
+    retry, taken after RedisCluster re-reads the topology, so a call that hit a failed-over
+    master lands on its promoted replica; MOVED / ASK redirects it follows by itself."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return redis.Redis.from_url(
-        url,
+    if not (cluster or is_cluster_url(url)):
+        return redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+    from redis.cluster import ClusterNode, RedisCluster
+
+    nodes, kwargs = cluster_startup_nodes(url)
+    return RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in nodes],
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
+        retry=Retry(NoBackoff(), 1),
+        **kwargs,
     )
 
 
@@ -65,8 +118,6 @@ class RedisTier(IndexedTier):
         timeout_s: float = 0.25,
         breaker: CircuitBreaker | None = None,
     ) -> None:
-        import redis
-
         super().__init__(capacity_bytes)
         if isinstance(url_or_client, str):
             self.client = connect_redis(url_or_client, timeout_s)
@@ -75,7 +126,7 @@ class RedisTier(IndexedTier):
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
         self.breaker = breaker or CircuitBreaker()
-        self._outage = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._outage = outage_errors()
         try:
             self._call(self._rebuild_index)
         except TierUnavailable as exc:

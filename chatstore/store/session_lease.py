@@ -1,0 +1,200 @@
+"""A turn's lease on its session, so that replicas sharing one Redis run one turn at a time.
+
+    acquire:  SET chatstore:lease:{<tenant>:<digest>} <token> NX PX <lease_ms>   (None if held)
+    renew:    every lease/3, for every lease held: PEXPIRE if the value is still our token
+    release:  DEL if the value is still our token (never another holder's lease)
+
+The braces put the lease in the record's hash slot (Redis Cluster). A replica that dies stops
+renewing and its leases expire after `session_lease_s`. A lease lost anyway (Redis hung past the
+lease) is not a correctness hole: the turn's record write is a compare-and-set on the version it
+read (records.append_turn), so the later writer gets RecordConflict instead of losing a turn.
+
+With LMDB records there is one process: its busy set already serialises turns, and `LocalLeases`
+hands out a lease that does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from chatstore.store.keys import key_digest
+from chatstore.store.records import RecordStore, RedisRecordStore
+from chatstore.store.session_kv import SessionKey
+
+log = logging.getLogger(__name__)
+
+LEASE_PREFIX = "chatstore:lease:"
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+def session_tag(key: SessionKey) -> str:
+    """The session's Redis hash tag body: records and leases of a session share its slot."""
+    return f"{quote(key.tenant, safe='')}:{key_digest(key)}"
+
+
+def lease_name(key: SessionKey) -> str:
+    return f"{LEASE_PREFIX}{{{session_tag(key)}}}"
+
+
+@dataclass(eq=False)
+class SessionLease:
+    key: SessionKey
+    name: str = ""
+    token: str = ""
+    lost: bool = False  # a renewal found another token (or none): the lease expired
+
+
+class LocalLeases:
+    """One process owns the records (LMDB): nothing to coordinate."""
+
+    def acquire(self, key: SessionKey) -> SessionLease | None:
+        return SessionLease(key)
+
+    def release(self, lease: SessionLease, wait: bool = True) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class RedisLeases:
+    """Leases in the records' Redis, through their breaker and error mapping (503 when down)."""
+
+    def __init__(self, records: RedisRecordStore, lease_s: float, replica_id: str = "") -> None:
+        if lease_s <= 0:
+            raise ValueError("session_lease_s must be positive")
+        self.records = records
+        self.lease_ms = max(1, int(lease_s * 1000))
+        self.replica = replica_id or f"{socket.gethostname()}:{os.getpid()}"
+        self._renew = records.client.register_script(_RENEW)
+        self._release = records.client.register_script(_RELEASE)
+        self._held: dict[str, SessionLease] = {}  # lease name -> lease
+        self._to_release: dict[str, SessionLease] = {}  # given back, not yet sent
+        self._lock = threading.Lock()
+        # Held while pending releases go out: an acquire of the same session waits for them
+        # instead of finding our own lease still in Redis.
+        self._sending = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self, key: SessionKey) -> SessionLease | None:
+        """The session's lease, or None when another holder has it. Raises
+        RecordStoreUnavailable when Redis is down."""
+        name = lease_name(key)
+        self._release_pending(name)  # our own last turn's release, not yet sent
+        token = f"{self.replica}:{uuid.uuid4().hex[:12]}"
+        call = self.records._call
+        if not call(self.records.client.set, name, token, nx=True, px=self.lease_ms):
+            return None
+        lease = SessionLease(key, name, token)
+        with self._lock:
+            self._held[name] = lease
+        self._start()
+        return lease
+
+    def release(self, lease: SessionLease, wait: bool = True) -> None:
+        """Give the lease back. wait=False (the event loop) leaves the Redis call to the
+        renewer thread; an acquire of the same session sends it first."""
+        with self._lock:
+            if self._held.get(lease.name) is not lease:
+                return
+            del self._held[lease.name]
+            if not wait:
+                self._to_release[lease.name] = lease
+        if wait:
+            self._send_release(lease)
+        else:
+            self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        with self._lock:
+            left = [*self._held.values(), *self._to_release.values()]
+            self._held, self._to_release = {}, {}
+        for lease in left:
+            self._send_release(lease)
+
+    # -- the renewer ------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._stop.is_set():
+                return
+            self._thread = threading.Thread(
+                target=self._run, name="chatstore-lease-renewer", daemon=True
+            )
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = self.lease_ms / 3000
+        while not self._stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self._release_pending(None)
+            self._renew_all()
+
+    def _renew_all(self) -> None:
+        with self._lock:
+            held = list(self._held.values())
+        for lease in held:
+            try:
+                kept = self.records._call(
+                    self._renew, keys=[lease.name], args=[lease.token, self.lease_ms]
+                )
+            except Exception as exc:  # Redis down: retried next round, the thread lives on
+                log.warning("renewing the lease of %s failed: %s", lease.name, exc)
+                continue
+            if not kept and not lease.lost:
+                lease.lost = True
+                log.warning("lease %s expired while its turn ran", lease.name)
+
+    def _release_pending(self, name: str | None) -> None:
+        """Send the pending releases (all, or the one of lease `name`)."""
+        with self._sending:
+            with self._lock:
+                if name is None:
+                    due, self._to_release = list(self._to_release.values()), {}
+                else:
+                    one = self._to_release.pop(name, None)
+                    due = [one] if one is not None else []
+            for lease in due:
+                self._send_release(lease)
+
+    def _send_release(self, lease: SessionLease) -> None:
+        try:
+            self.records._call(self._release, keys=[lease.name], args=[lease.token])
+        except Exception as exc:  # it expires by itself
+            log.warning("releasing the lease of %s failed: %s", lease.name, exc)
+
+
+def session_leases(records: RecordStore, lease_s: float = 30.0, replica_id: str = "") -> Any:
+    """Leases for the records' backend: in Redis when the records are, else local no-ops."""
+    if isinstance(records, RedisRecordStore):
+        return RedisLeases(records, lease_s, replica_id)
+    return LocalLeases()
