@@ -108,7 +108,7 @@ def test_hung_redis_opens_the_breaker_then_calls_short_circuit(own_redis):
         assert tier.health().state == "open" and tier.health().opens == 1
         for call in (lambda: tier.get(K("a")), lambda: tier.put(K("b"), value(4))):
             out, seconds = timed(call)
-            assert isinstance(out, TierUnavailable) and seconds < 0.001  # no socket I/O
+            assert isinstance(out, TierUnavailable) and seconds < 0.01  # no socket I/O
         assert not tier.contains(K("a"))  # while open the tier holds nothing
         assert tier.health().short_circuited == 2
     time.sleep(0.5)  # reset_s: the next call probes, Redis answers, the breaker closes

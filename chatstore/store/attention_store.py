@@ -210,7 +210,8 @@ class AttentionStore:
         )
         lmdb_tier = self.tier("ssd")
         self.persister: Persister | None = None
-        if settings.persist == "write_back" and lmdb_tier is not None and self.tiers.top:
+        shared = self.tier("remote") is not None
+        if settings.persist == "write_back" and (lmdb_tier or shared) and self.tiers.top:
             self.persister = Persister(self._persist_chunk, settings.persist_lag_s)
         self.records: RecordStore = (
             RedisRecordStore(remote, settings.session_ttl_s, settings.redis_timeout_s, breaker)
@@ -280,8 +281,12 @@ class AttentionStore:
         """Copy the session's chunks whose only copy is in the remote tier up to DRAM, in
         order, stopping at the first that fails; how many moved. For the thread that opens a
         turn: the engine's thread reads no remote tier, so what stays remote is recomputed."""
-        chain = self.index.get(self.key(tenant, session_id))
-        if chain is None or self.tier("remote") is None or self.tiers.top is None:
+        key = self.key(tenant, session_id)
+        if self.tier("remote") is None or self.tiers.top is None:
+            return 0
+        self._adopt(key)
+        chain = self.index.get(key)
+        if chain is None:
             return 0
         moved = 0
         for chunk in chain.chunks:
@@ -299,6 +304,39 @@ class AttentionStore:
             elif where is None:
                 break
         return moved
+
+    def _adopt(self, key: SessionKey) -> None:
+        """Take the session's chain from its shared record when another replica saved it
+        after us (records and chunks in Redis): the chunks it lists that Redis holds become
+        this session's history here. Skipped while a turn of ours is still being written."""
+        if self.writer.is_pending(key):
+            return
+        try:
+            record = self.records.get(key)
+        except Exception as exc:  # RecordStoreUnavailable: keep what we know
+            log.debug("could not read %s's record: %s", key, exc)
+            return
+        if record is None or record.fingerprint != self.fingerprint or not record.chunks:
+            return
+        current = self.index.get(key)
+        digests = [c.digest for c in current.chunks] if current is not None else []
+        if digests == record.chunks:
+            return
+        if self.hasher.num_chunks(len(record.token_ids)) != len(record.chunks):
+            return
+        keys = [ChunkKey(key.tenant, d) for d in record.chunks]
+        remote = self.tier("remote")
+        try:
+            remote.discover(keys)  # type: ignore[union-attr]
+        except Exception as exc:  # TierUnavailable
+            log.debug("could not look up %s's chunks: %s", key, exc)
+            return
+        chain = SessionChain(list(record.token_ids), keys, record.updated_at)
+        with self._lock:
+            freed = self.index.set(key, chain)
+            self._tell_policy("touch", key)
+        self._free(freed)
+        self._bump_version(key)
 
     def _prefetch_candidates(self) -> list[Hashable]:
         candidates = getattr(self.session_policy, "prefetch_candidates", None)
@@ -569,13 +607,17 @@ class AttentionStore:
     def _persist_later(self, chunk: ChunkKey) -> None:
         if self.settings.persist == "write_through":
             self.tiers.persist(chunk)
+            self.tiers.share(chunk)
         elif self.persister is not None:
             self.persister.add(chunk)
 
     def _persist_chunk(self, chunk: ChunkKey) -> None:
+        """Write-back: the chunk's copy on SSD (warm restart) and, with Redis, in Redis too,
+        where another replica finds it when a session moves there."""
         with self._mutate:
             if self.index.referenced(chunk):
                 self.tiers.persist(chunk)
+                self.tiers.share(chunk)
 
     def _needed(self, chunk: ChunkKey) -> bool:
         """Held by a session, or the base a pending turn builds a chunk on (a turn may be

@@ -39,6 +39,15 @@ end
 return 0
 """
 
+_TAKE_BACK = """
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
+    redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+    return 1
+end
+return 0
+"""
+
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     return redis.call('DEL', KEYS[1])
@@ -85,9 +94,12 @@ class RedisLeases:
             raise ValueError("session_lease_s must be positive")
         self.records = records
         self.lease_ms = max(1, int(lease_s * 1000))
-        self.replica = replica_id or f"{socket.gethostname()}:{os.getpid()}"
+        # Unique to this process (two servers in one process are two replicas): a token with
+        # our prefix that no turn of ours holds is a stale lease of ours.
+        self.replica = replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._renew = records.client.register_script(_RENEW)
         self._release = records.client.register_script(_RELEASE)
+        self._take_back = records.client.register_script(_TAKE_BACK)
         self._held: dict[str, SessionLease] = {}  # lease name -> lease
         self._to_release: dict[str, SessionLease] = {}  # given back, not yet sent
         self._lock = threading.Lock()
@@ -106,7 +118,14 @@ class RedisLeases:
         token = f"{self.replica}:{uuid.uuid4().hex[:12]}"
         call = self.records._call
         if not call(self.records.client.set, name, token, nx=True, px=self.lease_ms):
-            return None
+            # Held: by another replica, or by one of our own turns whose release did not
+            # reach Redis (it was down then). A token of ours that no turn of ours holds is
+            # stale: take it back. (Replica ids must be unique to the running process.)
+            with self._lock:
+                ours = name in self._held
+            args = [f"{self.replica}:", token, self.lease_ms]
+            if ours or not call(self._take_back, keys=[name], args=args):
+                return None
         lease = SessionLease(key, name, token)
         with self._lock:
             self._held[name] = lease

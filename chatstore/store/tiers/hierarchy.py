@@ -284,6 +284,21 @@ class ChunkTiers:
         with self._io_lock:
             return self._write_down(key, value, self.slow[:1]) is not None
 
+    def share(self, key: ChunkKey) -> bool:
+        """Copy a DRAM chunk to the remote tier too (other replicas read it there); True
+        when the remote tier holds it afterwards. A no-op without a remote tier."""
+        remote = next((t for t in self.slow if t.remote), None)
+        if remote is None:
+            return False
+        if remote.contains(key):
+            return True
+        with self._lock:
+            value = self._get_memory_quiet(key)
+        if value is None:
+            return False
+        with self._io_lock:
+            return self._write_down(key, value, [remote]) is not None
+
     def _get_memory_quiet(self, key: ChunkKey) -> SessionKV | None:
         top = self.top
         if top is None:

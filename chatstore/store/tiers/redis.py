@@ -218,6 +218,26 @@ class RedisTier(IndexedTier):
             removed = False  # out of reach: Redis expires it by TTL
         return known or removed
 
+    def discover(self, keys: list[ChunkKey]) -> int:
+        """Learn which of keys another replica stored since our index was built (one
+        pipelined STRLEN round); how many were found. Not for the engine's thread."""
+        todo = [k for k in keys if k not in self._index]
+        if not todo:
+            return 0
+
+        def probe() -> list[Any]:
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in todo:
+                    pipe.strlen(self._name(key))
+                return pipe.execute()
+
+        found = 0
+        for key, size in zip(todo, self._call(probe), strict=True):
+            if size:
+                self._index.set(key, int(size))
+                found += 1
+        return found
+
     def health(self) -> BreakerHealth:
         return self.breaker.health()
 
