@@ -22,20 +22,6 @@ class LocalRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def wait_synced(self, timeout_s: float = 20.0) -> None:
-        """Until every live replica's link to its master is up."""
-        import redis
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            infos = [
-                redis.Redis(port=p, socket_timeout=1).info("replication") for p in self.processes
-            ]
-            if all(i["role"] == "master" or i.get("master_link_status") == "up" for i in infos):
-                return
-            time.sleep(0.1)
-        raise RuntimeError("Redis Cluster replicas did not sync")
-
     def stop(self) -> None:
         self.process.terminate()
         try:

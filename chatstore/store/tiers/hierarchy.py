@@ -273,31 +273,23 @@ class ChunkTiers:
     def persist(self, key: ChunkKey) -> bool:
         """Write-back: copy a DRAM chunk to the first slow tier as well (it stays in DRAM);
         True when a slow tier holds it afterwards."""
-        if not self.slow:
-            return False
-        if self.slow[0].contains(key):
-            return True
-        with self._lock:
-            value = self._get_memory_quiet(key)
-        if value is None:
-            return False
-        with self._io_lock:
-            return self._write_down(key, value, self.slow[:1]) is not None
+        return bool(self.slow) and self._copy_down(key, self.slow[0])
 
     def share(self, key: ChunkKey) -> bool:
         """Copy a DRAM chunk to the remote tier too (other replicas read it there); True
         when the remote tier holds it afterwards. A no-op without a remote tier."""
         remote = next((t for t in self.slow if t.remote), None)
-        if remote is None:
-            return False
-        if remote.contains(key):
+        return remote is not None and self._copy_down(key, remote)
+
+    def _copy_down(self, key: ChunkKey, tier: StorageTier) -> bool:
+        if tier.contains(key):
             return True
         with self._lock:
             value = self._get_memory_quiet(key)
         if value is None:
             return False
         with self._io_lock:
-            return self._write_down(key, value, [remote]) is not None
+            return self._write_down(key, value, [tier]) is not None
 
     def _get_memory_quiet(self, key: ChunkKey) -> SessionKV | None:
         top = self.top
