@@ -20,7 +20,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tests.chaos.harness import RedisProcess, ServerProcess, http_client, wait_until
+from tests.chaos.harness import (
+    RedisProcess,
+    ServerProcess,
+    http_client,
+    terminate,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "deploy" / "nginx.conf.template"
@@ -165,13 +171,8 @@ class NginxProcess:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            terminate(self.proc)
 
 
 # Small pools, and KV chunks of 64 tokens so that short test conversations complete chunks.

@@ -28,6 +28,18 @@ ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 
+def terminate(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if the process outlives timeout_s; reaped either way."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout_s)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -263,9 +275,4 @@ class RedisProcess:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.resume()
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        terminate(self.proc)
