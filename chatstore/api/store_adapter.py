@@ -31,8 +31,6 @@ class StoreAdapter:
         self.records = records if records is not None else store.records
         self.leases = leases if leases is not None else self._leases(store, self.records)
         self._connector = connector
-        self._has_metadata = _has_field("metadata")
-        self._metadata: dict[tuple[str, str], dict[str, str]] = {}
         self._index: dict[str, dict[str, list[int]]] = {}  # tenant -> sid -> saved token ids
         self._lock = threading.Lock()
 
@@ -46,18 +44,6 @@ class StoreAdapter:
         self._wait_saved(tenant, session_id)
         raw = self.records.get(SessionKey(tenant, session_id))
         return None if raw is None else self._to_port(raw)
-
-    def put(self, record: SessionRecord) -> None:
-        key = SessionKey(record.tenant, record.session_id)
-        self._wait_saved(record.tenant, record.session_id)  # token_ids of the turn just ended
-        changes: dict[str, Any] = {"messages": record.messages}
-        if self._has_metadata:
-            changes["metadata"] = record.metadata
-        else:
-            self._metadata[(record.tenant, record.session_id)] = dict(record.metadata)
-        if not self.records.get(key):
-            changes["created_at"] = record.created_at
-        self._saved(record, self.records.upsert(key, **changes))
 
     def create(self, record: SessionRecord) -> bool:
         """Write a new session's record; False when the id is taken (maybe by another
@@ -102,7 +88,6 @@ class StoreAdapter:
     def delete(self, tenant: str, session_id: str) -> bool:
         with self._lock:
             self._index.get(tenant, {}).pop(session_id, None)
-        self._metadata.pop((tenant, session_id), None)
         if self.store is None:
             return bool(self.records.delete(SessionKey(tenant, session_id)))
         return bool(self.store.delete_session(tenant, session_id))
@@ -120,7 +105,6 @@ class StoreAdapter:
         with self._lock:
             for key in gone:
                 self._index.get(key.tenant, {}).pop(key.session_id, None)
-                self._metadata.pop((key.tenant, key.session_id), None)
         return len(gone)
 
     def list(self, tenant: str | None, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
@@ -256,22 +240,13 @@ class StoreAdapter:
         return list(raw.token_ids)
 
     def _to_port(self, raw: Any) -> SessionRecord:
-        metadata = getattr(raw, "metadata", None)
-        if metadata is None:
-            metadata = self._metadata.get((raw.tenant, raw.session_id), {})
         return SessionRecord(
             tenant=raw.tenant,
             session_id=raw.session_id,
             messages=[dict(m) for m in raw.messages],
             token_ids=self._saved_ids(raw),
-            metadata=dict(metadata),
+            metadata=dict(raw.metadata),
             created_at=raw.created_at,
             updated_at=raw.updated_at,
-            version=getattr(raw, "version", 0),
+            version=raw.version,
         )
-
-
-def _has_field(name: str) -> bool:
-    from chatstore.store.records import SessionRecord as StoreRecord
-
-    return name in {f.name for f in dataclasses.fields(StoreRecord)}

@@ -203,15 +203,12 @@ class LmdbRecordStore(RecordStore):
     def __init__(self, path: str | Path, ttl_s: int = 0, map_size: int = 1 << 30) -> None:
         import lmdb
 
+        from chatstore.store.tiers.lmdb import open_private
+
         super().__init__(ttl_s)
         self._lmdb = lmdb
-        path = Path(path)
-        self.path = path
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(path, 0o700)
-        self.env = lmdb.open(str(path), map_size=map_size, sync=True, metasync=True, mode=0o600)
-        for name in path.iterdir():
-            os.chmod(name, 0o600)
+        self.path = Path(path)
+        self.env = open_private(self.path, map_size=map_size, sync=True, metasync=True)
         self.map_size = map_size
         # Deletes need free pages too (copy-on-write): writes stop this short of the map, so
         # that a full store can still delete sessions and recover.
@@ -308,31 +305,16 @@ class LmdbRecordStore(RecordStore):
 
     def _all(self, tenant: str | None = None) -> list[SessionRecord]:
         prefix = b"t:" if tenant is None else self._prefix(tenant)
-        out = []
         with self.env.begin() as txn:
             cursor = txn.cursor()
             if not cursor.set_range(prefix):
-                return out
+                return []
+            records = []
             for name, raw in cursor:
                 if not name.startswith(prefix):
                     break
-                out.append(SessionRecord.from_json(raw))
-        return out
-
-    def count_sessions(self, tenant: str) -> int:
-        prefix = self._prefix(tenant)
-        now = time.time()
-        n = 0
-        with self.env.begin() as txn:
-            cursor = txn.cursor()
-            if not cursor.set_range(prefix):
-                return 0
-            for name, raw in cursor:
-                if not name.startswith(prefix):
-                    break
-                if self.ttl_s <= 0 or not self.expired(SessionRecord.from_json(raw), now):
-                    n += 1
-        return n
+                records.append(SessionRecord.from_json(raw))
+        return records
 
     def close(self) -> None:
         self.env.close()

@@ -26,6 +26,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -38,23 +39,28 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
+def open_private(path: Path, **options: Any) -> lmdb.Environment:
+    """An LMDB environment only this user can read: its data is every tenant's. mkdir's and
+    lmdb's modes are masked by the umask (and mkdir's ignored for an existing dir): chmod."""
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(path, DIR_MODE)
+    env = lmdb.open(str(path), mode=FILE_MODE, **options)
+    for name in os.listdir(path):
+        os.chmod(path / name, FILE_MODE)
+    return env
+
+
 class LmdbTier(IndexedTier):
     name = "ssd"
 
     def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str) -> None:
         self.path = Path(path)
-        self.path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        os.chmod(self.path, DIR_MODE)  # mkdir's mode is masked, and ignored for an old dir
         super().__init__(capacity_bytes)
         self.fingerprint = fingerprint
         self._write_lock = threading.Lock()
         # Room for LMDB's own pages and freed-but-not-yet-reusable pages beyond our accounting.
         map_size = max(capacity_bytes * 2, capacity_bytes + (64 << 20))
-        self.env = lmdb.open(
-            str(self.path), map_size=map_size, max_dbs=4, sync=False, mode=FILE_MODE
-        )
-        for name in os.listdir(self.path):
-            os.chmod(self.path / name, FILE_MODE)
+        self.env = open_private(self.path, map_size=map_size, max_dbs=4, sync=False)
         self._chunks = self.env.open_db(b"chunks")
         self._sizes = self.env.open_db(b"sizes")
         self._info = self.env.open_db(b"info")
