@@ -22,6 +22,7 @@ from chatstore.api.schemas import (
 )
 from chatstore.api.streaming import sse, sse_response
 from chatstore.api.turn import Turn, TurnResult
+from chatstore.api.usage import usage_body
 
 router = APIRouter(tags=["openai"])
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -31,16 +32,6 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     429: {"description": "queue full (Retry-After)"},
     503: {"description": "draining"},
 }
-
-
-def usage_body(result: TurnResult) -> dict[str, Any]:
-    u = result.usage
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
 
 
 def finish_reason(reason: str | None) -> str | None:

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from chatstore.api.auth import Principal, tenant_principal
 from chatstore.api.chat_service import ChatService, TurnSpec
 from chatstore.api.errors import APIError, error_body
-from chatstore.api.openai_routes import ERRORS, finish_reason, message_choices, usage_body
+from chatstore.api.openai_routes import ERRORS, finish_reason, message_choices
 from chatstore.api.sampling import to_sampling
 from chatstore.api.schemas import (
     SESSION_ID_PATTERN,
@@ -36,6 +36,7 @@ from chatstore.api.schemas import (
 from chatstore.api.store_port import SessionRecord
 from chatstore.api.streaming import sse, sse_response
 from chatstore.api.turn import Turn, TurnResult
+from chatstore.api.usage import usage_body
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 Tenant = Annotated[Principal, Depends(tenant_principal)]

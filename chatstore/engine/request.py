@@ -115,6 +115,9 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose KV was reused, not computed
     completion_tokens: int
+    # cached_tokens split by where that KV was when the turn opened: "device" (the engine's
+    # prefix cache), "dram", "ssd", "remote"; tiers absent count zero
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,31 @@
+"""Usage objects as the APIs report them, with cached tokens split by the tier they came from.
+
+`cached_tokens_by_tier` is an extension field: OpenAI clients ignore it, dashboards and the
+terminal client read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chatstore.api.turn import TurnResult
+from chatstore.engine.request import Usage
+
+TIERS = ("device", "dram", "ssd", "remote")
+
+
+def cached_by_tier(u: Usage) -> dict[str, int]:
+    """Every tier named, zeros included, so clients can index without checks."""
+    return {tier: int(u.cached_by_tier.get(tier, 0)) for tier in TIERS}
+
+
+def usage_body(result: TurnResult) -> dict[str, Any]:
+    """The Chat Completions usage object."""
+    u = result.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "cached_tokens_by_tier": cached_by_tier(u),
+    }
