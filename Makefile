@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml | $(PY)
 	# and nginx for the replicas test (tests/test_replicas.py runs it unprivileged on loopback).
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
+	# A real browser for the page tests (Playwright drives Debian's chromium; no browser download).
+	test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)
 	touch $(STAMP)
 
 install: $(STAMP)
