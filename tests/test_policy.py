@@ -259,3 +259,64 @@ def optimal_misses(trace: tuple[int, ...], capacity: int) -> int:
 @given(st.lists(st.integers(0, 4), min_size=1, max_size=10), st.integers(1, 3))
 def test_belady_is_optimal_for_unit_sizes(trace, capacity) -> None:
     assert belady_misses(tuple(trace), capacity) == optimal_misses(tuple(trace), capacity)
+
+
+# -- retention priority -------------------------------------------------------------------------
+
+
+def prioritised(name: str, priorities: dict[str, int], caps=(40, 40)) -> EvictionPolicy:
+    """Tier 0 holds a, b, c, d (10 B each; inserted and used in that order, so `a` is the
+    oldest and idlest); belady's future queues d, then b (a and c never run again)."""
+    pol = make_policy(name, caps)
+    if isinstance(pol, BeladyPolicy):
+        pol.bind(QueueLookahead(["d", "b"]))
+    for s in "abcd":
+        pol.on_access(s)
+        pol.on_insert(0, s, 10)
+    for s, p in priorities.items():
+        pol.set_priority(s, p)
+    return pol
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo", "aware", "belady"])
+def test_a_high_priority_idle_session_stays_while_lower_ones_move_down(name) -> None:
+    # Without priorities every policy here evicts a first (oldest, or never used again).
+    assert prioritised(name, {}).choose_victims(0, 10, NO_QUEUE) == ["a"]
+    pol = prioritised(name, {"a": 5, "c": -1})
+    # c (-1) first, then priority 0 in the policy's own order (b before d), a (5) last; when
+    # only high-priority sessions are left they still go: priority never overfills a tier.
+    assert pol.choose_victims(0, 10, NO_QUEUE) == ["c"]
+    assert pol.choose_victims(0, 30, NO_QUEUE) == ["c", "b", "d"]
+    assert pol.choose_victims(0, 40, NO_QUEUE) == ["c", "b", "d", "a"]
+    # An incoming session worth less than every resident goes one tier lower instead ...
+    assert pol.choose_victims(0, 10, NO_QUEUE, incoming="z") == ["c"]
+    pol.set_priority("z", -5)
+    assert pol.choose_victims(0, 10, NO_QUEUE, incoming="z") == ["z"]
+    # ... and a high-priority one displaces the lowest resident, not the one it outranks least.
+    pol.set_priority("z", 10)
+    assert pol.choose_victims(0, 20, NO_QUEUE, incoming="z") == ["c", "b"]
+    pol.set_priority("a", 0)  # back to the default: the policy's own order again
+    pol.set_priority("c", 0)
+    assert pol.choose_victims(0, 10, NO_QUEUE) == ["a"]
+
+
+def test_priority_outranks_the_look_ahead_window() -> None:
+    pol = prioritised("aware", {}, caps=(20, 20))  # S_kv 10 -> L_ev 4: all queued inside
+    queue = QueueLookahead(["b", "c", "d"])  # a is idle, the others run next
+    assert pol.choose_victims(0, 10, queue) == ["a"]  # a is outside the window
+    pol.set_priority("a", 3)
+    assert pol.choose_victims(0, 40, queue) == ["d", "c", "b", "a"]  # window tail first, then a
+
+
+def test_priority_survives_forget_and_reaches_the_chooser() -> None:
+    chooser = PolicyChooser(make_policy("lru"))
+    for key in "abc":
+        chooser.touch(key)
+    chooser.set_priority("a", 2)
+    chooser.set_priority("d", -1)  # never touched (found on disk): goes first only in its class
+    assert chooser.rank("dram", ["a", "b", "c", "d", "e"]) == ["d", "e", "b", "c", "a"]
+    assert chooser.choose_victim("dram", ["a", "b"]) == "b"
+    assert chooser.ranked_below("b", ["a", "c", "d", "e"]) == ["d", "e"]
+    assert chooser.ranked_below("a", ["b", "c"]) == ["b", "c"]
+    chooser.forget("a")  # its KV left the store; the client's priority stays
+    assert chooser.rank("dram", ["a", "b"]) == ["b", "a"]

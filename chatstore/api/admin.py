@@ -2,7 +2,10 @@
 
 GET  /admin/cache        per tier: capacity, used bytes, sessions, hits, misses, bytes moved
                          up/down, evictions, prefetches, hit rate; engine queue and block pool;
-                         the remote tier's circuit breaker (null without Redis)
+                         the remote tier's circuit breaker (null without Redis); `sessions`:
+                         the first page of /admin/cache/sessions
+GET  /admin/cache/sessions  per session (newest first, paginated, ?tenant=): retention
+                         (priority, ttl_s, expires_at) and where its KV is, tokens/bytes per tier
 GET  /admin/sessions     every tenant's sessions (paginated)
 POST /admin/cache/flush  drop all cached session KV (records stay; next turns recompute)
 GET  /healthz            the process is up
@@ -20,6 +23,9 @@ from fastapi.responses import JSONResponse
 from chatstore.api.auth import Principal, admin_principal
 from chatstore.api.chat_service import ChatService
 from chatstore.api.session_routes import session_info
+from chatstore.api.store_port import SessionRecord
+
+CACHE_SESSIONS_SHOWN = 50  # rows of the session table inlined in /admin/cache
 
 router = APIRouter(tags=["admin"])
 Admin = Annotated[Principal, Depends(admin_principal)]
@@ -51,7 +57,54 @@ def cache_stats(request: Request, _: Admin) -> dict[str, Any]:
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "engine": engine_body(service),
         "remote_breaker": remote_health() if remote_health is not None else None,
+        "sessions": session_table(service, None, 0, CACHE_SESSIONS_SHOWN),
     }
+
+
+def session_row(service: ChatService, record: SessionRecord) -> dict[str, Any]:
+    """One session's retention and KV placement (kv_tiers: fastest first)."""
+    placement = service.store.placement(record.tenant, record.session_id)
+    by_tier = placement.bytes_by_tier if placement is not None else {}
+    tokens = placement.tokens_by_tier if placement is not None else {}
+    return {
+        "id": record.session_id,
+        "tenant": record.tenant,
+        "priority": record.priority,
+        "ttl_s": record.ttl_s,
+        "expires_at": record.expires_at,
+        "updated_at": record.updated_at,
+        "kv_location": service.store.kv_location(record.tenant, record.session_id),
+        "kv_tiers": [t for t in ("dram", "ssd", "remote") if tokens.get(t)],
+        "kv_tokens": sum(tokens.values()),
+        "kv_bytes": sum(by_tier.values()),
+        "kv_tokens_by_tier": tokens,
+        "kv_bytes_by_tier": by_tier,
+    }
+
+
+def session_table(
+    service: ChatService, tenant: str | None, offset: int, limit: int
+) -> dict[str, Any]:
+    records, total = service.store.list(tenant, offset, limit)
+    more = offset + len(records) < total
+    return {
+        "object": "list",
+        "data": [session_row(service, r) for r in records],
+        "has_more": more,
+        "next_offset": offset + len(records) if more else None,
+        "total": total,
+    }
+
+
+@router.get("/admin/cache/sessions")
+def cache_sessions(
+    request: Request,
+    _: Admin,
+    offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    tenant: Annotated[str | None, Query(max_length=256)] = None,
+) -> dict[str, Any]:
+    return session_table(request.app.state.service, tenant, offset, limit)
 
 
 @router.get("/admin/sessions")

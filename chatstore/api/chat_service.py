@@ -47,6 +47,7 @@ from chatstore.engine.request import (
     SamplingParams,
 )
 from chatstore.store.records import RecordStoreError
+from chatstore.store.retention import check_retention
 
 log = logging.getLogger("chatstore.api")
 
@@ -106,13 +107,16 @@ class ChatService:
     # -- sessions ---------------------------------------------------------------------------
 
     def create_session(
-        self, tenant: str, system_prompt: str | None, metadata: dict[str, str], sid: str | None
+        self,
+        tenant: str,
+        system_prompt: str | None,
+        metadata: dict[str, str],
+        sid: str | None,
+        priority: int = 0,
+        ttl_s: int = 0,
     ) -> SessionRecord:
-        size, limit = len(json.dumps(metadata)), self.settings.max_metadata_bytes
-        if size > limit:
-            raise bad_param(
-                "metadata", f"metadata is {size} bytes as JSON; the limit is {limit}", "too_long"
-            )
+        self._check_metadata(metadata)
+        self._check_retention({"priority": priority, "ttl_s": ttl_s})
         if sid is not None and self.store.get(tenant, sid) is not None:
             raise self._exists(sid)
         self._check_session_quota(tenant)
@@ -122,8 +126,29 @@ class ChatService:
             messages = [{"role": "system", "content": system_prompt}]
         now = time.time()
         record = SessionRecord(tenant, sid or new_session_id(), messages, [], metadata, now, now)
+        record.priority, record.ttl_s = priority, ttl_s
         if not self.store.create(record):  # another replica created the id meanwhile
             raise self._exists(record.session_id)
+        return record
+
+    def update_session(self, tenant: str, sid: str, changes: dict[str, Any]) -> SessionRecord:
+        """Change the session's priority, ttl_s and/or metadata (404 if it does not exist)."""
+        if not changes:
+            raise bad_param("body", "nothing to change: give priority, ttl_s or metadata")
+        if changes.get("metadata") is not None:
+            self._check_metadata(changes["metadata"])
+        elif "metadata" in changes:
+            raise bad_param("metadata", "metadata must be an object (send {} to clear it)")
+        for name in ("priority", "ttl_s"):
+            if name in changes and changes[name] is None:
+                raise bad_param(name, f"{name} must be an integer")
+        self._check_retention(changes)
+        try:
+            record = self.store.update(tenant, sid, **changes)
+        except RecordStoreError as exc:
+            raise store_error(exc) from None
+        if record is None:
+            raise not_found(f"session {sid}")
         return record
 
     def get_session(self, tenant: str, sid: str) -> SessionRecord:
@@ -430,6 +455,20 @@ class ChatService:
             raise bad_param(
                 param, f"text is not valid Unicode at character {exc.start}", "invalid_text"
             ) from None
+
+    def _check_metadata(self, metadata: dict[str, str]) -> None:
+        size, limit = len(json.dumps(metadata)), self.settings.max_metadata_bytes
+        if size > limit:
+            raise bad_param(
+                "metadata", f"metadata is {size} bytes as JSON; the limit is {limit}", "too_long"
+            )
+
+    def _check_retention(self, fields: dict[str, Any]) -> None:
+        """The schema bounds them already; this guards callers that bypass it."""
+        try:
+            check_retention(fields.get("priority"), fields.get("ttl_s"))
+        except ValueError as exc:
+            raise bad_param("priority" if "priority" in str(exc) else "ttl_s", str(exc)) from None
 
     def _check_session_quota(self, tenant: str) -> None:
         limit = self.settings.max_sessions_per_tenant

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from chatstore.store.retention import PRIORITY_MAX, PRIORITY_MIN, TTL_MAX_S
+
 SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 SessionId = Annotated[str, StringConstraints(pattern=SESSION_ID_PATTERN)]
 INT64_MAX = (1 << 63) - 1
@@ -69,11 +71,27 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
 
 
+Priority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True)]
+TtlSeconds = Annotated[int, Field(ge=0, le=TTL_MAX_S, strict=True)]  # 0: the server's TTL
+
+
 class SessionCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     system_prompt: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
     id: SessionId | None = None
+    priority: Priority = 0
+    ttl_s: TtlSeconds = 0
+
+
+class SessionPatchRequest(BaseModel):
+    """PATCH /v1/sessions/{id}: the fields given change, the others stay; metadata is
+    replaced whole."""
+
+    model_config = ConfigDict(extra="forbid")
+    priority: Priority | None = None
+    ttl_s: TtlSeconds | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=64)
 
 
 class SessionMessageRequest(SamplingFields):
@@ -91,6 +109,8 @@ class UsageBody(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Extension: cached_tokens by where that KV was (device, dram, ssd, remote); usage.py.
+    cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
 
 
 class AssistantMessage(BaseModel):
@@ -142,6 +162,9 @@ class SessionInfo(BaseModel):
     num_messages: int
     num_tokens: int
     kv_location: str | None = None  # device | dram | ssd | remote | None (no KV kept)
+    priority: int = 0
+    ttl_s: int = 0  # 0: the server's session TTL
+    expires_at: float | None = None  # if left idle; None: never
     messages: list[MessageOut] | None = None
 
 

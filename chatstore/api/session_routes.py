@@ -3,6 +3,7 @@
     POST   /v1/sessions                  create (optional system prompt, metadata)
     GET    /v1/sessions                  the tenant's own, newest first (offset/limit)
     GET    /v1/sessions/{id}             messages, token count, where its KV sits now
+    PATCH  /v1/sessions/{id}             change priority, ttl_s (retention) or metadata
     POST   /v1/sessions/{id}/messages    one turn: JSON reply, or SSE with stream=true
     DELETE /v1/sessions/{id}             history and KV gone from every tier
     POST   /v1/sessions/{id}/prefetch    hint: the user is about to write; move the KV up (202)
@@ -31,6 +32,7 @@ from chatstore.api.schemas import (
     SessionInfo,
     SessionList,
     SessionMessageRequest,
+    SessionPatchRequest,
     SessionReply,
 )
 from chatstore.api.store_port import SessionRecord
@@ -53,6 +55,9 @@ def session_info(service: ChatService, record: SessionRecord, full: bool) -> dic
         "num_messages": len(record.messages),
         "num_tokens": len(record.token_ids),
         "kv_location": service.store.kv_location(record.tenant, record.session_id),
+        "priority": record.priority,
+        "ttl_s": record.ttl_s,
+        "expires_at": record.expires_at,
         "messages": [dict(m) for m in record.messages] if full else None,
     }
 
@@ -66,7 +71,14 @@ def create_session(body: SessionCreateRequest, request: Request, principal: Tena
     service = _service(request)
     if service.draining:
         raise APIError(503, "server is shutting down", code="draining")
-    record = service.create_session(principal.tenant, body.system_prompt, body.metadata, body.id)
+    record = service.create_session(
+        principal.tenant,
+        body.system_prompt,
+        body.metadata,
+        body.id,
+        priority=body.priority,
+        ttl_s=body.ttl_s,
+    )
     return JSONResponse(session_info(service, record, True), status_code=201)
 
 
@@ -92,6 +104,17 @@ def list_sessions(
 def get_session(session_id: SessionPath, request: Request, principal: Tenant) -> Any:
     service = _service(request)
     return session_info(service, service.get_session(principal.tenant, session_id), True)
+
+
+@router.patch("/{session_id}", response_model=SessionInfo, responses=ERRORS)
+def patch_session(
+    session_id: SessionPath, body: SessionPatchRequest, request: Request, principal: Tenant
+) -> Any:
+    """Partial update: only the fields sent change (retention takes effect at once)."""
+    service = _service(request)
+    changes = body.model_dump(exclude_unset=True)
+    record = service.update_session(principal.tenant, session_id, changes)
+    return session_info(service, record, True)
 
 
 @router.delete("/{session_id}", response_model=Deleted, responses=ERRORS)

@@ -13,7 +13,7 @@ import dataclasses
 import threading
 from typing import Any
 
-from chatstore.api.store_port import SessionRecord, TierStats
+from chatstore.api.store_port import SessionPlacement, SessionRecord, TierStats
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.store.session_kv import SessionKey, common_prefix_len
 from chatstore.store.session_lease import SessionLease, session_leases
@@ -58,13 +58,41 @@ class StoreAdapter:
             created_at=record.created_at,
             updated_at=record.updated_at,
             metadata=dict(record.metadata),
+            ttl_s=record.ttl_s,
+            priority=record.priority,
         )
         try:
             saved = self.records.create(new)
         except RecordConflict:
             return False
         self._saved(record, saved)
+        self._retain(saved)
+        record.expires_at = self.records.expires_at(saved)
         return True
+
+    def update(self, tenant: str, session_id: str, **changes: Any) -> SessionRecord | None:
+        """Patch the record's retention fields or metadata (atomically, so a concurrent turn's
+        messages are kept); the store's placement learns the new priority at once."""
+        self._wait_saved(tenant, session_id)
+        saved = self.records.patch(SessionKey(tenant, session_id), **changes)
+        if saved is None:
+            return None
+        self._retain(saved)
+        return self._to_port(saved)
+
+    def _retain(self, saved: Any) -> None:
+        if self.store is not None:
+            from chatstore.store.retention import Retention
+
+            self.store.set_retention(
+                saved.tenant, saved.session_id, Retention(saved.priority, saved.ttl_s)
+            )
+
+    def placement(self, tenant: str, session_id: str) -> SessionPlacement | None:
+        if self.store is None:
+            return None
+        tokens = self.store.kv_by_tier(tenant, session_id)
+        return SessionPlacement(tokens, self.store.layout.bytes_per_token)
 
     def append_turn(
         self, record: SessionRecord, new_messages: list[dict[str, Any]], keep: int | None = None
@@ -249,4 +277,7 @@ class StoreAdapter:
             created_at=raw.created_at,
             updated_at=raw.updated_at,
             version=raw.version,
+            priority=raw.priority,
+            ttl_s=raw.ttl_s,
+            expires_at=self.records.expires_at(raw),
         )

@@ -25,6 +25,25 @@ class SessionRecord:
     created_at: float = 0.0
     updated_at: float = 0.0
     version: int = 0  # of the stored messages when read: a turn appends only on top of it
+    priority: int = 0  # retention (chatstore.store.retention): higher stays up longer
+    ttl_s: int = 0  # idle seconds before it expires; 0 = the server's session TTL
+    expires_at: float | None = None  # when it expires if left idle (None: never)
+
+
+@dataclass(frozen=True)
+class SessionPlacement:
+    """Where a session's stored KV is: tokens per tier (each chunk at its fastest tier)."""
+
+    tokens_by_tier: dict[str, int]
+    bytes_per_token: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.tokens_by_tier.values())
+
+    @property
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {t: n * self.bytes_per_token for t, n in self.tokens_by_tier.items()}
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,14 @@ class SessionStorePort(Protocol):
 
     def delete(self, tenant: str, session_id: str) -> bool:
         """Forget the record and its KV in every tier; False when it did not exist."""
+        ...
+
+    def update(self, tenant: str, session_id: str, **changes: Any) -> SessionRecord | None:
+        """Change a session's priority, ttl_s or metadata; None when it does not exist."""
+        ...
+
+    def placement(self, tenant: str, session_id: str) -> SessionPlacement | None:
+        """Where the session's KV is now; None without a store."""
         ...
 
     def count_sessions(self, tenant: str) -> int: ...

@@ -129,6 +129,7 @@ class RequestState:
     tokenizer: Any = None
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens reused (device prefix cache + connector)
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # cached_tokens by source
     first_token_time: float | None = None
     admitted: bool = False  # its prompt has been scheduled once (cached_tokens is known)
     forked: bool = False  # the n samples exist (or never will: ended before its first token)
@@ -149,4 +150,14 @@ class RequestState:
     def usage(self) -> Usage:
         completion = sum(len(s.output_token_ids) for s in self.seqs)
         prompt = len(self.request.prompt_token_ids)
-        return Usage(prompt, min(self.cached_tokens, prompt), completion)
+        cached = min(self.cached_tokens, prompt)
+        return Usage(prompt, cached, completion, self._cached_by_tier(cached))
+
+    def _cached_by_tier(self, cached: int) -> dict[str, int]:
+        """cached_by_tier trimmed to `cached` (the device share goes first: it is the part
+        counted past the prompt, if any)."""
+        split = {tier: n for tier, n in self.cached_by_tier.items() if n > 0}
+        over = sum(split.values()) - cached
+        if over > 0 and "device" in split:
+            split["device"] -= min(over, split["device"])
+        return split

@@ -20,7 +20,8 @@ when none does, so no interleaving of turns, deletes and truncations leaks or lo
 start, chunks on SSD that no record lists (a crash between the two) are deleted.
 
 Placement: `PolicyChooser(make_policy(policy))` ranks sessions (scheduler-aware look-ahead
-through `set_waiting_queue`); `ChunkPlacement` turns that into chunk victims. The prefetch thread
+through `set_waiting_queue`), each session's retention priority first (retention.py, kept in
+its record); `ChunkPlacement` turns that into chunk victims. The prefetch thread
 moves the chunks of queued or hinted sessions up to DRAM. `persist` (write_back by default)
 copies stored chunks to LMDB within `persist_lag_s`, so a restart after kill -9 is warm.
 
@@ -50,7 +51,8 @@ from chatstore.store.persister import Persister
 from chatstore.store.placement import ChunkPlacement
 from chatstore.store.policy import PolicyChooser, make_policy
 from chatstore.store.prefetcher import Prefetcher
-from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordStore
+from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordStore, SessionRecord
+from chatstore.store.retention import Retention, RetentionTable
 from chatstore.store.session_index import SessionChain, SessionIndex
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 from chatstore.store.tiers.base import StorageTier, TierOccupancy
@@ -60,6 +62,7 @@ from chatstore.store.tiers.hierarchy import ChunkTiers
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier, connect_redis
 from chatstore.store.truncation import TruncationPlan, plan_truncation
+from chatstore.store.turn_origin import TurnOrigins
 from chatstore.store.turn_plan import ChunkDelta, TurnPlan, TurnWrite, plan_chain
 from chatstore.store.write_buffer import WriteBuffer
 
@@ -195,6 +198,8 @@ class AttentionStore:
         self._deleted: dict[SessionKey, float] = {}  # session -> monotonic time of its deletion
         self._base_pins: dict[ChunkKey, int] = {}  # chunk -> pending turns building on it
         self._queue_source: Callable[[], Iterable[SessionKey]] = tuple
+        self.retention = RetentionTable()  # per-session priority and TTL, from the records
+        self.origins = TurnOrigins()  # chunk tiers as each queued turn found them
         if chooser is None:
             chooser = PolicyChooser(
                 make_policy(settings.policy, [t.capacity for t in tiers]),
@@ -239,6 +244,7 @@ class AttentionStore:
 
     def _restore(self) -> None:
         for record in self.records.list_sessions():
+            self._retain(record)
             chunks = getattr(record, "chunks", None) or []
             if not chunks or not record.token_ids:
                 continue
@@ -280,13 +286,19 @@ class AttentionStore:
     def fetch_remote(self, tenant: str, session_id: str) -> int:
         """Copy the session's chunks whose only copy is in the remote tier up to DRAM, in
         order, stopping at the first that fails; how many moved. For the thread that opens a
-        turn: the engine's thread reads no remote tier, so what stays remote is recomputed."""
+        turn: the engine's thread reads no remote tier, so what stays remote is recomputed.
+        First it notes where each chunk is (turn_origin.py): the turn's cached tokens are
+        counted by those tiers, whatever this fetch or the prefetch thread moves later."""
         key = self.key(tenant, session_id)
-        if self.tier("remote") is None or self.tiers.top is None:
-            return 0
-        self._adopt(key)
+        remote = self.tier("remote") is not None and self.tiers.top is not None
+        if remote:
+            self._adopt(key)
         chain = self.index.get(key)
-        if chain is None:
+        if chain is not None:  # this turn's cached tokens count where it found them
+            self.origins.note(key, {c: w for c in chain.chunks if (w := self.chunk_tier(c))})
+        else:
+            self.origins.drop(key)
+        if not remote or chain is None:
             return 0
         moved = 0
         for chunk in chain.chunks:
@@ -316,7 +328,10 @@ class AttentionStore:
         except Exception as exc:  # RecordStoreUnavailable: keep what we know
             log.debug("could not read %s's record: %s", key, exc)
             return
-        if record is None or record.fingerprint != self.fingerprint or not record.chunks:
+        if record is None:
+            return
+        self._retain(record)  # another replica may have changed it
+        if record.fingerprint != self.fingerprint or not record.chunks:
             return
         current = self.index.get(key)
         digests = [c.digest for c in current.chunks] if current is not None else []
@@ -338,6 +353,48 @@ class AttentionStore:
         self._free(freed)
         self._bump_version(key)
 
+    def chunk_tier(self, chunk: ChunkKey) -> str | None:
+        """The fastest tier holding chunk; a chunk still in the write buffer is in host
+        memory ("dram"); None when it is gone."""
+        return "dram" if chunk in self._pending else self.tiers.where(chunk)
+
+    # -- retention ------------------------------------------------------------------------------
+
+    def set_retention(self, tenant: str, session_id: str, retention: Retention) -> None:
+        """The session's priority and TTL as its record now holds them (the API calls this
+        after creating or patching the record; restart and other replicas' records are read
+        here)."""
+        key = self.key(tenant, session_id)
+        with self._lock:
+            self.retention.set(key, retention)
+            self._tell_policy("set_priority", key, retention.priority)
+
+    def _retain(self, record: SessionRecord) -> None:
+        retention = Retention(record.priority, record.ttl_s)
+        if retention != self.retention.get(record.key):
+            self.set_retention(record.tenant, record.session_id, retention)
+
+    def _drop_retention(self, key: SessionKey) -> None:
+        """Under self._lock: the session is gone."""
+        self.retention.drop(key)
+        self.origins.drop(key)
+        self._tell_policy("set_priority", key, 0)
+
+    def kv_by_tier(self, tenant: str, session_id: str) -> dict[str, int]:
+        """Stored tokens of the session per tier (each chunk counted at its fastest tier);
+        empty when the store holds none."""
+        chain = self.index.get(self.key(tenant, session_id))
+        if chain is None:
+            return {}
+        out: dict[str, int] = {}
+        C = self.settings.chunk_tokens
+        for i, chunk in enumerate(chain.chunks):
+            where = self.chunk_tier(chunk)
+            if where is not None:
+                n = chunk_span(i, C, len(chain.token_ids))
+                out[where] = out.get(where, 0) + n[1] - n[0]
+        return out
+
     def _prefetch_candidates(self) -> list[Hashable]:
         candidates = getattr(self.session_policy, "prefetch_candidates", None)
         if candidates is None or self.tiers.top is None:
@@ -345,11 +402,15 @@ class AttentionStore:
         with self.tiers.lock:
             return candidates(self._session_tier, top=self.tiers.top.name)
 
-    def _tell_policy(self, what: str, key: Hashable) -> None:
-        """touch / forget a session. The session policy is also read by evictions, under the
-        tiers' lock: every call into it takes that lock (after ours, never before)."""
+    def _tell_policy(self, what: str, key: Hashable, *args: Any) -> None:
+        """touch / forget / set_priority of a session (a custom chooser may lack the last).
+        The session policy is also read by evictions, under the tiers' lock: every call into
+        it takes that lock (after ours, never before)."""
+        hook = getattr(self.session_policy, what, None)
+        if hook is None:
+            return
         with self.tiers.lock:
-            getattr(self.session_policy, what)(key)
+            hook(key, *args)
 
     def _prefetch_session(self, key: Hashable, touch: bool) -> int:
         chain = self.index.get(key)  # type: ignore[arg-type]
@@ -388,7 +449,7 @@ class AttentionStore:
         key = self.key(tenant, session_id)
         with self._lock:
             chain = self.index.get(key)
-            if chain is None or self._expired(chain):
+            if chain is None or self._expired(key, chain):
                 self.tiers.counters.misses += 1
                 return None
             self._tell_policy("touch", key)
@@ -657,6 +718,7 @@ class AttentionStore:
                 found = self.index.get(key) is not None
                 freed = self.index.remove(key)
                 self._tell_policy("forget", key)
+                self._drop_retention(key)
             existed = bool(self.records.delete(key))
         self._free(freed)
         self._bump_version(key)
@@ -683,6 +745,7 @@ class AttentionStore:
                 self._tombstone(key)
                 freed = self.index.remove(key)
                 self._tell_policy("forget", key)
+                self._drop_retention(key)
             self._free(freed)
             self._bump_version(key)
         return gone
@@ -703,8 +766,8 @@ class AttentionStore:
             self.records.upsert(record.key, token_ids=[], chunks=[])
         return dropped
 
-    def _expired(self, chain: SessionChain) -> bool:
-        ttl = self.settings.session_ttl_s
+    def _expired(self, key: SessionKey, chain: SessionChain) -> bool:
+        ttl = self.retention.get(key).ttl(self.settings.session_ttl_s)
         return ttl > 0 and chain.updated_at + ttl < time.time()
 
     # -- versions ---------------------------------------------------------------------------

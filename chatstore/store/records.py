@@ -16,6 +16,7 @@ import array
 import base64
 import errno
 import json
+import math
 import os
 import time
 from abc import ABC, abstractmethod
@@ -43,6 +44,10 @@ class SessionRecord:
     # Bumped by every write of the messages (not by the store's KV bookkeeping): a turn appends
     # only if the record is still at the version it read (append_turn).
     version: int = 0
+    # Retention (retention.py): idle seconds before the session expires (0: the server's
+    # session TTL) and its eviction priority (higher stays in the fast tiers longer).
+    ttl_s: int = 0
+    priority: int = 0
 
     @property
     def key(self) -> SessionKey:
@@ -84,13 +89,31 @@ class RecordConflict(RecordStoreError):
     """The record changed since the writer read it (another replica wrote the session)."""
 
 
+class _Absent(Exception):
+    """patch(): no live record to change."""
+
+
 class RecordStore(ABC):
     def __init__(self, ttl_s: int = 0) -> None:
-        self.ttl_s = ttl_s
+        self.ttl_s = ttl_s  # the server's session TTL; a record's own ttl_s overrides it
+
+    def ttl_of(self, record: SessionRecord) -> int:
+        """The record's idle TTL in seconds (0: never expires)."""
+        return record.ttl_s or self.ttl_s
+
+    def expires_at(self, record: SessionRecord) -> float | None:
+        ttl = self.ttl_of(record)
+        return record.updated_at + ttl if ttl > 0 else None
 
     def expired(self, record: SessionRecord, now: float | None = None) -> bool:
         now = time.time() if now is None else now
-        return self.ttl_s > 0 and record.updated_at + self.ttl_s < now
+        deadline = self.expires_at(record)
+        return deadline is not None and deadline < now
+
+    def _expiry_s(self, record: SessionRecord) -> int | None:
+        """Seconds a backend with its own expiry (Redis `ex=`) keeps the record; None: always."""
+        deadline = self.expires_at(record)
+        return None if deadline is None else max(1, math.ceil(deadline - time.time()))
 
     def get(self, key: SessionKey) -> SessionRecord | None:
         record = self._load(key)
@@ -114,6 +137,23 @@ class RecordStore(ABC):
             record.version += 1
         record.updated_at = time.time()
         return record
+
+    def patch(self, key: SessionKey, **changes: Any) -> SessionRecord | None:
+        """Change fields of a live record atomically (retention, metadata); None when there is
+        none. Neither `version` (the messages are untouched) nor `updated_at` (a setting is not
+        activity) moves."""
+
+        def patched(current: SessionRecord | None) -> SessionRecord:
+            if current is None or self.expired(current):
+                raise _Absent
+            for name, value in changes.items():
+                setattr(current, name, value)
+            return current
+
+        try:
+            return self._update(key, patched)
+        except _Absent:
+            return None
 
     def create(self, record: SessionRecord) -> SessionRecord:
         """Write a new record (version 1); RecordConflict when a live one has its key."""
@@ -390,7 +430,9 @@ class RedisRecordStore(RecordStore):
         return out
 
     def put(self, record: SessionRecord) -> None:
-        self._call(self.client.set, self._name(record.key), record.to_json(), ex=self.ttl_s or None)
+        self._call(
+            self.client.set, self._name(record.key), record.to_json(), ex=self._expiry_s(record)
+        )
 
     def delete(self, key: SessionKey) -> bool:
         return bool(self._call(self.client.delete, self._name(key)))
@@ -403,6 +445,9 @@ class RedisRecordStore(RecordStore):
 
     def create(self, record: SessionRecord) -> SessionRecord:
         return self._call(super().create, record)
+
+    def patch(self, key: SessionKey, **changes: Any) -> SessionRecord | None:
+        return self._call(super().patch, key, **changes)
 
     def append_turn(
         self,
@@ -425,7 +470,7 @@ class RedisRecordStore(RecordStore):
             raw = pipe.get(name)
             record = change(SessionRecord.from_json(raw) if raw is not None else None)
             pipe.multi()
-            pipe.set(name, record.to_json(), ex=self.ttl_s or None)
+            pipe.set(name, record.to_json(), ex=self._expiry_s(record))
             done[:] = [record]
 
         self.client.transaction(attempt, name)

@@ -28,10 +28,18 @@ class VictimChooser(Protocol):
 
 
 class LruChooser:
-    """Least recently used first; keys never touched (found on disk at start) count as oldest."""
+    """Least recently used first; keys never touched (found on disk at start) count as oldest.
+    A key's priority (set_priority; retention.py) comes before recency: lower goes first."""
 
     def __init__(self) -> None:
         self._order: OrderedDict[SessionKey, None] = OrderedDict()
+        self._priority: dict[SessionKey, int] = {}
+
+    def set_priority(self, key: SessionKey, priority: int) -> None:
+        if priority:
+            self._priority[key] = priority
+        else:
+            self._priority.pop(key, None)
 
     def touch(self, key: SessionKey) -> None:
         self._order[key] = None
@@ -43,6 +51,8 @@ class LruChooser:
     def choose_victim(self, tier: str, candidates: list[SessionKey]) -> SessionKey | None:
         if not candidates:
             return None
+        if self._priority:
+            return self.rank(tier, candidates)[0]
         pending = set(candidates)
         for key in candidates:
             if key not in self._order:
@@ -56,4 +66,7 @@ class LruChooser:
         """candidates, least recently used first (never touched ones lead)."""
         pending = set(candidates)
         unseen = [key for key in candidates if key not in self._order]
-        return unseen + [key for key in self._order if key in pending]
+        ranked = unseen + [key for key in self._order if key in pending]
+        if self._priority:  # stable: recency order inside one priority
+            ranked.sort(key=lambda key: self._priority.get(key, 0))
+        return ranked

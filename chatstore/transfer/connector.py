@@ -54,6 +54,7 @@ from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store.attention_store import AttentionStore, StoredSession
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
+from chatstore.store.turn_origin import tokens_by_tier
 from chatstore.store.turn_plan import ChunkDelta
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
 from chatstore.transfer.layer_loader import LayerLoader, LoadJob
@@ -71,6 +72,7 @@ class _Pending:
     reusable: int  # leading prompt tokens the stored chunks cover (LCP)
     staged: StagedKV | None = None  # read-buffer entry claimed for this request
     kv: ChunkedKV | None = None  # the chunks past the device hit, read at admission
+    origins: dict[ChunkKey, str] = dataclasses.field(default_factory=dict)  # turn_origin.py
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,20 @@ class StoreConnector(KVConnector):
             return None
         return ChunkedKV(parts, start, reached, stored.token_ids)
 
+    def cached_tiers(self, request: Request, start: int, num_tokens: int) -> dict[str, int]:
+        """The loaded tokens [start, start + num_tokens) by the tier their chunk was in when
+        the turn opened (or, for a turn the API did not open, at admission)."""
+        pending = self._pending.get(request.request_id)
+        if pending is None or pending.saved is None or num_tokens <= 0:
+            return {}
+        stored, origins = pending.saved, pending.origins
+        end = start + num_tokens
+        return tokens_by_tier(stored.chunks, stored.chunk_tokens, start, end, origins.__getitem__)
+
+    def _tier_now(self, chunk: ChunkKey) -> str:
+        # A chunk gone by now is loaded from the read buffer if at all: host memory.
+        return self.store.chunk_tier(chunk) or "dram"
+
     def _only_remote(self, stored: StoredSession, position: int) -> bool:
         tiers = self.store.tiers
         where = tiers.where(stored.chunks[position // stored.chunk_tokens])
@@ -217,6 +233,9 @@ class StoreConnector(KVConnector):
             self.read_buffer.release(staged)
             staged = None
         pending = _Pending(request, saved, reusable, staged)
+        if saved is not None:  # before any read here promotes a chunk
+            noted = self.store.origins.take(saved.key)
+            pending.origins = {c: noted.get(c) or self._tier_now(c) for c in saved.chunks}
         self._pending[request.request_id] = pending
         if request.session_id is not None:
             self.saver.track(request.request_id)

@@ -14,6 +14,9 @@ Decisions:
     prefetch_candidates(lookahead)                 sessions worth bringing up to tier 0 now
 
 Every policy ranks sessions by a *value* (higher = keep); victims are taken lowest value first.
+The value is (priority, the policy's own order value): a session's priority (`set_priority`,
+retention.py) outranks recency and the look-ahead, so a tier gives up every lower-priority
+resident before a higher one, in the policy's own order inside one priority.
 With `incoming` set (the session about to enter the tier), a policy never evicts a session it
 values at least as much as the incoming one: it answers `[incoming]` instead, meaning "put the
 incoming session one tier lower" (or, for a prefetch, "do not bring it up").
@@ -43,6 +46,7 @@ class EvictionPolicy(ABC):
         self._size: dict[Hashable, int] = {}
         self._used: dict[int, int] = {}
         self._clock = itertools.count()
+        self._priority: dict[Hashable, int] = {}  # only sessions whose priority is not 0
         self.kv_bytes_source: Callable[[], float] | None = None
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -68,7 +72,18 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def on_forget(self, session: Hashable) -> None:
-        """The session left the store for good: drop whatever the policy remembers of it."""
+        """The session left the store for good: drop whatever the policy remembers of its use
+        (not its priority: the client's setting outlives its KV; `set_priority(s, 0)` clears)."""
+
+    def set_priority(self, session: Hashable, priority: int) -> None:
+        """The session's retention priority (0 = default; higher stays up longer)."""
+        if priority:
+            self._priority[session] = priority
+        else:
+            self._priority.pop(session, None)
+
+    def priority(self, session: Hashable) -> int:
+        return self._priority.get(session, 0)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -110,8 +125,11 @@ class EvictionPolicy(ABC):
         keep_over = None if incoming is None else self.value(incoming, lookahead)
         ranked = self._ranked(tier, lookahead)
         try:
+            # Priority classes, lowest first; sorted() is stable, so the policy's own order
+            # holds inside each class. Without priorities the generator stays lazy.
+            order = sorted(ranked, key=self.priority) if self._priority else ranked
             freed = 0
-            for s in ranked:
+            for s in order:
                 if s == incoming:
                     continue
                 if keep_over is not None and self.value(s, lookahead) >= keep_over:
@@ -132,13 +150,18 @@ class EvictionPolicy(ABC):
         """How many queued sessions prefetch looks at (L_pw). Baselines: 0."""
         return 0
 
-    @abstractmethod
-    def value(self, session: Hashable, lookahead: Lookahead) -> Any:
+    def value(self, session: Hashable, lookahead: Lookahead) -> tuple[int, Any]:
         """How much keeping `session` is worth; comparable across sessions, higher = keep."""
+        return self.priority(session), self.order_value(session, lookahead)
+
+    @abstractmethod
+    def order_value(self, session: Hashable, lookahead: Lookahead) -> Any:
+        """The policy's own value of `session`, priority aside (higher = keep)."""
 
     @abstractmethod
     def _ranked(self, tier: int, lookahead: Lookahead) -> Generator[Hashable, None, None]:
-        """Residents of `tier`, lowest value first (a generator; it may be closed early)."""
+        """Residents of `tier`, lowest order value first, priority aside (a generator; it may
+        be closed early)."""
 
     # -- subclass hooks: keep the policy's own order of each tier ----------------------------
 

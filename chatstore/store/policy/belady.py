@@ -44,7 +44,7 @@ class BeladyPolicy(AwarePolicy):
         pos = self._bound().position(session)
         return -math.inf if pos is None else -pos
 
-    def value(self, session: Hashable, lookahead: Lookahead) -> float:
+    def order_value(self, session: Hashable, lookahead: Lookahead) -> float:
         return self._key(session)
 
     def _inserted(self, tier: int, session: Hashable) -> None:

@@ -13,16 +13,17 @@ queue at each call, and S_kv (which sizes the windows) asked of the hierarchy:
         hierarchy.prefetch(key)                  # scheduler-aware fetch, e.g. once per step
 
 Sessions the adapter has never seen touched (found on disk at start-up) go first, as in
-`LruChooser`.
+`LruChooser`, but only inside their priority: every ranking is by (priority, touched, value).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from chatstore.store.policy.base import EvictionPolicy
-from chatstore.store.policy.lookahead import QueueLookahead
+from chatstore.store.policy.lookahead import Lookahead, QueueLookahead
 
 
 class PolicyChooser:
@@ -63,23 +64,26 @@ class PolicyChooser:
         self._seen.discard(key)
         self.policy.on_forget(key)
 
+    def set_priority(self, key: Hashable, priority: int) -> None:
+        self.policy.set_priority(key, priority)
+
+    def _rank_key(self, key: Hashable, lk: Lookahead) -> tuple[int, bool, Any]:
+        """Lower goes first: priority, then never-touched keys, then the policy's value."""
+        seen = key in self._seen
+        return self.policy.priority(key), seen, self.policy.value(key, lk) if seen else ()
+
     def choose_victim(self, tier: str, candidates: list[Hashable]) -> Hashable | None:
         if not candidates:
             return None
-        for key in candidates:
-            if key not in self._seen:
-                return key
         lk = QueueLookahead(self._queue())
         with self._pinned():
-            return min(candidates, key=lambda key: self.policy.value(key, lk))
+            return min(candidates, key=lambda key: self._rank_key(key, lk))
 
     def rank(self, tier: str, candidates: list[Hashable]) -> list[Hashable]:
-        """candidates, lowest value (first to go) first; never-touched keys lead."""
-        unseen = [key for key in candidates if key not in self._seen]
-        seen = [key for key in candidates if key in self._seen]
+        """candidates, lowest (first to go) first."""
         lk = QueueLookahead(self._queue())
         with self._pinned():
-            return unseen + sorted(seen, key=lambda key: self.policy.value(key, lk))
+            return sorted(candidates, key=lambda key: self._rank_key(key, lk))
 
     def ranked_below(self, key: Hashable, candidates: list[Hashable]) -> list[Hashable]:
         """The candidates `key` outranks (what a prefetch of `key` may push out). A key never
@@ -88,8 +92,8 @@ class PolicyChooser:
         if key not in self._seen and lk.position(key) is None:
             return []
         with self._pinned():
-            mine = self.policy.value(key, lk)
-            return [c for c in candidates if c not in self._seen or self.policy.value(c, lk) < mine]
+            mine = (self.policy.priority(key), True, self.policy.value(key, lk))
+            return [c for c in candidates if self._rank_key(c, lk) < mine]
 
     def prefetch_candidates(
         self, tier_of: Callable[[Hashable], str | None], top: str

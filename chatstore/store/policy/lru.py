@@ -40,7 +40,7 @@ class LRUPolicy(EvictionPolicy):
     def _removed(self, tier: int, session: Hashable) -> None:
         self._order[tier].discard(session)
 
-    def value(self, session: Hashable, lookahead: Lookahead) -> float:
+    def order_value(self, session: Hashable, lookahead: Lookahead) -> float:
         return self._last_use.get(session, float("inf"))
 
     def _ranked(self, tier: int, lookahead: Lookahead) -> Generator[Hashable, None, None]:

@@ -1,0 +1,64 @@
+"""Per-session retention: how long an idle session lives and how hard its KV holds on.
+
+    priority   an integer in [PRIORITY_MIN, PRIORITY_MAX], default 0. Placement ranks sessions
+               by priority first and by the policy's own order (LRU, FIFO, look-ahead) inside
+               one priority: a tier that must make room moves every lower-priority session
+               down before a higher one. Priority never lets a tier overfill: when only
+               high-priority sessions are left, they go down too.
+    ttl_s      idle seconds before the session (record and KV) expires; 0 = the server's
+               `session_ttl_s`.
+
+Both live in the session record (records.py), so they survive restarts and are shared by
+replicas; the store keeps a copy per session (`RetentionTable`) for the placement policy and the
+expiry checks that run without reading records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chatstore.store.session_kv import SessionKey
+
+PRIORITY_MIN = -10
+PRIORITY_MAX = 10
+TTL_MAX_S = 10 * 365 * 86400  # ten years: longer is a typo, not a retention policy
+
+
+@dataclass(frozen=True)
+class Retention:
+    priority: int = 0
+    ttl_s: int = 0  # 0: the server's session TTL
+
+    def ttl(self, default_s: int) -> int:
+        """The TTL in force (0: never expires)."""
+        return self.ttl_s or default_s
+
+
+DEFAULT = Retention()
+
+
+def check_retention(priority: int | None, ttl_s: int | None) -> None:
+    """ValueError naming the field when a value is out of range (None: not given)."""
+    if priority is not None and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], not {priority}")
+    if ttl_s is not None and not 0 <= ttl_s <= TTL_MAX_S:
+        raise ValueError(f"ttl_s must be in [0, {TTL_MAX_S}] (0: server default), not {ttl_s}")
+
+
+class RetentionTable:
+    """session -> Retention, holding only sessions that differ from the default."""
+
+    def __init__(self) -> None:
+        self._of: dict[SessionKey, Retention] = {}
+
+    def get(self, key: SessionKey) -> Retention:
+        return self._of.get(key, DEFAULT)
+
+    def set(self, key: SessionKey, retention: Retention) -> None:
+        if retention == DEFAULT:
+            self._of.pop(key, None)
+        else:
+            self._of[key] = retention
+
+    def drop(self, key: SessionKey) -> None:
+        self._of.pop(key, None)
