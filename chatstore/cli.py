@@ -1,8 +1,10 @@
-"""`chatstore` command line: `generate` runs the model once; `serve` starts the API."""
+"""`chatstore` command line: `generate` runs the model once; `serve` starts the API; `chat`
+talks to a server (or one started in-process with --local) in the terminal."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -46,7 +48,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-url", dest="redis_url", help="remote KV tier, e.g. redis://host:6379/0"
     )
     _common_flags(serve)
+    _chat_parser(sub)
     return parser
+
+
+def _chat_parser(sub: argparse._SubParsersAction) -> None:
+    chat = sub.add_parser("chat", help="chat in the terminal with a server (or --local)")
+    where = chat.add_mutually_exclusive_group()
+    where.add_argument(
+        "--url",
+        default=os.environ.get("CHATSTORE_URL", "http://127.0.0.1:8000"),
+        help="the server (default $CHATSTORE_URL or http://127.0.0.1:8000)",
+    )
+    where.add_argument(
+        "--local", action="store_true", help="start the server in this process (loopback)"
+    )
+    chat.add_argument(
+        "--api-key",
+        dest="api_key",
+        default=os.environ.get("CHATSTORE_API_KEY"),
+        help="sent as Authorization: Bearer (default $CHATSTORE_API_KEY)",
+    )
+    chat.add_argument("--session", help="resume this session (default: a new one)")
+    chat.add_argument("--system", help="system prompt of new sessions")
+    chat.add_argument("--max-tokens", type=int, dest="max_tokens", help="reply length cap")
+    chat.add_argument("--temperature", type=float)
+    local = chat.add_argument_group("--local server options (as for serve)")
+    local.add_argument("--data-dir", dest="data_dir", help="where sessions and KV are kept")
+    local.add_argument("--kv-store", dest="kv_store", choices=["on", "off"])
+    local.add_argument("--redis-url", dest="redis_url")
+    local.add_argument(
+        "--log-level",
+        dest="log_level",
+        choices=["debug", "info", "warning", "error"],
+        help="the local server's log level (default warning: the terminal is the chat's)",
+    )
+    _common_flags(local)
 
 
 def _config_from(args: argparse.Namespace):
@@ -107,15 +144,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(_config_from(args))
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from chatstore.chat_client import ChatClient, ClientOptions
+    from chatstore.terminal_chat import run_chat
+
+    server = None
+    if args.local:
+        from chatstore.api.in_process import start_in_process
+
+        print("chatstore: starting a local server...", file=sys.stderr, flush=True)
+        server = start_in_process(_config_from(args), args.log_level or "warning")
+    url = server.url if server is not None else args.url
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    try:
+        with ChatClient(ClientOptions(url=url, api_key=args.api_key)) as client:
+            return run_chat(client, args.session, args.system, sampling)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
-        return cmd_serve(args)
+        return COMMANDS[args.command](args)
     except (ModelLoadError, ValueError, FileNotFoundError) as exc:
         print(f"chatstore: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C outside a reply (e.g. while the model loads)
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -90,6 +90,20 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
     )
 
 
+def build_app(config: Any, settings: ServerSettings) -> Any:
+    """The app over a new backend, built in a short-lived thread so that the engine thread alone
+    owns an OpenMP pool (see cpu_threads.py); `chatstore chat --local` builds it the same way."""
+    from chatstore.api.backend import build_backend
+    from chatstore.engine.cpu_threads import in_temporary_thread, leave_cores_to_engine
+
+    cores = torch.get_num_threads()
+    backend = in_temporary_thread(build_backend, config)
+    if backend.engine.device_type == "cpu":
+        backend.engine.compute_threads = cores
+        leave_cores_to_engine()
+    return create_app(backend, settings)
+
+
 def run_server(config: Any) -> int:
     """Serve until interrupted; the exit code (0 after a clean drain)."""
     try:
@@ -102,15 +116,7 @@ def run_server(config: Any) -> int:
     # event loop take requests and deliver tokens without waiting the default 5 ms each time.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     configure_logging(settings.log_level)
-    from chatstore.api.backend import build_backend
-    from chatstore.engine.cpu_threads import in_temporary_thread, leave_cores_to_engine
-
-    cores = torch.get_num_threads()
-    backend = in_temporary_thread(build_backend, config)
-    if backend.engine.device_type == "cpu":
-        backend.engine.compute_threads = cores
-        leave_cores_to_engine()
-    app = create_app(backend, settings)
+    app = build_app(config, settings)
     server = DrainingServer(uvicorn_config(app, settings), app.state.service)
     mode = "local single-user mode" if settings.local_mode else f"{len(settings.api_keys)} keys"
     log.info("chatstore: serving on http://%s:%d (%s)", settings.host, settings.port, mode)
