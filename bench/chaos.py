@@ -19,7 +19,7 @@ them small, this runs them at the sizes below.
             hand-made hostile input on every route and the WebSocket
               fuzz_5xx                    responses >= 500 (and internal WebSocket errors)
 
-    python bench/chaos.py [--quick] [--only kill9,redis,disk,hostile,fuzz]
+    python bench/chaos.py [--quick] [--only kill9,redis,disk,hostile,fuzz] [--no-progress]
 
 Prints a table; the last line is one JSON object.
 """
@@ -37,6 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import progress  # noqa: E402
 from tests.chaos import disk_full, fuzz, hostile, kill9, redis_outage  # noqa: E402
 from tests.chaos.clients import HistoryCheck  # noqa: E402
 from tests.chaos.harness import RedisProcess  # noqa: E402
@@ -237,11 +238,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--only", default=",".join(SECTIONS))
     p.add_argument("--quick", action="store_true", help="short runs (a smoke test)")
+    progress.add_argument(p)
     args = p.parse_args()
+    progress.configure(args)
     out = Results()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
-        for name in args.only.split(","):
+        for name in progress.track(args.only.split(","), "chaos scenarios"):
             say(f"{name}:")
             started = time.monotonic()
             RUNNERS[name](args, Path(tmp) / name, out)

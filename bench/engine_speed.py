@@ -37,7 +37,7 @@ the raw numbers are `served_ours_*`, `vllm_*` (the faster dtype, named by `vllm_
 line printed is one JSON object.
 
     python bench/engine_speed.py [--quick] [--dtype float32|bfloat16] [--threads N]
-                                 [--vllm [--vllm-dtypes bfloat16,float32]]
+                                 [--vllm [--vllm-dtypes bfloat16,float32]] [--no-progress]
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ from peer_servers import (
     vllm_server,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import progress
 from chatstore.engine.block_pool import BlockPool
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.kv_cache import PagedKVCache
@@ -288,6 +291,18 @@ def compare_transformers(
         f" transformers attention={attn_impl}, {plan.reps} reps (median)"
     )
     result |= {"dtype": dtype, "threads": torch.get_num_threads()}
+    cases = len(plan.prefill_lens) + len(plan.history_lens) + len(plan.decode_batches)
+    with progress.progress_bar(cases, "in-process cases") as bar:
+        _in_process_cases(model, ours, plan, result, bar.update)
+
+
+def _in_process_cases(
+    model: LoadedModel,
+    ours: Ours,
+    plan: Plan,
+    result: dict[str, object],
+    done: Callable[[], object],
+) -> None:
     print(f"\n{'case':<22}{'ours tok/s':>12}{'hf tok/s':>12}{'ratio':>8}  check")
     for n in plan.prefill_lens:
         mine, ref, diff = bench_prefill(model, ours, n, plan.reps)
@@ -297,6 +312,7 @@ def compare_transformers(
         )
         result |= {f"prefill_ours_{key}": mine, f"prefill_hf_{key}": ref}
         result[f"prefill_ratio_{key}"] = mine / ref
+        done()
     print(f"\n{'100 new tokens on':<22}{'ours ms':>12}{'gather ms':>12}{'ratio':>8}  check")
     for n in plan.history_lens:
         mine, gather, diff = bench_history_prefill(model, ours, n, plan.reps)
@@ -307,6 +323,7 @@ def compare_transformers(
         )
         result |= {f"history_ms_ours_{key}": mine, f"history_ms_gather_{key}": gather}
         result[f"history_vs_gather_{key}"] = gather / mine
+        done()
     print(f"\n{'case':<22}{'ours tok/s':>12}{'hf tok/s':>12}{'ratio':>8}  check")
     for b in plan.decode_batches:
         mine, ref, same = bench_decode(model, ours, b, plan.decode_steps, plan.reps)
@@ -315,6 +332,7 @@ def compare_transformers(
         print(f"{label:<22}{mine:>12.1f}{ref:>12.1f}{mine / ref:>7.2f}x  {tokens}")
         result |= {f"decode_ours_b{b}": mine, f"decode_hf_b{b}": ref}
         result[f"decode_ratio_b{b}"] = mine / ref
+        done()
     lengths = sharegpt_like_lengths(64, model.spec.max_context)
     paged, contiguous = kv_waste(lengths, 16, model.spec.max_context)
     print(
@@ -515,7 +533,10 @@ def parse_args() -> argparse.Namespace:
     peer.add_argument("--decode-batches", type=ints)
     peer.add_argument("--history-lens", type=ints)
     peer.add_argument("--peer-reps", type=int)
-    return parser.parse_args()
+    progress.add_argument(parser)
+    args = parser.parse_args()
+    progress.configure(args)
+    return args
 
 
 def main() -> None:

@@ -15,7 +15,9 @@ Measured per turn: TTFT (submit -> first token, queueing included), prompt token
 The device prefix cache is off in both runs, so every reuse is the store's (as in the paper).
 
     python bench/multiturn.py [--sessions 16] [--tier dram|ssd|redis] [--read-buffer-layers -1]
-                              [--quick]
+                              [--quick] [--plot-dir bench/out] [--no-progress]
+
+Writes <plot dir>/multiturn_ttft_by_turn.png: mean TTFT by turn index, store on (CA) vs off (RE).
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import plots, progress  # noqa: E402
 from chatstore.config import load_config  # noqa: E402
 from chatstore.engine.async_engine import AsyncEngine  # noqa: E402
 from chatstore.engine.engine_config import EngineConfig  # noqa: E402
@@ -98,7 +102,14 @@ def _poisson(rng: random.Random, lam: float) -> int:
 
 
 async def run_session(
-    engine: AsyncEngine, idx: int, plan: SessionPlan, mode: str, args, t0: float, out: RunResult
+    engine: AsyncEngine,
+    idx: int,
+    plan: SessionPlan,
+    mode: str,
+    args,
+    t0: float,
+    out: RunResult,
+    on_turn: Callable[[], object],
 ) -> None:
     tok = engine.tokenizer
     await asyncio.sleep(max(0.0, t0 + plan.arrival_s - time.monotonic()))
@@ -123,6 +134,7 @@ async def run_session(
         messages.append(
             {"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)}
         )
+        on_turn()
         await asyncio.sleep(think)
 
 
@@ -140,10 +152,15 @@ async def run(mode: str, args, runtime, plans: list[SessionPlan], redis_url: str
         engine = AsyncEngine(runtime, EngineConfig(enable_prefix_cache=False), conn)
         engine.start()
         t0 = time.monotonic()
+        turns = sum(len(p.messages) for p in plans)
         try:
-            await asyncio.gather(
-                *(run_session(engine, i, p, mode, args, t0, result) for i, p in enumerate(plans))
-            )
+            with progress.progress_bar(turns, f"multiturn {mode} turns") as bar:
+                await asyncio.gather(
+                    *(
+                        run_session(engine, i, p, mode, args, t0, result, bar.update)
+                        for i, p in enumerate(plans)
+                    )
+                )
         finally:
             await engine.shutdown()
         result.wall_s = time.monotonic() - t0
@@ -171,6 +188,25 @@ def summarize(res: RunResult) -> dict:
     }
 
 
+def plot_ttft_by_turn(plot_dir: Path, arms: dict[str, dict], tier: str) -> Path:
+    """Mean TTFT per turn index, one line per arm (summaries from `summarize`)."""
+    names = {"RE": "store off (RE: recompute the history)", "CA": f"store on (CA, {tier} tier)"}
+    series = [
+        plots.Series(
+            names.get(arm, arm), list(s["ttft_by_turn_s"]), list(s["ttft_by_turn_s"].values())
+        )
+        for arm, s in arms.items()
+    ]
+    return plots.line_chart(
+        plots.plot_path(plot_dir, "multiturn", "ttft_by_turn"),
+        series,
+        title="multiturn: mean time to first token by turn",
+        xlabel="turn index (1 = the session's first turn)",
+        ylabel="mean TTFT, s",
+        integer_x=True,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sessions", type=int, default=16)
@@ -184,7 +220,10 @@ def main() -> None:
         "--read-buffer-layers", type=int, default=-1, help="-1 = all layers (the default), 0 off"
     )
     p.add_argument("--quick", action="store_true", help="6 sessions of at most 5 turns")
+    plots.add_argument(p)
+    progress.add_argument(p)
     args = p.parse_args()
+    progress.configure(args)
     if args.quick:
         args.sessions, args.max_turns = 6, 5
     runtime = create_runtime(load_config())
@@ -215,6 +254,7 @@ def main() -> None:
     reads = sum(t["hits"] for t in tiers)  # chunk reads served, over all tiers
     hit_by_tier = {t["name"]: round(t["hits"] / max(1, reads), 3) for t in tiers}
     print("CA chunk reads per tier (share of all reads):", hit_by_tier)
+    plot_ttft_by_turn(args.plot_dir, {"RE": re_s, "CA": ca_s}, args.tier)
     summary = {
         "bench": "multiturn",
         "tier": args.tier,

@@ -29,6 +29,9 @@ line is one JSON object for the headline setting (13B, 128 GB / 2 TB, think 600 
 
     .venv/bin/python bench/policy_sim.py            # full sweep (a few minutes)
     .venv/bin/python bench/policy_sim.py --quick    # two small settings (< 30 s)
+
+Writes <plot dir>/policy_sim_hit_rate.png: hit rate per policy, one group of bars per capacity,
+one panel per queue (`--plot-dir`, default bench/out).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from policy_trace import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import plots, progress
 from chatstore.store.policy import BeladyPolicy, EvictionPolicy, SortedLookahead, make_policy
 
 GB = 10**9
@@ -207,6 +211,16 @@ class Setting:
         ssd = f"{self.ssd_gb / 1000:g}T" if self.ssd_gb >= 1000 else f"{self.ssd_gb}G"
         return f"{self.model} {self.dram_gb}G/{ssd} think={self.think:g}s {queue}"
 
+    def capacity_label(self) -> str:
+        """What the plot groups by within one queue: model, capacities and (if not the
+        paper's 600 s) the think time."""
+        ssd = f"{self.ssd_gb / 1000:g}T" if self.ssd_gb >= 1000 else f"{self.ssd_gb}G"
+        think = "" if self.think == 600.0 else f"\nthink {self.think:g} s"
+        return f"{self.model}\n{self.dram_gb}G / {ssd}{think}"
+
+    def queue_label(self) -> str:
+        return "oracle queue" if self.load is None else f"realistic queue, load {self.load:g}"
+
 
 def settings(quick: bool) -> list[Setting]:
     if quick:  # the headline at 1/6 scale: 1,500 sessions, capacities / 6
@@ -278,6 +292,25 @@ def print_setting(row: dict) -> None:
         )
 
 
+def plot_hit_rates(plot_dir: Path, chosen: list[Setting], rows: list[dict]) -> Path:
+    """Hit rate by policy and capacity, a panel per queue (rows from `run_setting`)."""
+    groups: dict[str, list[str]] = {}
+    values: dict[str, dict[str, list[float]]] = {}
+    for st, row in zip(chosen, rows, strict=True):
+        queue = st.queue_label()
+        groups.setdefault(queue, []).append(st.capacity_label())
+        for name, p in row["policies"].items():
+            values.setdefault(queue, {}).setdefault(name, []).append(p["hit_rate"])
+    panels = [plots.Bars(q, groups[q], values[q]) for q in groups]
+    return plots.bar_chart(
+        plots.plot_path(plot_dir, "policy_sim", "hit_rate"),
+        panels,
+        title="policy_sim: hit rate of turns with history (DRAM + SSD), by policy and capacity",
+        ylabel="hit rate",
+        ymax=1.05,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1,500 sessions, two settings (< 30 s)")
@@ -293,7 +326,10 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run the settings whose label contains this")
     ap.add_argument("--jobs", type=int, default=2, help="settings run in parallel")
     ap.add_argument("--hint-lead-max", type=float, default=60.0, help="typing hint, at most s")
+    plots.add_argument(ap)
+    progress.add_argument(ap)
     args = ap.parse_args()
+    progress.configure(args)
     n_sessions = args.sessions or (1500 if args.quick else 9000)
     t0 = time.perf_counter()
     rows = []
@@ -307,7 +343,8 @@ def main() -> None:
     )
     with Pool(max(args.jobs, 1)) as pool:
         chosen = [st for st in settings(args.quick) if args.only in st.label()]
-        for row in pool.imap(run, chosen):  # in order; each setting is seeded
+        settings_done = progress.track(pool.imap(run, chosen), "policy_sim settings", len(chosen))
+        for row in settings_done:  # in order; each setting is seeded
             rows.append(row)
             print_setting(row)
             sys.stdout.flush()
@@ -319,6 +356,7 @@ def main() -> None:
     ]
     print(f"\nsettings where aware < lru (hit rate): {worse or 'none'}")
     print(f"{len(rows)} settings in {time.perf_counter() - t0:.0f} s")
+    plot_hit_rates(args.plot_dir, chosen, rows)
     head = rows[0]
     out = {f"hit_rate_{n}": round(p["hit_rate"], 4) for n, p in head["policies"].items()}
     out["dram_hit_share_aware"] = round(head["policies"]["aware"]["dram_share"], 4)

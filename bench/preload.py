@@ -21,7 +21,10 @@ the copy engine beside the previous job; on a CPU host it shares the cores with 
 --layer-delay-ms adds a sleep per layer read from the tier (a tier slower than DRAM).
 
     python bench/preload.py [--history 1000] [--new 100] [--reps 7] [--buffers 0,5,15]
-                            [--layer-delay-ms 0]
+                            [--layer-delay-ms 0] [--plot-dir bench/out] [--no-progress]
+
+Writes <plot dir>/preload_ms_by_case.png: median ms of each case (and, with --jobs, ms per job of
+the job sequence); the title carries the load throughput, history KV bytes / ms_load.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import plots, progress  # noqa: E402
 from chatstore.config import load_config  # noqa: E402
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from chatstore.engine.request import Request, SamplingParams  # noqa: E402
@@ -58,7 +62,10 @@ def main() -> None:
     parser.add_argument("--layer-delay-ms", type=float, default=0.0)
     parser.add_argument("--jobs", type=int, default=8, help="job sequence through the engine")
     parser.add_argument("--seq-reps", type=int, default=3)
+    plots.add_argument(parser)
+    progress.add_argument(parser)
     args = parser.parse_args()
+    progress.configure(args)
     buffers = [int(b) for b in args.buffers.split(",")]
     data = Path(tempfile.mkdtemp(prefix="chatstore-bench-preload-"))
     config = load_config(overrides={"data_dir": str(data), "enable_prefix_cache": False})
@@ -136,7 +143,7 @@ def main() -> None:
     reference = runner.forward(new)
     times: dict[str, list[float]] = {name: [] for name in cases}
     wait_s: dict[str, float] = dict.fromkeys(cases, 0.0)
-    for rep in range(args.reps):
+    for rep in progress.track(range(args.reps), "preload reps"):
         for name, (fn, before) in cases.items():
             if before:
                 before()
@@ -187,9 +194,48 @@ def main() -> None:
     result["preload_logits_equal"] = same
     if args.jobs:
         result.update(_job_sequence(runtime, store, conn, args, max(buffers)))
+    history_bytes = args.history * store.layout.bytes_per_token
+    load_gbps = history_bytes / (load_ms * 1e9) if load_ms > 0 else None  # load_ms: seconds
     store.close(flush_dram=False)
     result["load_hidden_pct"] = result[f"hidden_pct_b{max(buffers)}"]
+    plot_cases(args.plot_dir, ms, result, load_gbps, args)
     print(json.dumps(result))
+
+
+def plot_cases(
+    plot_dir: Path, ms: dict[str, float], result: dict, load_gbps: float | None, args
+) -> Path:
+    """Median ms per case (Fig. 19's bars); the job sequence's ms per job beside them."""
+    panels = [
+        plots.Bars(
+            f"one prefill of {args.new} new tokens on {args.history} of history",
+            [name.replace("_", " ") for name in ms],
+            {"median ms": list(ms.values())},
+        )
+    ]
+    seq = {
+        k.removeprefix("seq_ms_per_job_"): v for k, v in result.items() if "seq_ms_per_job_" in k
+    }
+    if seq:
+        title = f"{args.jobs} jobs back to back, one at a time"
+        panels.append(
+            plots.Bars(title, [_case_label(k) for k in seq], {"median ms": list(seq.values())})
+        )
+    delay = f", tier +{args.layer_delay_ms:g} ms/layer" if args.layer_delay_ms else ""
+    load = (
+        "no load time left after compute (noise)" if load_gbps is None else f"{load_gbps:.2f} GB/s"
+    )
+    return plots.bar_chart(
+        plots.plot_path(plot_dir, "preload", "ms_by_case"),
+        panels,
+        title=f"preload: layer-wise pre-load with a read buffer{delay}; "
+        f"history load on the critical path (no pre-load): {load}",
+        ylabel="ms (median)",
+    )
+
+
+def _case_label(mode: str) -> str:
+    return mode.replace("_", " ") if mode.startswith("no_") else f"preload {mode}"
 
 
 def _job_sequence(runtime, store, conn: StoreConnector, args, buffer: int) -> dict[str, float]:
@@ -215,15 +261,12 @@ def _job_sequence(runtime, store, conn: StoreConnector, args, buffer: int) -> di
     names = itertools.count()
     modes = {"no_preload": (False, 0), "b0": (True, 0), f"b{buffer}": (True, buffer)}
     times: dict[str, list[float]] = {m: [] for m in modes}
-    for rep in range(args.seq_reps + 1):  # rep 0 warms up
+    for rep in progress.track(range(args.seq_reps + 1), "job sequence reps"):  # rep 0 warms up
         for mode, (layerwise, layers) in modes.items():
             for sid, value in saved.items():  # every job finds its 1K history in DRAM
                 store.save("bench", sid, value)
             conn.read_buffer.layers = layers
-            if layerwise:
-                conn.__dict__.pop("start_load", None)
-            else:
-                conn.start_load = None  # the engine then loads synchronously
+            conn.layerwise = layerwise  # False: the engine calls load(), all before the forward
             t0 = time.perf_counter()
             for sid, ids in prompts.items():
                 params = SamplingParams(max_tokens=1)
@@ -235,7 +278,7 @@ def _job_sequence(runtime, store, conn: StoreConnector, args, buffer: int) -> di
             if rep:
                 times[mode].append((time.perf_counter() - t0) / args.jobs)
         store.flush_writes()
-    conn.__dict__.pop("start_load", None)
+    del conn.layerwise  # the class's again
     ms = {m: statistics.median(t) * 1000 for m, t in times.items()}
     out = {f"seq_ms_per_job_{m}": round(v, 2) for m, v in ms.items()}
     out["seq_jobs"] = args.jobs

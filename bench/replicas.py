@@ -23,7 +23,7 @@ on loopback; tests/replicas_support.py), measured.
              through one redis-server, same client code, same run
                cluster_put_gbps / cluster_get_gbps / single_put_gbps / single_get_gbps
 
-    python bench/replicas.py [--quick]
+    python bench/replicas.py [--quick] [--no-progress]
 
 Prints a table; the last line is one JSON object.
 """
@@ -46,6 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import progress  # noqa: E402
 from chatstore.store.redis_server import start_local_redis  # noqa: E402
 from chatstore.store.tiers.redis import connect_redis  # noqa: E402
 from tests.chaos.clients import sse_events  # noqa: E402
@@ -130,17 +131,15 @@ def workload(cluster: ReplicaCluster, url: str, name: str, sessions: int, turns:
         # A fresh order every round (the same in both phases): in a fixed order with an even
         # number of sessions, round-robin would send each session to the same replica anyway.
         rng = random.Random(7)
-        for k in range(turns):
-            for i in rng.sample(range(sessions), sessions):
-                sid = sids[i]
-                content = TURNS[k % len(TURNS)].format(TOPICS[i % len(TOPICS)])
-                body, upstream = post(http, sid, content)
-                usage = body["usage"]
-                cached = usage["prompt_tokens_details"]["cached_tokens"]
-                reply = body["message"]["content"]
-                phase.turns.append(
-                    Turn(sid, content, reply, upstream, usage["prompt_tokens"], cached)
-                )
+        order = [(k, i) for k in range(turns) for i in rng.sample(range(sessions), sessions)]
+        for k, i in progress.track(order, f"{name} turns"):
+            sid = sids[i]
+            content = TURNS[k % len(TURNS)].format(TOPICS[i % len(TOPICS)])
+            body, upstream = post(http, sid, content)
+            usage = body["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            reply = body["message"]["content"]
+            phase.turns.append(Turn(sid, content, reply, upstream, usage["prompt_tokens"], cached))
     after = tier_hits(cluster)
     phase.tier_hits = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     return phase
@@ -260,7 +259,9 @@ def throughput(url: str, chunks: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 sessions × 4 turns, 16 chunks")
+    progress.add_argument(parser)
     args = parser.parse_args()
+    progress.configure(args)
     sessions, turns, chunks = (4, 4, 16) if args.quick else (12, 5, 64)
     t0 = time.monotonic()
     out: dict[str, Any] = {"sessions": sessions, "turns": turns}

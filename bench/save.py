@@ -19,7 +19,9 @@ With --concurrent all requests run together (a decode batch of --requests sessio
 per-layer write stream costs a batched decode step.
 
     python bench/save.py [--requests 6] [--rounds 3] [--dram-sessions N] [--quick]
-                         [--concurrent] [--decode-steps 20]
+                         [--concurrent] [--decode-steps 20] [--plot-dir bench/out] [--no-progress]
+
+Writes <plot dir>/save_ms_per_request.png: time per request of each configuration, every round.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import plots, progress  # noqa: E402
 from chatstore.config import Config, load_config  # noqa: E402
 from chatstore.engine.engine_config import EngineConfig  # noqa: E402
 from chatstore.engine.llm_engine import LLMEngine  # noqa: E402
@@ -90,6 +93,24 @@ def run(
     return busy / len(batch), flush
 
 
+def plot_rounds(plot_dir: Path, rounds: dict[str, list[float]], args) -> Path:
+    """ms per request of each configuration, a group of bars per round."""
+    names = {"none": "no store", "sync": "synchronous save", "async": "asynchronous save"}
+    n = len(rounds["none"])
+    batch = "concurrent" if args.concurrent else "one at a time"
+    return plots.bar_chart(
+        plots.plot_path(plot_dir, "save", "ms_per_request"),
+        [
+            plots.Bars(
+                "", [f"round {r + 1}" for r in range(n)], {names[m]: v for m, v in rounds.items()}
+            )
+        ],
+        title=f"save: time per request, {args.requests} requests ({batch}), "
+        f"{args.min_tokens}-{args.max_tokens} prompt tokens + {args.decode_steps} decode steps",
+        ylabel="ms per request",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=6)
@@ -100,7 +121,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 requests, 1 round")
     parser.add_argument("--concurrent", action="store_true", help="all requests in one batch")
     parser.add_argument("--decode-steps", type=int, default=DECODE_STEPS)
+    plots.add_argument(parser)
+    progress.add_argument(parser)
     args = parser.parse_args()
+    progress.configure(args)
     if args.quick:
         args.requests, args.rounds = 3, 1
     data = Path(tempfile.mkdtemp(prefix="chatstore-bench-save-"))
@@ -118,22 +142,26 @@ def main() -> None:
     batch = prompts(args.requests, args.min_tokens, args.max_tokens, vocab)
     run(runtime, config, "none", prompts(1, 200, 200, vocab, seed=1), "warmup")
     best: dict[str, float] = {}
+    rounds: dict[str, list[float]] = {"none": [], "sync": [], "async": []}  # ms per request
     flush_s = 0.0
-    for r in range(args.rounds):
-        for mode in ("none", "sync", "async"):
-            per_request, flush = run(
-                runtime,
-                config,
-                mode,
-                batch,
-                f"r{r}-{mode}",
-                args.concurrent,
-                args.decode_steps,
-            )
-            print(f"round {r} {mode:5s} {per_request * 1000:9.1f} ms/request", file=sys.stderr)
-            best[mode] = min(best.get(mode, float("inf")), per_request)
-            if mode == "async":
-                flush_s = max(flush_s, flush)
+    runs = [(r, mode) for r in range(args.rounds) for mode in rounds]
+    for r, mode in progress.track(runs, "save runs"):
+        per_request, flush = run(
+            runtime,
+            config,
+            mode,
+            batch,
+            f"r{r}-{mode}",
+            args.concurrent,
+            args.decode_steps,
+        )
+        print(f"round {r} {mode:5s} {per_request * 1000:9.1f} ms/request", file=sys.stderr)
+        best[mode] = min(best.get(mode, float("inf")), per_request)
+        rounds[mode].append(per_request * 1000)
+        if mode == "async":
+            flush_s = max(flush_s, flush)
+
+    plot_rounds(args.plot_dir, rounds, args)
 
     def overhead(mode: str) -> float:
         return round(100 * (best[mode] / best["none"] - 1), 2)

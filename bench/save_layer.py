@@ -7,7 +7,9 @@ step's rows, into each request's own pages of its row arena, and places the rows
 Timed: the 30 layers of one decode step of the default model's shape (3 KV heads x 64), batch
 1 / 8 / 32, median of --reps.
 
-    python bench/save_layer.py [--reps 200]
+    python bench/save_layer.py [--reps 200] [--plot-dir bench/out]
+
+Writes <plot dir>/save_layer_ms_per_step.png: both schemes' ms per decode step, by batch size.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import plots  # noqa: E402
 from bench.engine_speed import median_seconds  # noqa: E402
 from chatstore.transfer.layer_saver import LayerSaver  # noqa: E402
 
@@ -68,13 +71,26 @@ def time_batch(batch: int, reps: int) -> dict[str, float]:
     }
 
 
+def plot_by_batch(plot_dir: Path, by_batch: dict[int, dict[str, float]]) -> Path:
+    names = {"baseline": "per-request copies (before)", "ours": "LayerSaver"}
+    values = {names[k]: [ms[k] for ms in by_batch.values()] for k in names}
+    return plots.bar_chart(
+        plots.plot_path(plot_dir, "save_layer", "ms_per_step"),
+        [plots.Bars("", [f"batch {b}" for b in by_batch], values)],
+        title=f"save_layer: engine-thread save work per decode step ({LAYERS} layers, median)",
+        ylabel="ms per decode step",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=200)
+    plots.add_argument(parser)
     args = parser.parse_args()
     result: dict[str, object] = {"layers": LAYERS, "reps": args.reps}
+    by_batch: dict[int, dict[str, float]] = {}
     for batch in (1, 8, 32):
-        ms = time_batch(batch, args.reps)
+        ms = by_batch[batch] = time_batch(batch, args.reps)
         ratio = ms["baseline"] / ms["ours"]
         print(
             f"batch {batch:2d}: per-request copies {ms['baseline']:.3f} ms, "
@@ -84,6 +100,7 @@ def main() -> None:
         result[f"ms_per_step_b{batch}_baseline"] = round(ms["baseline"], 3)
         result[f"ms_per_step_b{batch}_ours"] = round(ms["ours"], 3)
         result[f"speedup_b{batch}"] = round(ratio, 2)
+    plot_by_batch(args.plot_dir, by_batch)
     print(json.dumps(result))
 
 

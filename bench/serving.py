@@ -17,7 +17,7 @@ log(rate) between the last rate under it and the first over it); rates above a s
 failure are not run. A saturation run (every
 request at t=0) gives the mean batch size under the same KV budget, paged vs contiguous.
 
-    python bench/serving.py [--quick] [--threshold 0.5] [--threads 1]
+    python bench/serving.py [--quick] [--threshold 0.5] [--threads 1] [--no-progress]
 
 The last line printed is one JSON object.
 """
@@ -29,11 +29,16 @@ import asyncio
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import progress
 from chatstore.config import Config
 from chatstore.engine.async_engine import AsyncEngine
 from chatstore.engine.engine_config import EngineConfig
@@ -172,7 +177,7 @@ def sweep(
 ) -> dict:
     """Normalized latency per rate until the first rate over the threshold."""
     curve: dict[float, float] = {}
-    for k, rate in enumerate(rates):
+    for k, rate in progress.track(enumerate(rates), f"{name} rates", len(rates)):
         n = num_requests(plan, rate)
         times = arrival_times(rate, n, seed=k + 1)
         t0 = time.perf_counter()
@@ -214,7 +219,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small workload, about a minute")
     parser.add_argument("--threshold", type=float, default=0.3, help="s/token for 'sustained'")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    progress.add_argument(parser)
     args = parser.parse_args()
+    progress.configure(args)
     plan = QUICK if args.quick else FULL
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()

@@ -23,7 +23,13 @@ behind the real AsyncEngine (built as the server builds it), store on vs off in 
                    warm_restart_share        sessions whose whole history came back from LMDB
                    warm_restart_ttft_ratio   their first-turn TTFT / a cold recompute's
 
-    python bench/store_io.py [--quick] [--only conversation,overhead,...]
+    python bench/store_io.py [--quick] [--only conversation,overhead,...] [--plot-dir bench/out]
+                             [--no-progress]
+
+The conversation section writes two plots to the plot dir: store_io_bytes_per_turn.png (what
+the store wrote each turn, against the new tokens' KV and the whole history's KV, which is what a
+store that rewrites the session every turn would write) and store_io_ttft_by_turn.png (TTFT per
+turn: store off, DRAM tier, LMDB tier alone).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import plots, progress  # noqa: E402
 from chatstore.api.backend import build_backend  # noqa: E402
 from chatstore.config import load_config  # noqa: E402
 from chatstore.engine.request import Request, SamplingParams  # noqa: E402
@@ -138,7 +145,8 @@ def conversation(args, mode: str, data_dir: str) -> dict:
     ratios, ttfts, saved_tokens = [], [], 0
     written = 0
     per_token = store.layout.bytes_per_token if store is not None else 0
-    for t in range(args.turns):
+    per_turn: dict[str, list[int]] = {"written": [], "new": [], "history": []}  # bytes
+    for t in progress.track(range(args.turns), f"conversation, store {mode}"):
         messages.append({"role": "user", "content": words(t * 150, args.words)})
         res = rig.turn("conv", messages, args.reply_tokens)
         ttfts.append(res.ttft_s)
@@ -148,6 +156,9 @@ def conversation(args, mode: str, data_dir: str) -> dict:
             now = res.prompt_tokens + len(res.reply) - 1
             new = max(1, now - min(saved_tokens, res.cached_tokens))
             ratios.append((store.bytes_written - written) / (new * per_token))
+            per_turn["written"].append(store.bytes_written - written)
+            per_turn["new"].append(new * per_token)
+            per_turn["history"].append(now * per_token)
             written, saved_tokens = store.bytes_written, now
         if t % 10 == 9:
             say(
@@ -155,6 +166,7 @@ def conversation(args, mode: str, data_dir: str) -> dict:
                 f"TTFT {res.ttft_s:.3f} s"
             )
     out = {"ttft_last5_s": statistics.mean(ttfts[-5:]), "history_tokens": saved_tokens}
+    out |= {"ttft_by_turn_s": ttfts, "bytes_by_turn": per_turn}
     if store is not None:
         store.flush_persist(60)
         out |= {
@@ -177,13 +189,16 @@ def overhead(args, kv_store: str, data_dir: str) -> float:
     rig = Rig(data_dir, kv_store=kv_store, **args.store_overrides)
     sessions = {f"o{i}": [{"role": "system", "content": "Answer briefly."}] for i in range(6)}
     later = []
-    for t in range(args.overhead_turns):
-        for i, (sid, messages) in enumerate(sessions.items()):
-            messages.append({"role": "user", "content": words(1000 * i + 200 * t, 180)})
-            res = rig.turn(sid, messages, 16)
-            messages.append({"role": "assistant", "content": rig.tok.decode(res.reply)})
-            if t:
-                later.append(res.ttft_s)
+    bar = progress.progress_bar(args.overhead_turns * len(sessions), f"overhead, store {kv_store}")
+    with bar as turns_done:
+        for t in range(args.overhead_turns):
+            for i, (sid, messages) in enumerate(sessions.items()):
+                messages.append({"role": "user", "content": words(1000 * i + 200 * t, 180)})
+                res = rig.turn(sid, messages, 16)
+                messages.append({"role": "assistant", "content": rig.tok.decode(res.reply)})
+                turns_done.update(1)
+                if t:
+                    later.append(res.ttft_s)
     rig.close()
     return statistics.mean(later)
 
@@ -199,7 +214,7 @@ def dedup(args, data_dir: str) -> dict:
     )
     prompt_tokens = len(rendered["input_ids"])
     own = 0
-    for i in range(args.dedup_sessions):
+    for i in progress.track(range(args.dedup_sessions), "shared prefix sessions"):
         messages = [{"role": "system", "content": system}]
         for t in range(2):
             messages.append({"role": "user", "content": words(300 * i + 60 * t, 60)})
@@ -234,7 +249,9 @@ def pressure(args, kv_store: str, data_dir: str) -> float:
     sessions = {f"p{i}": [{"role": "system", "content": "Answer briefly."}] for i in range(32)}
     later = []
     for t in range(args.pressure_turns):
-        for i, (sid, messages) in enumerate(sessions.items()):
+        for i, (sid, messages) in enumerate(
+            progress.track(sessions.items(), f"pressure round {t + 1}")
+        ):
             n = 300 if t == 0 else 40
             messages.append({"role": "user", "content": words(700 * i + 300 * t, n)})
             res = rig.turn(sid, messages, 8)
@@ -302,6 +319,51 @@ def restart(args, data_dir: str) -> dict:
     }
 
 
+def plot_conversation(plot_dir: Path, runs: dict[str, dict]) -> list[Path]:
+    """Bytes the DRAM run's store wrote per turn, and TTFT per turn of every run."""
+    mb = 1e6
+    turns = range(1, len(runs["dram"]["ttft_by_turn_s"]) + 1)
+    per_turn = runs["dram"]["bytes_by_turn"]
+    written = plots.line_chart(
+        plots.plot_path(plot_dir, "store_io", "bytes_per_turn"),
+        [
+            plots.Series(
+                "store v2: bytes written (measured)", turns, [b / mb for b in per_turn["written"]]
+            ),
+            plots.Series(
+                "the new tokens' KV (computed)",
+                turns,
+                [b / mb for b in per_turn["new"]],
+                dashed=True,
+            ),
+            plots.Series(
+                "rewrite everything: the whole history's KV (computed)",
+                turns,
+                [b / mb for b in per_turn["history"]],
+                dashed=True,
+            ),
+        ],
+        title="store_io: bytes the store writes per turn, one growing conversation (DRAM tier)",
+        xlabel="turn",
+        ylabel="MB written in the turn",
+        integer_x=True,
+    )
+    names = {
+        "off": "store off (device prefix cache)",
+        "dram": "DRAM tier",
+        "lmdb": "LMDB tier alone",
+    }
+    ttft = plots.line_chart(
+        plots.plot_path(plot_dir, "store_io", "ttft_by_turn"),
+        [plots.Series(names[m], turns, r["ttft_by_turn_s"]) for m, r in runs.items()],
+        title="store_io: time to first token by turn, one growing conversation",
+        xlabel="turn",
+        ylabel="TTFT, s",
+        integer_x=True,
+    )
+    return [written, ttft]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--only", default=",".join(SECTIONS))
@@ -312,7 +374,10 @@ def main() -> None:
         default=[],
         help="store setting for the overhead runs, e.g. --set persist=off (what it costs)",
     )
+    plots.add_argument(p)
+    progress.add_argument(p)
     args = p.parse_args()
+    progress.configure(args)
     args.store_overrides = dict(kv.split("=", 1) for kv in args.set)
     args.turns, args.words, args.reply_tokens = (8, 60, 8) if args.quick else (40, 125, 24)
     args.overhead_turns = 2 if args.quick else 5
@@ -343,6 +408,7 @@ def main() -> None:
                 f"{dram['save_cpu_ms_turn5']:.1f} ms, turn {args.turns} "
                 f"{dram['save_cpu_ms_turn40']:.1f} ms"
             )
+            plot_conversation(args.plot_dir, runs)
             result |= {
                 "bytes_written_ratio_max": round(dram["bytes_written_ratio_max"], 3),
                 "bytes_written_ratio_mean": round(dram["bytes_written_ratio_mean"], 3),
