@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from chatstore.api.metrics_history import MetricsHistory
 from chatstore.api.store_port import TierStats
 
 router = APIRouter(tags=["ops"])
@@ -133,6 +134,7 @@ class Metrics:
             "chatstore_ttft_seconds", "time to first token (API arrival to first token)",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.history = MetricsHistory()  # the dashboard's plots (GET /admin/history)
 
     def attach_state(self, engine_stats: Callable[[], Any], tiers: Callable[[], Any]) -> None:
         self.registry.register(StateCollector(engine_stats, tiers))
@@ -154,6 +156,7 @@ class Metrics:
         self.tokens.labels("completion").inc(u.completion_tokens)
         if result.ttft_s is not None:
             self.ttft.observe(result.ttft_s)
+            self.history.record_ttft(result.ttft_s)
 
 
 @router.get("/metrics", include_in_schema=False)

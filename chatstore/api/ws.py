@@ -7,8 +7,11 @@ client -> server (JSON text frames)
     {"type": "ping"}
 server -> client
     {"type": "ready", "session_id"}
-    {"type": "start", "id"}  {"type": "delta", "index", "text"}...  {"type": "done", ...reply}
+    {"type": "start", "id"}  {"type": "delta", "index", "text", "t"}...  {"type": "done", ...reply}
     {"type": "cancelled", "id"}  {"type": "error", "error": {...}}  {"type": "pong"}
+
+A delta's "t" is the server's wall clock as it sends the frame (epoch milliseconds, a float): a
+client on the same host can measure its own overhead, server token to token on screen.
 
 A cancel, or the client going away, aborts the turn in the engine, which frees its blocks.
 Auth: the Authorization header, or ?api_key=... for clients that cannot set headers.
@@ -130,7 +133,8 @@ class SessionSocket:
             await self.send({"type": "start", "id": turn.request_id})
             async for delta in turn.deltas():
                 if delta.text:
-                    await self.send({"type": "delta", "index": delta.index, "text": delta.text})
+                    frame = {"type": "delta", "index": delta.index, "text": delta.text}
+                    await self.send({**frame, "t": round(time.time() * 1000, 3)})
             result = turn.result
             assert result is not None
             if result.error is not None:
