@@ -1,7 +1,8 @@
-"""API load: N concurrent multi-turn clients streaming over SSE and over WebSocket.
+"""API load: N concurrent multi-turn clients streaming over SSE, WebSocket and Responses.
 
 The server runs as its own process (`chatstore serve` on a loopback port, real model, engine and
-store); each client owns a session and keeps conversing for `--duration` seconds. Per turn it
+store); each client owns a session (the Responses client: a chain of responses, each continuing
+the last by `previous_response_id`) and keeps conversing for `--duration` seconds. Per turn it
 records the TTFT it sees (request sent -> first token delta received) and the engine's own TTFT,
 which the server reports in the turn's final event (Request created -> first token sampled).
 
@@ -30,10 +31,11 @@ steady as the machine: on a few shared cores other processes move it by more tha
 and the loop's CPU per token (x the number of streams: what each step's tokens cost the loop,
 which holds the GIL the engine thread needs meanwhile) is the steadier measure of the API's own
 cost. Intended 429s (queue full) are retried after Retry-After and counted apart; anything else
-is an error. The last line printed is one JSON object.
+is an error. The last line printed is one JSON object; `<transport>_overhead_ms_p50` is each
+transport's api_overhead p50, `api_overhead_ms_p50` the worst of them.
 
     python bench/api_load.py [--clients 8] [--duration 20] [--max-tokens 16] [--ignore-eos]
-                             [--transports sse,ws] [--rounds 1] [--quick]
+                             [--transports sse,ws,responses] [--rounds 1] [--quick]
 """
 
 from __future__ import annotations
@@ -146,6 +148,44 @@ async def sse_client(http: httpx.AsyncClient, i: int, stop: float, args, stats: 
         turn += 1
 
 
+async def responses_client(
+    http: httpx.AsyncClient, i: int, stop: float, args, stats: Stats
+) -> None:
+    """The Responses API streamed, each turn continuing the last (`previous_response_id`)."""
+    previous = None
+    turn = 0
+    while time.monotonic() < stop:
+        body = {"input": PROMPTS[(i + turn) % len(PROMPTS)], "instructions": "Be brief.",
+                "stream": True, "max_output_tokens": args.max_tokens, "temperature": 0,
+                "ignore_eos": args.ignore_eos, "previous_response_id": previous}  # fmt: skip
+        sent, first, last = time.perf_counter(), None, None
+        async with http.stream("POST", "/v1/responses", json=body) as r:
+            if r.status_code == 429:
+                stats.rejected += 1
+                await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
+                continue
+            if r.status_code != 200:
+                stats.errors.append(f"responses {r.status_code}: {(await r.aread())[:200]!r}")
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                kind = event["type"]
+                if kind == "response.output_text.delta":
+                    last = time.perf_counter() - sent
+                    first = last if first is None else first
+                elif kind in ("response.completed", "response.incomplete"):
+                    done = event["response"]
+                    previous = done["id"]
+                    usage = {"completion_tokens": done["usage"]["output_tokens"]}
+                    turn_done = {"usage": usage, "timings": done["timings"]}
+                    stats.add(first, turn_done, None if first is None else last - first)
+                elif kind in ("response.failed", "error"):
+                    stats.errors.append(f"responses stream error: {line[6:200]}")
+        turn += 1
+
+
 async def ws_client(url: str, http: httpx.AsyncClient, i: int, stop: float, args, stats: Stats):
     sid = (await http.post("/v1/sessions", json={"system_prompt": "Be brief."})).json()["id"]
     async with websockets.connect(f"{url}/v1/sessions/{sid}/ws", proxy=None) as ws:
@@ -183,6 +223,8 @@ async def drive(url: str, args, transport: str) -> tuple[Stats, float]:
         stop = start + args.duration
         if transport == "sse":
             jobs = [sse_client(http, i, stop, args, stats) for i in range(args.clients)]
+        elif transport == "responses":
+            jobs = [responses_client(http, i, stop, args, stats) for i in range(args.clients)]
         else:
             ws_url = url.replace("http://", "ws://")
             jobs = [ws_client(ws_url, http, i, stop, args, stats) for i in range(args.clients)]
@@ -338,7 +380,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--ignore-eos", action="store_true", help="every turn max-tokens long")
-    parser.add_argument("--transports", default="sse,ws")
+    parser.add_argument("--transports", default="sse,ws,responses")
     parser.add_argument("--no-engine-alone", action="store_true")
     parser.add_argument(
         "--rounds", type=int, default=1,
@@ -406,6 +448,7 @@ def main() -> None:
         row["per_token_overhead_ms_by_round"] = [round(d, 3) for d in paired]
         rows.append(row)
     overheads = [r["api_overhead_ms_p50"] for r in rows if r["api_overhead_ms_p50"] is not None]
+    by_transport = {r["transport"]: r["api_overhead_ms_p50"] for r in rows}
     http_ttft = [r["ttft_ms_p50"] for r in rows if r["ttft_ms_p50"] is not None]
     alone_cpu = [cpu for _, _, cpu in alone_phases if cpu is not None]
     result = {
@@ -420,6 +463,7 @@ def main() -> None:
         "engine_alone_ttft_ms_p50": pct(alone_ttft, 0.5),
         "engine_alone_ttft_ms_p99": pct(alone_ttft, 0.99),
         "api_overhead_ms_p50": max(overheads) if overheads else None,
+        **{f"{t}_overhead_ms_p50": by_transport.get(t) for t in ("sse", "ws", "responses")},
         "engine_alone_per_token_ms_p50": engine_per_token["p50"],
         "engine_alone_per_token_ms_mean": engine_per_token["mean"],
         "engine_alone_loop_cpu_ms_per_token": (

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from chatstore.api import admin, metrics, openai_routes, pages, session_routes, ws
+from chatstore.api import admin, metrics, openai_routes, pages, responses_routes, session_routes, ws
 from chatstore.api.chat_service import ChatService
 from chatstore.api.chat_template import ChatTemplate
 from chatstore.api.errors import install_error_handlers
@@ -87,7 +87,7 @@ def create_app(backend: Backend, settings: ServerSettings) -> FastAPI:
     app.state.started_at = int(time.time())
     app_metrics.attach_state(_safe(backend.engine.stats), _safe(backend.store.tier_stats, []))
     install_error_handlers(app)
-    for module in (openai_routes, session_routes, ws, admin, metrics, pages):
+    for module in (openai_routes, responses_routes, session_routes, ws, admin, metrics, pages):
         app.include_router(module.router)
     app.add_middleware(APIMiddleware, max_body_bytes=settings.max_body_bytes)
     return app
