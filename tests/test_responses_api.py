@@ -14,7 +14,7 @@ from chatstore.api.settings import ServerSettings
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
-ALICE, BOB = "key-alice", "key-bob"
+ALICE, BOB, ADMIN = "key-alice", "key-bob", "key-admin"
 GREEDY = {"model": "default", "temperature": 0, "max_output_tokens": 8}
 INSTRUCTIONS = "Answer in one short sentence."
 STORE = {"kv_cache_bytes": 48 << 20, "dram_bytes": 256 << 20}
@@ -28,7 +28,7 @@ CLOSING = ["response.output_text.done", "response.content_part.done", "response.
 
 
 def settings() -> ServerSettings:
-    return ServerSettings(api_keys={ALICE: "alice", BOB: "bob"})
+    return ServerSettings(api_keys={ALICE: "alice", BOB: "bob"}, admin_key=ADMIN)
 
 
 def sdk(url: str, key: str) -> openai.OpenAI:
@@ -191,6 +191,21 @@ def test_get_delete_and_other_tenants(alice, bob, alice_http):
         alice.responses.retrieve("resp_" + "0" * 32)
     assert alice_http.get("/v1/responses/" + "x" * 300).status_code == 404
     assert httpx.get(f"{alice_http.base_url}/v1/responses/{made.id}").status_code == 401
+
+
+def test_stored_responses_are_not_sessions_in_the_admin_listing(alice, server):
+    made = alice.responses.create(input="Say hi.", **GREEDY)
+    listed = httpx.get(
+        f"{server.url}/admin/sessions",
+        params={"limit": 100},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=30,
+    )
+    assert listed.status_code == 200
+    rows = listed.json()["data"]
+    assert all(r["tenant"] in ("alice", "bob") for r in rows)  # no response namespace
+    assert made.id not in {r["id"] for r in rows}
+    assert extra(made, "session_id") in {r["id"] for r in rows}
 
 
 def test_fork_from_an_older_response(alice, alice_http):

@@ -25,10 +25,10 @@ from typing import Any
 
 from chatstore.api.chat_template import Message
 from chatstore.api.errors import store_error
-from chatstore.api.store_port import SessionRecord, SessionStorePort
+from chatstore.api.store_port import INTERNAL_TENANT_PREFIX, SessionRecord, SessionStorePort
 from chatstore.store.records import RecordStoreError
 
-NAMESPACE = "\x00responses:"
+NAMESPACE = INTERNAL_TENANT_PREFIX + "responses:"
 
 
 def new_response_id() -> str:

@@ -13,7 +13,12 @@ import dataclasses
 import threading
 from typing import Any
 
-from chatstore.api.store_port import SessionPlacement, SessionRecord, TierStats
+from chatstore.api.store_port import (
+    INTERNAL_TENANT_PREFIX,
+    SessionPlacement,
+    SessionRecord,
+    TierStats,
+)
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.store.session_kv import SessionKey, common_prefix_len
 from chatstore.store.session_lease import SessionLease, session_leases
@@ -137,6 +142,8 @@ class StoreAdapter:
 
     def list(self, tenant: str | None, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
         records = self.records.list_sessions(tenant)
+        if tenant is None:  # all tenants: the users', not the server's own namespaces
+            records = [r for r in records if not r.tenant.startswith(INTERNAL_TENANT_PREFIX)]
         records.sort(key=lambda r: (r.updated_at, r.session_id), reverse=True)
         return [self._to_port(r) for r in records[offset : offset + limit]], len(records)
 

@@ -14,6 +14,10 @@ from chatstore.engine.kv_connector import KVConnector
 
 Message = dict[str, str]
 
+# Tenants starting with a NUL are the server's own namespaces (stored responses, for one): no
+# configured tenant can hold a NUL, so users never see them as sessions.
+INTERNAL_TENANT_PREFIX = "\x00"
+
 
 @dataclass
 class SessionRecord:
