@@ -26,6 +26,10 @@ from chatstore.api.session_routes import session_info
 from chatstore.api.store_port import SessionRecord
 
 CACHE_SESSIONS_SHOWN = 50  # rows of the session table inlined in /admin/cache
+# The pagination of every admin listing.
+Offset = Annotated[int, Query(ge=0, le=1_000_000)]
+Limit = Annotated[int, Query(ge=1, le=100)]
+TenantFilter = Annotated[str | None, Query(max_length=256)]
 
 router = APIRouter(tags=["admin"])
 Admin = Annotated[Principal, Depends(admin_principal)]
@@ -100,9 +104,9 @@ def session_table(
 def cache_sessions(
     request: Request,
     _: Admin,
-    offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    tenant: Annotated[str | None, Query(max_length=256)] = None,
+    offset: Offset = 0,
+    limit: Limit = 20,
+    tenant: TenantFilter = None,
 ) -> dict[str, Any]:
     return session_table(request.app.state.service, tenant, offset, limit)
 
@@ -111,9 +115,9 @@ def cache_sessions(
 def all_sessions(
     request: Request,
     _: Admin,
-    offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    tenant: Annotated[str | None, Query(max_length=256)] = None,
+    offset: Offset = 0,
+    limit: Limit = 20,
+    tenant: TenantFilter = None,
 ) -> dict[str, Any]:
     service: ChatService = request.app.state.service
     records, total = service.store.list(tenant, offset, limit)

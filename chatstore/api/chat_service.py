@@ -444,17 +444,7 @@ class ChatService:
     # -- helpers ----------------------------------------------------------------------------
 
     def _check_chars(self, param: str, text: str) -> None:
-        limit = self.settings.max_message_chars
-        if len(text) > limit:
-            raise bad_param(
-                param, f"message is {len(text)} characters; the limit is {limit}", "too_long"
-            )
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): JSON allows it
-            raise bad_param(
-                param, f"text is not valid Unicode at character {exc.start}", "invalid_text"
-            ) from None
+        check_text(param, text, self.settings.max_message_chars)
 
     def _check_metadata(self, metadata: dict[str, str]) -> None:
         size, limit = len(json.dumps(metadata)), self.settings.max_metadata_bytes
@@ -491,3 +481,19 @@ class ChatService:
 
     def _retry(self) -> dict[str, str]:
         return {"Retry-After": str(self.settings.retry_after_s)}
+
+
+def check_text(param: str, text: str, max_chars: int) -> str:
+    """A message's text within the service's limits (length, valid Unicode), or a 400 naming
+    `param` as the calling API names it."""
+    if len(text) > max_chars:
+        raise bad_param(
+            param, f"message is {len(text)} characters; the limit is {max_chars}", "too_long"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): JSON allows it
+        raise bad_param(
+            param, f"text is not valid Unicode at character {exc.start}", "invalid_text"
+        ) from None
+    return text

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatstore.api.turn import TurnResult
-from chatstore.api.usage import cached_by_tier
+from chatstore.api.usage import cached_by_tier, timings
 
 STATUS = {"stop": "completed", "length": "incomplete"}  # by the engine's finish reason
 
@@ -49,17 +49,6 @@ def turn_status(result: TurnResult) -> str:
     if result.error is not None:
         return "failed"
     return STATUS.get(result.finish_reasons[0] or "", "completed")
-
-
-def timings(result: TurnResult) -> dict[str, float | None]:
-    def ms(s: float | None) -> float | None:
-        return None if s is None else round(s * 1000, 3)
-
-    return {
-        "ttft_ms": ms(result.ttft_s),
-        "engine_ttft_ms": ms(result.engine_ttft_s),
-        "total_ms": ms(result.total_s),
-    }
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from chatstore.api.chat_service import check_text
 from chatstore.api.chat_template import Message
 from chatstore.api.errors import bad_param
 from chatstore.api.schemas import INT64_MAX, SamplingFields
@@ -120,19 +121,6 @@ def input_messages(raw: Any, max_chars: int) -> list[Message]:
     for i, m in enumerate(messages):
         check_text(f"input.{i}.content", m["content"], max_chars)
     return messages
-
-
-def check_text(param: str, text: str, max_chars: int) -> str:
-    """The limits the chat service applies to every message, named as this API names them."""
-    if len(text) > max_chars:
-        raise bad_param(param, f"{len(text)} characters; the limit is {max_chars}", "too_long")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): JSON allows it
-        raise bad_param(
-            param, f"text is not valid Unicode at character {exc.start}", "invalid_text"
-        ) from None
-    return text
 
 
 def _message(where: str, item: Any) -> Message:

@@ -38,7 +38,7 @@ from chatstore.api.schemas import (
 from chatstore.api.store_port import SessionRecord
 from chatstore.api.streaming import sse, sse_response
 from chatstore.api.turn import Turn, TurnResult
-from chatstore.api.usage import usage_body
+from chatstore.api.usage import timings, usage_body
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 Tenant = Annotated[Principal, Depends(tenant_principal)]
@@ -161,17 +161,6 @@ async def post_message(
     if turn.save_error is not None:  # not kept: never acknowledge it
         raise turn.save_error
     return reply_body(turn, result)
-
-
-def timings(result: TurnResult) -> dict[str, float | None]:
-    def ms(s: float | None) -> float | None:
-        return None if s is None else round(s * 1000, 3)
-
-    return {
-        "ttft_ms": ms(result.ttft_s),
-        "engine_ttft_ms": ms(result.engine_ttft_s),
-        "total_ms": ms(result.total_s),
-    }
 
 
 def reply_body(turn: Turn, result: TurnResult) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Usage objects as the APIs report them, with cached tokens split by the tier they came from.
+"""Usage and timings of a turn as the APIs report them; cached tokens split by their tier.
 
 `cached_tokens_by_tier` is an extension field: OpenAI clients ignore it, dashboards and the
 terminal client read it.
@@ -28,4 +28,15 @@ def usage_body(result: TurnResult) -> dict[str, Any]:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         "cached_tokens_by_tier": cached_by_tier(u),
+    }
+
+
+def timings(result: TurnResult) -> dict[str, float | None]:
+    def ms(s: float | None) -> float | None:
+        return None if s is None else round(s * 1000, 3)
+
+    return {
+        "ttft_ms": ms(result.ttft_s),
+        "engine_ttft_ms": ms(result.engine_ttft_s),
+        "total_ms": ms(result.total_s),
     }
