@@ -23,6 +23,12 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, dest="block_size")
     p.add_argument("--kv-cache-bytes", type=int, dest="kv_cache_bytes")
     p.add_argument("--attention", choices=["auto", "reference"])
+    p.add_argument(
+        "--kv-layout",
+        choices=["paged", "vattention"],
+        dest="kv_layout",
+        help="device KV layout (vattention: per-request contiguous, pages committed on demand)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,8 +94,8 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
 
 def _config_from(args: argparse.Namespace):
     keys = (
-        "model", "dtype", "device", "block_size", "kv_cache_bytes", "attention", "host", "port",
-        "log_level", "data_dir", "kv_store", "redis_url",
+        "model", "dtype", "device", "block_size", "kv_cache_bytes", "attention", "kv_layout",
+        "host", "port", "log_level", "data_dir", "kv_store", "redis_url",
     )  # fmt: skip
     return load_config(args.config, {k: getattr(args, k, None) for k in keys})
 

@@ -70,6 +70,9 @@ class Config:
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 1 << 30
     enable_prefix_cache: bool = True
+    kv_layout: str = "paged"  # paged | vattention (chatstore/engine/vattention/)
+    kv_page_size: int = 4096  # vattention: bytes committed at a time (4096, or 2097152 huge)
+    kv_reclaim_watermark_bytes: int = -1  # vattention: idle slots' pages kept (-1 = budget/4)
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: str = ""  # "key1:tenant1,key2:tenant2"; "" (and no admin_key) = local mode
@@ -139,6 +142,10 @@ class Config:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.kv_layout not in ("paged", "vattention"):
+            raise ValueError(f"kv_layout must be paged|vattention, got {self.kv_layout!r}")
+        if self.kv_page_size not in (4096, 2 << 20):
+            raise ValueError(f"kv_page_size must be 4096 or 2097152, got {self.kv_page_size}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         self._validate_store()

@@ -10,11 +10,12 @@ import torch
 
 from chatstore.engine.block_pool import BlockPool
 from chatstore.engine.engine_config import EngineConfig
-from chatstore.engine.kv_cache import PagedKVCache
+from chatstore.engine.kv_cache import PagedKVCache, bytes_per_block
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request, RequestOutput, SamplingParams
 from chatstore.engine.runner import ModelRunner
 from chatstore.engine.runtime import Runtime
+from chatstore.engine.vattention import create_virtual_kv
 from chatstore.model import LoadedModel
 from chatstore.model.spec import ModelSpec
 from tests.conftest import tiny_hf_model
@@ -37,12 +38,19 @@ def tiny_runtime(
     arch: str = "llama",
     tokenizer=None,
     dtype: torch.dtype = torch.float32,
+    layout: str = "paged",
 ) -> Runtime:
+    """`layout` "vattention": a slot per sequence (32 slots, the default max_running) over a
+    budget of `num_blocks` blocks."""
     if (arch, dtype) not in _MODELS:
         _MODELS[arch, dtype] = tiny_hf_model(arch).to(dtype)
     hf = _MODELS[arch, dtype]
     spec = ModelSpec.from_hf_config(hf.config)
     model = LoadedModel(hf, tokenizer, spec, Path("."), dtype, f"tiny-{arch}-{dtype}")
+    if layout == "vattention":
+        budget = num_blocks * bytes_per_block(spec, block_size, dtype)
+        vkv, slots = create_virtual_kv(spec, 32, budget, block_size, dtype)
+        return Runtime(model, vkv, slots, ModelRunner(hf, spec, vkv))  # type: ignore[arg-type]
     kv = PagedKVCache(spec, num_blocks, block_size, dtype, "cpu")
     return Runtime(model, kv, BlockPool(num_blocks), ModelRunner(hf, spec, kv))
 
@@ -76,9 +84,11 @@ def finish_of(outputs: list[RequestOutput], index: int = 0) -> str | None:
     return next((r for r in reasons if r is not None), None)
 
 
-def run_alone(req: Request, arch: str = "llama", dtype: torch.dtype = torch.float32) -> list[int]:
+def run_alone(
+    req: Request, arch: str = "llama", dtype: torch.dtype = torch.float32, layout: str = "paged"
+) -> list[int]:
     """The request's greedy tokens when it is the only one in a fresh engine."""
-    engine = LLMEngine(tiny_runtime(arch=arch, dtype=dtype), EngineConfig())
+    engine = LLMEngine(tiny_runtime(arch=arch, dtype=dtype, layout=layout), EngineConfig())
     engine.add_request(Request(req.request_id, list(req.prompt_token_ids), req.sampling))
     return tokens_of(run_all(engine)[req.request_id])
 

@@ -52,27 +52,43 @@ def run_with_arrivals(
     return outs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_continuous_batching_matches_each_request_alone(arch: str, dtype: torch.dtype) -> None:
+LAYOUTS = ["paged", "vattention"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype", "layout"),
+    [
+        ("llama", torch.float32, "paged"),
+        ("llama", torch.bfloat16, "paged"),
+        ("qwen2", torch.float32, "paged"),
+        ("qwen2", torch.bfloat16, "paged"),
+        ("llama", torch.float32, "vattention"),
+        ("qwen2", torch.bfloat16, "vattention"),
+    ],
+)
+def test_continuous_batching_matches_each_request_alone(
+    arch: str, dtype: torch.dtype, layout: str
+) -> None:
     requests = make_requests(10)
-    runtime = tiny_runtime(arch=arch, dtype=dtype)
+    runtime = tiny_runtime(arch=arch, dtype=dtype, layout=layout)
     engine = LLMEngine(runtime, EngineConfig(max_tokens_per_step=24))
     outs = run_with_arrivals(engine, requests)
     for r in requests:
-        assert tokens_of(outs[r.request_id]) == run_alone(r, arch, dtype), r.request_id
+        alone = run_alone(r, arch, dtype, layout)
+        assert tokens_of(outs[r.request_id]) == alone, r.request_id
         assert finish_of(outs[r.request_id]) == "length"
         assert outs[r.request_id][-1].usage.completion_tokens == r.sampling.max_tokens
     assert engine.stats().mean_batch_size > 1.5
     assert_pool_clean(engine)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_many_preemptions_still_complete_with_the_same_tokens(mode: str, dtype) -> None:
+def test_many_preemptions_still_complete_with_the_same_tokens(mode: str, dtype, layout) -> None:
     requests = [Request(f"p{i}", prompt(200 + i, 12 + 3 * i), greedy(24)) for i in range(6)]
     config = EngineConfig(preemption_mode=mode, max_tokens_per_step=64, swap_space_bytes=1 << 20)
-    engine = LLMEngine(tiny_runtime(num_blocks=14, dtype=dtype), config)
+    engine = LLMEngine(tiny_runtime(num_blocks=14, dtype=dtype, layout=layout), config)
     for r in requests:
         engine.add_request(r)
     outs = run_all(engine)
@@ -81,14 +97,17 @@ def test_many_preemptions_still_complete_with_the_same_tokens(mode: str, dtype) 
     if mode == "swap":
         assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks == stats.swapped_out_blocks
     for r in requests:
-        assert tokens_of(outs[r.request_id]) == run_alone(r, dtype=dtype), r.request_id
+        alone = run_alone(r, dtype=dtype, layout=layout)
+        assert tokens_of(outs[r.request_id]) == alone, r.request_id
     assert_pool_clean(engine)
     if engine.swap is not None:
         assert engine.swap.num_free == engine.swap.num_blocks
 
 
-def test_long_prompt_is_chunked_and_never_stalls_running_decodes() -> None:
-    engine = LLMEngine(tiny_runtime(num_blocks=128), EngineConfig(max_tokens_per_step=16))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_long_prompt_is_chunked_and_never_stalls_running_decodes(layout: str) -> None:
+    runtime = tiny_runtime(num_blocks=128, layout=layout)
+    engine = LLMEngine(runtime, EngineConfig(max_tokens_per_step=16))
     engine.add_request(Request("short", prompt(1, 5), greedy(30)))
     engine.step()
     engine.add_request(Request("long", prompt(2, 300), greedy(2)))
@@ -104,13 +123,14 @@ def test_long_prompt_is_chunked_and_never_stalls_running_decodes() -> None:
     assert_pool_clean(engine)
 
 
-def test_static_batching_and_max_reservation_give_the_same_tokens() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_static_batching_and_max_reservation_give_the_same_tokens(layout: str) -> None:
     requests = make_requests(6, seed=3)
     for config in (EngineConfig(batching="static"), EngineConfig(kv_reservation="max")):
-        engine = LLMEngine(tiny_runtime(num_blocks=40), config)
+        engine = LLMEngine(tiny_runtime(num_blocks=40, layout=layout), config)
         outs = run_with_arrivals(engine, requests)
         for r in requests:
-            assert tokens_of(outs[r.request_id]) == run_alone(r)
+            assert tokens_of(outs[r.request_id]) == run_alone(r, layout=layout)
         assert_pool_clean(engine)
 
 
@@ -146,8 +166,9 @@ def test_waiting_queue_limit_and_look_ahead_snapshot() -> None:
     assert_pool_clean(engine)
 
 
-def test_requests_that_can_never_fit_get_a_clear_error() -> None:
-    engine = LLMEngine(tiny_runtime(num_blocks=8), EngineConfig())  # 32 tokens of KV
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_requests_that_can_never_fit_get_a_clear_error(layout: str) -> None:
+    engine = LLMEngine(tiny_runtime(num_blocks=8, layout=layout), EngineConfig())  # 32 tokens
     with pytest.raises(InvalidRequestError) as err:
         engine.add_request(Request("huge", prompt(1, 40), greedy()))
     assert err.value.field == "prompt" and "KV blocks" in str(err.value)
@@ -162,8 +183,9 @@ def test_requests_that_can_never_fit_get_a_clear_error() -> None:
     assert_pool_clean(engine)
 
 
-def test_abort_frees_every_block() -> None:
-    engine = LLMEngine(tiny_runtime(), EngineConfig())
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_abort_frees_every_block(layout: str) -> None:
+    engine = LLMEngine(tiny_runtime(layout=layout), EngineConfig())
     engine.add_request(Request("a", prompt(1, 9), greedy(50)))
     engine.add_request(Request("b", prompt(2, 9), greedy(50)))
     for _ in range(3):

@@ -59,13 +59,16 @@ def test_n4_shares_prompt_blocks_then_copies_on_write() -> None:
     assert_pool_clean(engine)
 
 
-def test_n4_samples_are_independent_of_sharing_and_preemption() -> None:
+@pytest.mark.parametrize("layout", ["paged", "vattention"])
+def test_n4_samples_are_independent_of_sharing_and_preemption(layout: str) -> None:
     request = Request("n4", prompt(6, 10), sampled())
-    engine = LLMEngine(tiny_runtime(num_blocks=64), EngineConfig())
+    engine = LLMEngine(tiny_runtime(num_blocks=64, layout=layout), EngineConfig())
     engine.add_request(request)
     shared = run_all(engine)["n4"]
     # A pool so small the samples keep preempting each other: recomputed KV is per sample.
-    tight = LLMEngine(tiny_runtime(num_blocks=8), EngineConfig(max_tokens_per_step=8))
+    tight = LLMEngine(
+        tiny_runtime(num_blocks=8, layout=layout), EngineConfig(max_tokens_per_step=8)
+    )
     tight.add_request(Request("n4", list(request.prompt_token_ids), request.sampling))
     recomputed = run_all(tight)["n4"]
     assert tight.stats().preemptions > 0

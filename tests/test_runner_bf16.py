@@ -9,8 +9,9 @@ import torch
 from chatstore.engine.block_pool import BlockPool
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.generate import GenerateOptions, generate
-from chatstore.engine.kv_cache import PagedKVCache
+from chatstore.engine.kv_cache import PagedKVCache, bytes_per_block
 from chatstore.engine.runner import ModelRunner
+from chatstore.engine.vattention import create_virtual_kv
 from tests.conftest import chat_ids
 from tests.test_runner_exact import PROMPTS
 
@@ -32,7 +33,11 @@ def bf16_model():
     return load_model(dtype=torch.bfloat16)
 
 
-def _runner(model, num_blocks: int = 64):
+def _runner(model, num_blocks: int = 64, layout: str = "paged"):
+    if layout == "vattention":
+        budget = num_blocks * bytes_per_block(model.spec, 16, torch.bfloat16)
+        vkv, slots = create_virtual_kv(model.spec, 4, budget, 16, torch.bfloat16)
+        return ModelRunner(model.hf_model, model.spec, vkv), slots
     kv = PagedKVCache(model.spec, num_blocks, 16, dtype=torch.bfloat16)
     return ModelRunner(model.hf_model, model.spec, kv), BlockPool(num_blocks)
 
@@ -43,8 +48,11 @@ def _logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.model
-def test_bf16_logits_as_close_to_fp32_as_transformers_bf16(bf16_model, default_model) -> None:
-    runner, pool = _runner(bf16_model)
+@pytest.mark.parametrize("layout", ["paged", "vattention"])
+def test_bf16_logits_as_close_to_fp32_as_transformers_bf16(
+    bf16_model, default_model, layout: str
+) -> None:
+    runner, pool = _runner(bf16_model, layout=layout)
     messages = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
     ids = chat_ids(bf16_model.tokenizer, messages)
     batch = ForwardBatch.build([SequenceChunk(ids, 0, pool.allocate(4))], 16, all_logits=True)
@@ -64,9 +72,12 @@ def test_bf16_logits_as_close_to_fp32_as_transformers_bf16(bf16_model, default_m
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize(
+    ("prompt", "layout"),
+    [(p, "paged") for p in PROMPTS] + [(PROMPTS[0], "vattention")],
+)
 def test_bf16_greedy_tokens_match_transformers_bf16_generate(
-    bf16_model, default_model, prompt: str
+    bf16_model, default_model, prompt: str, layout: str
 ) -> None:
     """32 greedy tokens equal transformers-bf16 `generate`'s, or the first token where they
     differ is a near-tie under fp32 logits (bf16 rounding decided it, not a wrong forward)."""
@@ -80,7 +91,7 @@ def test_bf16_greedy_tokens_match_transformers_bf16_generate(
             do_sample=False,
             pad_token_id=tok.eos_token_id,
         )[0, len(ids) :].tolist()
-    runner, pool = _runner(bf16_model, num_blocks=16)
+    runner, pool = _runner(bf16_model, num_blocks=16, layout=layout)
     options = GenerateOptions(max_new_tokens=GREEDY_TOKENS, stop_token_ids=(tok.eos_token_id,))
     ours = list(generate(runner, pool, ids, options))
     assert len(ref) == GREEDY_TOKENS

@@ -8,8 +8,9 @@ import torch
 from chatstore.engine.block_pool import BlockPool
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.generate import GenerateOptions, generate
-from chatstore.engine.kv_cache import PagedKVCache
+from chatstore.engine.kv_cache import PagedKVCache, bytes_per_block
 from chatstore.engine.runner import ModelRunner
+from chatstore.engine.vattention import create_virtual_kv
 from chatstore.model.spec import ModelSpec
 from tests.conftest import TINY_ARCHS, chat_ids, tiny_hf_model
 
@@ -21,8 +22,19 @@ TOL = 1e-4
 FAST_TOL_REAL_MODEL = 3e-4
 
 
-def make_runner(hf_model, num_blocks: int = 64, block_size: int = 16, attention: str = "auto"):
+def make_runner(
+    hf_model,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    attention: str = "auto",
+    layout: str = "paged",
+):
+    """layout "vattention": 4 slots of contiguous KV over a budget of num_blocks blocks."""
     spec = ModelSpec.from_hf_config(hf_model.config)
+    if layout == "vattention":
+        budget = num_blocks * bytes_per_block(spec, block_size, torch.float32)
+        vkv, slots = create_virtual_kv(spec, 4, budget, block_size, torch.float32)
+        return ModelRunner(hf_model, spec, vkv, attention), slots
     kv = PagedKVCache(spec, num_blocks, block_size, dtype=torch.float32)
     return ModelRunner(hf_model, spec, kv, attention), BlockPool(num_blocks)
 
@@ -115,9 +127,14 @@ def test_shuffled_block_ids_do_not_matter() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("layout", ["paged", "vattention"])
 @pytest.mark.parametrize(("attention", "tol"), [("reference", TOL), ("auto", FAST_TOL_REAL_MODEL)])
-def test_default_model_logits_match_transformers(default_model, attention: str, tol: float) -> None:
-    runner, pool = make_runner(default_model.hf_model, num_blocks=64, attention=attention)
+def test_default_model_logits_match_transformers(
+    default_model, attention: str, tol: float, layout: str
+) -> None:
+    runner, pool = make_runner(
+        default_model.hf_model, num_blocks=64, attention=attention, layout=layout
+    )
     messages = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
     ids = chat_ids(default_model.tokenizer, messages)
     ours = full_logits(runner, pool, ids)
@@ -150,8 +167,13 @@ PROMPTS = [
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_default_model_greedy_64_tokens_match_generate(default_model, prompt: str) -> None:
+@pytest.mark.parametrize(
+    ("prompt", "layout"),
+    [(p, "paged") for p in PROMPTS] + [(PROMPTS[0], "vattention")],
+)
+def test_default_model_greedy_64_tokens_match_generate(
+    default_model, prompt: str, layout: str
+) -> None:
     tok, hf = default_model.tokenizer, default_model.hf_model
     ids = chat_ids(tok, [{"role": "user", "content": prompt}])
     with torch.no_grad():
@@ -162,7 +184,7 @@ def test_default_model_greedy_64_tokens_match_generate(default_model, prompt: st
             do_sample=False,
             pad_token_id=tok.eos_token_id,
         )[0, len(ids) :].tolist()
-    runner, pool = make_runner(hf, num_blocks=16)
+    runner, pool = make_runner(hf, num_blocks=16, layout=layout)
     options = GenerateOptions(max_new_tokens=64, stop_token_ids=(tok.eos_token_id,))
     ours = list(generate(runner, pool, ids, options))
     assert len(ref) == 64

@@ -22,8 +22,8 @@ from tests.engine_support import (  # noqa: F401 (single_thread is an autouse fi
 )
 
 
-def _engine(tmp_path, prefix_cache: bool, dtype=torch.float32, **store_kw):
-    runtime = tiny_runtime(num_blocks=128, dtype=dtype)
+def _engine(tmp_path, prefix_cache: bool, dtype=torch.float32, layout="paged", **store_kw):
+    runtime = tiny_runtime(num_blocks=128, dtype=dtype, layout=layout)
     store_kw.setdefault("dram_bytes", 1 << 20)
     store_kw.setdefault("chunk_tokens", 8)  # several chunks per session: chains, tails, sharing
     settings = StoreSettings(data_dir=tmp_path, ssd_bytes=1 << 22, block_size=4, **store_kw)
@@ -34,23 +34,27 @@ def _engine(tmp_path, prefix_cache: bool, dtype=torch.float32, **store_kw):
 
 
 @pytest.mark.parametrize(
-    "prefix_cache,dram,async_save",
+    "prefix_cache,dram,async_save,layout",
     [
-        (False, 1 << 20, False),
-        (True, 1 << 20, False),
-        (False, 0, False),
-        (False, 1 << 20, True),
-        (True, 0, True),
+        (False, 1 << 20, False, "paged"),
+        (True, 1 << 20, False, "paged"),
+        (False, 0, False, "paged"),
+        (False, 1 << 20, True, "paged"),
+        (True, 0, True, "paged"),
+        (False, 1 << 20, True, "vattention"),
+        (False, 0, False, "vattention"),
     ],
-    ids=["dram", "apc", "ssd", "dram-async", "apc-ssd-async"],
+    ids=["dram", "apc", "ssd", "dram-async", "apc-ssd-async", "dram-async-va", "ssd-va"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interleaved_sessions_reuse_history(tmp_path, prefix_cache, dram, async_save, dtype):
-    """Restored from each tier (bf16 too, where the store keeps bf16 KV): the same greedy
-    tokens as the request alone, computed from scratch."""
+def test_interleaved_sessions_reuse_history(
+    tmp_path, prefix_cache, dram, async_save, layout, dtype
+):
+    """Restored from each tier (bf16 too, where the store keeps bf16 KV), into paged blocks or
+    vAttention slots: the same greedy tokens as the request alone, computed from scratch."""
     storage = {"storage_dtype": dtype}
     engine, store = _engine(
-        tmp_path, prefix_cache, dtype, dram_bytes=dram, async_save=async_save, **storage
+        tmp_path, prefix_cache, dtype, layout, dram_bytes=dram, async_save=async_save, **storage
     )
     history = {sid: prompt(seed, 9 + 4 * seed) for seed, sid in enumerate(("a", "b", "c"))}
     computed: dict[str, int] = {}  # tokens of the previous turn (prompt + output)
@@ -63,7 +67,8 @@ def test_interleaved_sessions_reuse_history(tmp_path, prefix_cache, dram, async_
         outs = run_all(engine)
         for sid, req in reqs.items():
             got = tokens_of(outs[req.request_id])
-            assert got == run_alone(req, dtype=dtype), f"session {sid} turn {turn}"
+            alone = run_alone(req, dtype=dtype, layout=layout)
+            assert got == alone, f"session {sid} turn {turn}"
             usage = outs[req.request_id][-1].usage
             if turn == 0:
                 assert usage.cached_tokens == 0

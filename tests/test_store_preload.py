@@ -32,8 +32,8 @@ class SyncConnector(StoreConnector):
     layerwise = False
 
 
-def _engine(tmp_path, cls=StoreConnector, **conn_kw):
-    runtime = tiny_runtime(num_blocks=128)
+def _engine(tmp_path, cls=StoreConnector, layout="paged", **conn_kw):
+    runtime = tiny_runtime(num_blocks=128, layout=layout)
     settings = StoreSettings(data_dir=tmp_path, dram_bytes=1 << 20, ssd_bytes=1 << 22, block_size=4)
     store = AttentionStore(settings, runtime.model.spec, runtime.model.fingerprint)
     conn = cls(store, runtime.kv_cache, runtime.runner.rope, **conn_kw)
@@ -41,7 +41,7 @@ def _engine(tmp_path, cls=StoreConnector, **conn_kw):
     return LLMEngine(runtime, config, conn), store, conn
 
 
-def _turns(engine, n_turns: int = 3) -> dict[str, list[list[int]]]:
+def _turns(engine, n_turns: int = 3, layout: str = "paged") -> dict[str, list[list[int]]]:
     """Two interleaved sessions over n_turns; {session: [tokens of each turn]}."""
     history = {sid: prompt(seed, 9 + 5 * seed) for seed, sid in enumerate(("a", "b"))}
     got: dict[str, list[list[int]]] = {sid: [] for sid in history}
@@ -55,24 +55,26 @@ def _turns(engine, n_turns: int = 3) -> dict[str, list[list[int]]]:
         for sid, req in reqs.items():
             toks = tokens_of(outs[req.request_id])
             got[sid].append(toks)
-            assert toks == run_alone(req), f"session {sid} turn {turn} differs from recompute"
+            alone = run_alone(req, layout=layout)
+            assert toks == alone, f"session {sid} turn {turn} differs from recompute"
             if turn > 0:
                 assert outs[req.request_id][-1].usage.cached_tokens > 0
             history[sid] = [*req.prompt_token_ids, *toks, *prompt(50 + turn, 4)]
     return got
 
 
-def test_preload_is_token_identical_to_sync_load_and_recompute(tmp_path):
-    engine, store, conn = _engine(tmp_path / "pre", layer_delay_s=DELAY_S)
-    pre = _turns(engine)
+@pytest.mark.parametrize("layout", ["paged", "vattention"])
+def test_preload_is_token_identical_to_sync_load_and_recompute(tmp_path, layout):
+    engine, store, conn = _engine(tmp_path / "pre", layout=layout, layer_delay_s=DELAY_S)
+    pre = _turns(engine, layout=layout)
     assert conn.loads_started == 4  # 2 sessions x turns 1, 2
     assert conn.load_wait_s > 0  # the forward did wait for the slow copies
     # Each slow copy ran on the loader or, when the forward got there first, on the forward.
     assert conn.load_copy_s + conn.load_wait_s >= 4 * engine.spec.num_layers * DELAY_S * 0.9
     assert_pool_clean(engine)
     store.close()
-    engine_s, store_s, conn_s = _engine(tmp_path / "sync", cls=SyncConnector)
-    assert _turns(engine_s) == pre
+    engine_s, store_s, conn_s = _engine(tmp_path / "sync", cls=SyncConnector, layout=layout)
+    assert _turns(engine_s, layout=layout) == pre
     assert conn_s.loads_started == 0 and conn_s.load_wait_s == 0
     store_s.close()
 

@@ -25,6 +25,7 @@ from chatstore.engine.sampling import sample_batch
 from chatstore.engine.scheduler import ScheduledSeq, Scheduler, WaitingEntry
 from chatstore.engine.sequence import RequestState, Sequence, SequenceStatus
 from chatstore.engine.swap import HostSwapSpace
+from chatstore.engine.vattention.block_manager import SlotBlockManager
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class LLMEngine:
         self.spec = runtime.model.spec
         self.tokenizer = runtime.model.tokenizer
         self.connector: KVConnector = connector or NullConnector()
-        self.blocks = BlockManager(runtime.pool, runtime.kv_cache, config.enable_prefix_cache)
+        self.blocks = _block_manager(runtime, config)
         self.swap = None
         if config.preemption_mode == "swap":
             self.swap = HostSwapSpace(runtime.kv_cache, config.swap_space_bytes)
@@ -394,6 +395,16 @@ class LLMEngine:
             )
         if request.request_id in self._groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+
+
+def _block_manager(runtime: Runtime, config: EngineConfig) -> BlockManager:
+    """Paged: block tables with the prefix cache. vAttention: a slot per sequence, no prefix
+    cache (sharing would break a slot's contiguity; the store still restores history)."""
+    if runtime.kv_cache.layout == "vattention":
+        if config.enable_prefix_cache:
+            log.info("kv_layout vattention: the device prefix cache is off (slots are private)")
+        return SlotBlockManager(runtime.pool, runtime.kv_cache)  # type: ignore[arg-type]
+    return BlockManager(runtime.pool, runtime.kv_cache, config.enable_prefix_cache)
 
 
 def _row_id(seq: Sequence) -> str:

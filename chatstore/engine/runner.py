@@ -12,7 +12,9 @@ with the pool write, SiLU * up) are fused native kernels on a CPU (`chatstore.ke
 torch ops elsewhere); projections run on prepacked oneDNN weights where that is faster
 (`linear.py`); attention reads the paged pool in place: the decode kernel when every sequence
 has one new token, the paged-prefill kernel for everything else (fresh prompts, new turns on
-pooled history, mixed batches).
+pooled history, mixed batches). With the vAttention layout (`kv_cache.layout`) every
+sequence's KV is contiguous in its slot and attention is stock SDPA over it
+(`chatstore.engine.vattention.attention`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from chatstore.engine.host_memory import keep_freed_memory
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.linear import Linear, packing_available
 from chatstore.engine.rope import RotaryEmbedding
+from chatstore.engine.vattention.attention import SlotPlan, make_slot_plan, slot_attention
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
 from chatstore.kernels.paged_attention import attend, paged_attention_reference
 from chatstore.kernels.paged_decode import paged_decode
@@ -122,9 +125,10 @@ class ModelRunner:
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         cos, sin = cos[:, 0], sin[:, 0]  # [T, D]
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        slots = self._slot_plan(batch) if self.kv_cache.layout == "vattention" else None
         # Attention reads the pool in place on the fast path; elsewhere it needs the step's k, v.
         in_place = self.attention == "auto" and (
-            batch.decode_plan is not None or self._native_prefill
+            slots is not None or batch.decode_plan is not None or self._native_prefill
         )
         for i, w in enumerate(self.layers):
             qkv = w.qkv(x)  # [T, (Hq + 2 Hkv) D]
@@ -144,7 +148,7 @@ class ModelRunner:
             )
             if layer_ready is not None:
                 layer_ready(i)
-            attn = self._attention(i, q, k, v, batch)  # [T, Hq, D]
+            attn = self._attention(i, q, k, v, batch, slots)  # [T, Hq, D]
             x = ops.add_rms_norm(h, w.o_proj(attn.reshape(-1, hq * d)), w.post_norm, eps)
             act = ops.silu_mul(w.gate_up(x))
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
@@ -154,6 +158,14 @@ class ModelRunner:
                 x = ops.add_rms_norm(h, w.down(act), next_norm, eps)
         h = ops.rms_norm(h.index_select(0, batch.logits_indices), self.final_norm, eps)
         return self.lm_head(h).float()
+
+    def _slot_plan(self, batch: ForwardBatch) -> SlotPlan | None:
+        """vAttention: the step's pages made resident; the SDPA plan on the fast path (the
+        reference path reads the same blocks through the block table)."""
+        cache: Any = self.kv_cache
+        plan = make_slot_plan(batch, cache, self.spec.num_heads // self.spec.num_kv_heads)
+        cache.prepare_step(plan.slots, batch.context_lens)
+        return plan if self.attention == "auto" else None
 
     @property
     def mixed_batches_in_place(self) -> bool:
@@ -167,7 +179,11 @@ class ModelRunner:
         k: torch.Tensor | None,
         v: torch.Tensor | None,
         batch: ForwardBatch,
+        slots: SlotPlan | None = None,
     ) -> torch.Tensor:
+        if slots is not None:
+            cache: Any = self.kv_cache
+            return slot_attention(q, cache, layer, slots, self.scale)
         k_cache, v_cache = self.kv_cache.k(layer), self.kv_cache.v(layer)
         if self.attention == "auto":
             if batch.decode_plan is not None:
