@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 
 import httpx
@@ -146,7 +147,9 @@ def test_ctrl_c_cancels_the_reply(server, http, env):
     child.sendline("Write a very long story about a dragon.")
     child.expect_exact("dragon.\r\n")
     child.expect(r"\w+ \w+")  # the reply has started streaming
-    child.sendintr()
+    # What Ctrl-C sends, delivered to the client itself: the pty's intr character depends on
+    # the terminal modes readline leaves, which the test does not control.
+    child.kill(signal.SIGINT)
     child.expect_exact("[cancelled]")
     assert http.get(f"/v1/sessions/{sid}").json()["num_messages"] == 0  # nothing kept
     reply, _, _ = turn(child, "Hi.")  # the same socket carries the next turn

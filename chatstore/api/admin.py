@@ -24,6 +24,7 @@ from chatstore.api.auth import Principal, admin_principal
 from chatstore.api.chat_service import ChatService
 from chatstore.api.session_routes import session_info
 from chatstore.api.store_port import SessionRecord
+from chatstore.store.records import RecordStoreError
 
 CACHE_SESSIONS_SHOWN = 50  # rows of the session table inlined in /admin/cache
 # The pagination of every admin listing.
@@ -61,8 +62,24 @@ def cache_stats(request: Request, _: Admin) -> dict[str, Any]:
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "engine": engine_body(service),
         "remote_breaker": remote_health() if remote_health is not None else None,
-        "sessions": session_table(service, None, 0, CACHE_SESSIONS_SHOWN),
+        "sessions": _sessions_or_error(service),
     }
+
+
+def _sessions_or_error(service: ChatService) -> dict[str, Any]:
+    """The first page of the session table; when the records store is down (Redis outage),
+    an empty table saying why: the tier and breaker numbers above must still answer."""
+    try:
+        return session_table(service, None, 0, CACHE_SESSIONS_SHOWN)
+    except RecordStoreError as exc:
+        return {
+            "object": "list",
+            "data": [],
+            "has_more": False,
+            "next_offset": None,
+            "total": None,
+            "error": str(exc),
+        }
 
 
 def session_row(service: ChatService, record: SessionRecord) -> dict[str, Any]:
