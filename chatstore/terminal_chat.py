@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -277,6 +278,9 @@ def run_chat(
     sampling: dict[str, Any],
 ) -> int:
     """Open (or resume) a session and chat until the user leaves; the exit code."""
+    # Ctrl-C must cancel a reply even when the shell started us with SIGINT ignored (a
+    # background job, nohup, some CI runners): Python then installs no handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     chat = TerminalChat(client, system, sampling)
     try:
         chat.open(session_id)

@@ -46,11 +46,24 @@ def env(tmp_path):
     return env
 
 
-def spawn(args: list[str], env: dict[str, str], timeout: float = 60) -> pexpect.spawn:
+def spawn(
+    args: list[str], env: dict[str, str], timeout: float = 60, **kwargs: object
+) -> pexpect.spawn:
     argv = ["-m", "chatstore", "chat", "--max-tokens", "8", "--temperature", "0", *args]
     return pexpect.spawn(
-        sys.executable, argv, env=env, encoding="utf-8", timeout=timeout, dimensions=(50, 200)
+        sys.executable,
+        argv,
+        env=env,
+        encoding="utf-8",
+        timeout=timeout,
+        dimensions=(50, 200),
+        **kwargs,
     )
+
+
+def ignore_sigint() -> None:
+    """How a shell starts a background job (and how some CI runners start everything)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def turn(child: pexpect.spawn, text: str) -> tuple[str, int, int]:
@@ -140,16 +153,16 @@ def test_resume_and_ctrl_d(server, http, env):
 
 
 def test_ctrl_c_cancels_the_reply(server, http, env):
-    child = spawn(["--url", server.url, "--api-key", KEY, "--max-tokens", "400"], env)
+    # Started with SIGINT ignored, as from a background shell: Ctrl-C must still cancel.
+    args = ["--url", server.url, "--api-key", KEY, "--max-tokens", "400"]
+    child = spawn(args, env, preexec_fn=ignore_sigint)
     child.expect(SESSION)
     sid = child.match.group(1)
     child.expect_exact(PROMPT)
     child.sendline("Write a very long story about a dragon.")
     child.expect_exact("dragon.\r\n")
     child.expect(r"\w+ \w+")  # the reply has started streaming
-    # What Ctrl-C sends, delivered to the client itself: the pty's intr character depends on
-    # the terminal modes readline leaves, which the test does not control.
-    child.kill(signal.SIGINT)
+    child.sendintr()
     child.expect_exact("[cancelled]")
     assert http.get(f"/v1/sessions/{sid}").json()["num_messages"] == 0  # nothing kept
     reply, _, _ = turn(child, "Hi.")  # the same socket carries the next turn
