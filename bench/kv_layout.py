@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.engine_speed import sharegpt_like_lengths
 from chatstore.config import Config
 from chatstore.engine.block_pool import BlockPool
 from chatstore.engine.engine_config import EngineConfig
@@ -194,17 +195,6 @@ def run_cases(layouts: dict[str, Layout], make: Callable[[Layout], Case], reps: 
     for _, done in cases.values():
         done()
     return seconds, results
-
-
-def sharegpt_like_lengths(n: int, max_len: int, seed: int = 0) -> list[int]:
-    """Prompt + output lengths like ShareGPT's (vLLM §6.1: mean input 161, output 338 tokens)."""
-    rng = random.Random(seed)
-    lengths = []
-    for _ in range(n):
-        prompt = rng.lognormvariate(math.log(110), 0.9)
-        output = rng.lognormvariate(math.log(250), 0.8)
-        lengths.append(max(1, min(max_len, round(prompt + output))))
-    return lengths
 
 
 def waste(model: LoadedModel, lengths: list[int]) -> dict[str, float]:
