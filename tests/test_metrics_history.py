@@ -4,12 +4,21 @@ counters, TTFT percentiles per interval, a bounded buffer, and the sampler's loo
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 from chatstore.api.metrics_history import MetricsHistory, percentile, run_sampler
 from chatstore.api.store_port import TierStats
+from chatstore.engine.engine_stats import EngineStats
 
-ENGINE = SimpleNamespace(waiting=2, running=3, num_blocks=100, free_blocks=75)
+ENGINE = EngineStats(
+    **{
+        **{name: 0 for name in EngineStats.__dataclass_fields__},
+        "mean_batch_size": 0.0,
+        "waiting": 2,
+        "running": 3,
+        "num_blocks": 100,
+        "free_blocks": 75,
+    }
+)
 
 
 def tier(name: str, hits: int, misses: int, used: int = 10) -> TierStats:

@@ -15,6 +15,7 @@ GET  /readyz             the engine is started and not draining (503 otherwise)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -41,10 +42,10 @@ def tier_body(t: Any) -> dict[str, Any]:
 
 
 def engine_body(service: ChatService) -> dict[str, Any]:
-    stats = dataclasses.asdict(service.engine.stats())
-    total, free = stats.get("num_blocks"), stats.get("free_blocks")
-    if isinstance(total, int) and isinstance(free, int) and total:
-        stats["block_usage"] = round((total - free) / total, 4)
+    raw = service.engine.stats()
+    stats = dataclasses.asdict(raw)
+    if raw.block_usage is not None:
+        stats["block_usage"] = round(raw.block_usage, 4)
     # The resolved compute dtype: `dtype = "auto"` picks it per machine.
     stats["dtype"] = str(service.engine.model.dtype).removeprefix("torch.")
     return stats
@@ -103,18 +104,30 @@ def session_row(service: ChatService, record: SessionRecord) -> dict[str, Any]:
     }
 
 
-def session_table(
-    service: ChatService, tenant: str | None, offset: int, limit: int
+def session_page(
+    service: ChatService,
+    tenant: str | None,
+    offset: int,
+    limit: int,
+    row: Callable[[ChatService, SessionRecord], dict[str, Any]],
 ) -> dict[str, Any]:
+    """One page of every tenant's sessions (or one tenant's), newest first, as `row` shows
+    each."""
     records, total = service.store.list(tenant, offset, limit)
     more = offset + len(records) < total
     return {
         "object": "list",
-        "data": [session_row(service, r) for r in records],
+        "data": [row(service, r) for r in records],
         "has_more": more,
         "next_offset": offset + len(records) if more else None,
         "total": total,
     }
+
+
+def session_table(
+    service: ChatService, tenant: str | None, offset: int, limit: int
+) -> dict[str, Any]:
+    return session_page(service, tenant, offset, limit, session_row)
 
 
 @router.get("/admin/cache/sessions")
@@ -137,15 +150,11 @@ def all_sessions(
     tenant: TenantFilter = None,
 ) -> dict[str, Any]:
     service: ChatService = request.app.state.service
-    records, total = service.store.list(tenant, offset, limit)
-    more = offset + len(records) < total
-    return {
-        "object": "list",
-        "data": [{**session_info(service, r, False), "tenant": r.tenant} for r in records],
-        "has_more": more,
-        "next_offset": offset + len(records) if more else None,
-        "total": total,
-    }
+    return session_page(service, tenant, offset, limit, _listed_session)
+
+
+def _listed_session(service: ChatService, record: SessionRecord) -> dict[str, Any]:
+    return {**session_info(service, record, False), "tenant": record.tenant}
 
 
 @router.post("/admin/cache/flush")

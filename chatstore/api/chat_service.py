@@ -47,7 +47,7 @@ from chatstore.engine.request import (
     SamplingParams,
 )
 from chatstore.store.records import RecordStoreError
-from chatstore.store.retention import check_retention
+from chatstore.store.retention import RetentionError, check_retention
 
 log = logging.getLogger("chatstore.api")
 
@@ -457,8 +457,8 @@ class ChatService:
         """The schema bounds them already; this guards callers that bypass it."""
         try:
             check_retention(fields.get("priority"), fields.get("ttl_s"))
-        except ValueError as exc:
-            raise bad_param("priority" if "priority" in str(exc) else "ttl_s", str(exc)) from None
+        except RetentionError as exc:
+            raise bad_param(exc.field, str(exc)) from None
 
     def _check_session_quota(self, tenant: str) -> None:
         limit = self.settings.max_sessions_per_tenant

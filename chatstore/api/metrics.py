@@ -99,7 +99,7 @@ class GatewayCollector(Collector):
         stats = self.engine_stats()
         if stats is None:
             return
-        usage = (stats.num_blocks - stats.free_blocks) / stats.num_blocks if stats.num_blocks else 0
+        usage = stats.block_usage or 0
         for name, doc, value in (
             ("vllm:num_requests_waiting", "requests waiting to be admitted", stats.waiting),
             ("vllm:num_requests_running", "requests in the running batch", stats.running),

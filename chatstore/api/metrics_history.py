@@ -100,7 +100,7 @@ class MetricsHistory:
             ttft_p90_ms=_round(percentile(ms, 0.9)),
             waiting=getattr(engine, "waiting", None),
             running=getattr(engine, "running", None),
-            block_usage=_block_usage(engine),
+            block_usage=_round4(getattr(engine, "block_usage", None)),
             tiers=tuple(
                 TierSample(t.name, t.used_bytes, t.capacity_bytes, t.sessions) for t in tiers
             ),
@@ -172,11 +172,8 @@ def history(
     }
 
 
-def _block_usage(engine: Any) -> float | None:
-    total, free = getattr(engine, "num_blocks", None), getattr(engine, "free_blocks", None)
-    if not isinstance(total, int) or not isinstance(free, int) or not total:
-        return None
-    return round((total - free) / total, 4)
+def _round4(share: float | None) -> float | None:
+    return None if share is None else round(share, 4)
 
 
 def _round(ms: float | None) -> float | None:

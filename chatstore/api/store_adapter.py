@@ -20,6 +20,7 @@ from chatstore.api.store_port import (
     TierStats,
 )
 from chatstore.engine.kv_connector import KVConnector
+from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey, common_prefix_len
 from chatstore.store.session_lease import SessionLease, session_leases
 
@@ -87,8 +88,6 @@ class StoreAdapter:
 
     def _retain(self, saved: Any) -> None:
         if self.store is not None:
-            from chatstore.store.retention import Retention
-
             self.store.set_retention(
                 saved.tenant, saved.session_id, Retention(saved.priority, saved.ttl_s)
             )

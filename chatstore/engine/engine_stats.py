@@ -41,3 +41,10 @@ class EngineStats:
     read_buffer_hits: int = 0  # loads that found their session staged
     read_buffer_layers_used: int = 0  # layers copied from the buffer, not the tier
     read_buffer_bytes: int = 0  # held by the read buffer now
+
+    @property
+    def block_usage(self) -> float | None:
+        """The share of the KV block pool in use; None for a pool of no blocks."""
+        if not self.num_blocks:
+            return None
+        return (self.num_blocks - self.free_blocks) / self.num_blocks

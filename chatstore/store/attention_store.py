@@ -62,7 +62,7 @@ from chatstore.store.tiers.hierarchy import ChunkTiers
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier, connect_redis
 from chatstore.store.truncation import TruncationPlan, plan_truncation
-from chatstore.store.turn_origin import TurnOrigins
+from chatstore.store.turn_origin import TurnOrigins, tokens_by_tier
 from chatstore.store.turn_plan import ChunkDelta, TurnPlan, TurnWrite, plan_chain
 from chatstore.store.write_buffer import WriteBuffer
 
@@ -386,14 +386,8 @@ class AttentionStore:
         chain = self.index.get(self.key(tenant, session_id))
         if chain is None:
             return {}
-        out: dict[str, int] = {}
-        C = self.settings.chunk_tokens
-        for i, chunk in enumerate(chain.chunks):
-            where = self.chunk_tier(chunk)
-            if where is not None:
-                n = chunk_span(i, C, len(chain.token_ids))
-                out[where] = out.get(where, 0) + n[1] - n[0]
-        return out
+        C, n = self.settings.chunk_tokens, len(chain.token_ids)
+        return tokens_by_tier(chain.chunks, C, 0, n, self.chunk_tier)
 
     def _prefetch_candidates(self) -> list[Hashable]:
         candidates = getattr(self.session_policy, "prefetch_candidates", None)

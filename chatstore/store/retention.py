@@ -37,12 +37,22 @@ class Retention:
 DEFAULT = Retention()
 
 
+class RetentionError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def check_retention(priority: int | None, ttl_s: int | None) -> None:
-    """ValueError naming the field when a value is out of range (None: not given)."""
+    """RetentionError naming the field when a value is out of range (None: not given)."""
     if priority is not None and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-        raise ValueError(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], not {priority}")
+        raise RetentionError(
+            "priority", f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], not {priority}"
+        )
     if ttl_s is not None and not 0 <= ttl_s <= TTL_MAX_S:
-        raise ValueError(f"ttl_s must be in [0, {TTL_MAX_S}] (0: server default), not {ttl_s}")
+        raise RetentionError(
+            "ttl_s", f"ttl_s must be in [0, {TTL_MAX_S}] (0: server default), not {ttl_s}"
+        )
 
 
 class RetentionTable:

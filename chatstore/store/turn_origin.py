@@ -46,15 +46,16 @@ def tokens_by_tier(
     chunk_tokens: int,
     start: int,
     end: int,
-    tier_of: Callable[[ChunkKey], str],
+    tier_of: Callable[[ChunkKey], str | None],
 ) -> dict[str, int]:
     """Tokens [start, end) of a chain of `chunk_tokens`-token chunks, counted by their chunk's
-    tier; the counts sum to end - start."""
+    tier; the counts sum to end - start when `chunks` covers them and every chunk there has a
+    tier (a chunk whose tier is None, or past the end of `chunks`, is not counted)."""
     out: dict[str, int] = {}
     C = chunk_tokens
-    for i in range(start // C, -(-end // C)):
+    for i in range(start // C, min(len(chunks), -(-end // C))):
         n = min(end, (i + 1) * C) - max(start, i * C)
-        if n > 0:
-            tier = tier_of(chunks[i])
+        tier = tier_of(chunks[i]) if n > 0 else None
+        if tier is not None:
             out[tier] = out.get(tier, 0) + n
     return out
