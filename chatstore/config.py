@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,22 @@ class Config:
         if self.kv_storage_dtype == "auto":
             return self.torch_dtype
         return DTYPES[self.kv_storage_dtype]
+
+    def for_model_dtype(self, model_dtype: torch.dtype) -> Config:
+        """This config as it runs a model already loaded in `model_dtype`.
+
+        `dtype = "auto"` follows the model (a model loaded in fp32 runs, and its KV is stored,
+        in fp32 whatever this CPU would pick), so a caller that loads the model itself never
+        gets a KV pool or store in another dtype than its weights. An explicit dtype that
+        differs from the model's is an error naming both."""
+        name = str(model_dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            raise ValueError(f"the model is loaded in {name}; supported: {list(DTYPES)}")
+        if self.dtype == "auto":
+            return self if self.resolved_dtype == name else replace(self, dtype=name)
+        if self.dtype != name:
+            raise ValueError(f"dtype = {self.dtype!r} but the model given is loaded in {name}")
+        return self
 
     def validate(self) -> Config:
         if self.dtype not in DTYPE_CHOICES:

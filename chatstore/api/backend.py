@@ -25,11 +25,14 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
     from chatstore.engine.async_engine import AsyncEngine
     from chatstore.engine.engine_config import EngineConfig
     from chatstore.engine.kv_cache import bytes_per_block
-    from chatstore.engine.runtime import create_runtime
+    from chatstore.engine.runtime import create_runtime, runtime_config
     from chatstore.store import create_store, device_occupancy
     from chatstore.transfer import create_connector
 
-    runtime = runtime or create_runtime(config)
+    if runtime is None:
+        runtime = create_runtime(config)
+    else:  # the store keeps KV in the dtype of the runtime it was handed
+        config = runtime_config(config, runtime.model)
     model = runtime.model
     log.info(
         "compute dtype %s (dtype = %s), KV storage dtype %s",

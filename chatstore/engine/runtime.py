@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,8 @@ from chatstore.engine.kv_cache import PagedKVCache, blocks_for_budget
 from chatstore.engine.runner import ModelRunner
 from chatstore.engine.vattention import create_virtual_kv_for
 from chatstore.model import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,8 +30,13 @@ class Runtime:
 
 
 def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
+    """The model (loaded here in the config's dtype, or `model` as given) with a KV pool and
+    runner in the model's dtype: a model passed in decides the dtype when `dtype = "auto"`."""
+    if model is None:
+        model = load_model(config.model, dtype=config.torch_dtype, device=config.device)
+    else:
+        config = runtime_config(config, model)
     dtype: torch.dtype = config.torch_dtype
-    model = model or load_model(config.model, dtype=dtype, device=config.device)
     if config.kv_layout == "vattention":
         kv_cache, pool = create_virtual_kv_for(config, model.spec)
     else:
@@ -37,3 +45,17 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
         pool = BlockPool(num_blocks)
     runner = ModelRunner(model.hf_model, model.spec, kv_cache, config.attention)
     return Runtime(model, kv_cache, pool, runner)
+
+
+def runtime_config(config: Config, model: LoadedModel) -> Config:
+    """`config` with its dtype taken from a model loaded elsewhere; says so when that differs
+    from what `dtype = "auto"` picks on this machine."""
+    matched = config.for_model_dtype(model.dtype)
+    if matched is not config:
+        log.info(
+            "dtype = auto: running in %s, the dtype the model was loaded in (this CPU's auto "
+            "choice is %s)",
+            matched.dtype,
+            config.resolved_dtype,
+        )
+    return matched
