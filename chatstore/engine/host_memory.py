@@ -22,8 +22,15 @@ log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+# mallopt(int param, int value): both values must fit a C int (at most 2**31 - 1). ctypes
+# wraps a larger one silently (2 << 30 arrived as -2**31, which glibc took as a trim threshold
+# of ~2**64: the heap top was never returned), and mallopt still answers 1.
 MMAP_THRESHOLD = 1 << 30  # blocks below this come from the heap and are reused
-TRIM_THRESHOLD = 2 << 30  # free heap top kept up to this much before it is returned
+# Free heap top kept up to this much before it is returned: as large as the largest block the
+# heap serves, so freeing one activation block does not hand its pages back before the next
+# step takes them again; a process that frees more than that at once gives the rest back.
+TRIM_THRESHOLD = 1 << 30
+MALLOPT_ARGS = ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 @functools.cache
@@ -41,8 +48,8 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-    ok = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
+    mallopt.restype = ctypes.c_int
+    ok = all([mallopt(param, value) == 1 for param, value in MALLOPT_ARGS])
     if not ok:
         log.warning("mallopt refused the thresholds: activations are mmapped afresh each step")
     return ok
