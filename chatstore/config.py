@@ -82,7 +82,7 @@ class Config:
     max_messages: int = 512  # per request and per stored session
     max_metadata_bytes: int = 16384  # a session's metadata, as JSON
     max_sessions_per_tenant: int = 10000
-    max_turns_per_tenant: int = 16  # turns in flight at once per tenant
+    max_turns_per_tenant: int = 0  # turns in flight per tenant; 0 = 16 with keys, none in local
     allowed_hosts: str = ""  # local mode: Host names accepted besides loopback ones
     cors_origins: str = ""  # "*" or "https://a,https://b": origins allowed cross-origin
     metrics_auth: bool = False  # with keys set: /metrics needs the admin key

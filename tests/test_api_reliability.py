@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 
 import httpx
@@ -14,7 +15,7 @@ import pytest
 from websockets.sync.client import connect
 
 from chatstore.api.launcher import local_server
-from chatstore.api.settings import ServerSettings
+from chatstore.api.settings import KEYED_TURNS_PER_TENANT, ServerSettings
 from chatstore.store.session_kv import SessionKey
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
@@ -206,6 +207,33 @@ def test_limits_metadata_messages_sessions_turns(client, server):
         assert implicit.status_code == 429
     finally:
         service.settings = replace(service.settings, max_sessions_per_tenant=400)
+
+
+def test_turns_per_tenant_cap_is_for_keyed_tenants_only():
+    local, keyed = ServerSettings(), ServerSettings(api_keys={"k": "a"})
+    assert local.turns_per_tenant is None  # one user: the engine's queue bounds it
+    assert keyed.turns_per_tenant == KEYED_TURNS_PER_TENANT
+    assert replace(local, max_turns_per_tenant=3).turns_per_tenant == 3
+    assert replace(keyed, max_turns_per_tenant=40).turns_per_tenant == 40
+
+
+def test_local_mode_runs_more_streams_than_the_keyed_cap(default_model, tmp_path):
+    """One user in local mode may have as many turns in flight as the engine batches: more
+    than a keyed tenant's cap, all streaming at once."""
+    streams = KEYED_TURNS_PER_TENANT + 4
+    srv = local_server(tmp_path, default_model, kv_cache_bytes=256 << 20, max_running=32)
+    body = {"content": "Count.", "stream": True, "max_tokens": 300, "ignore_eos": True}
+    lines = []  # kept: a dropped iterator closes its stream
+    with srv, httpx.Client(base_url=srv.url, timeout=120) as client, ExitStack() as open_streams:
+        for _ in range(streams):
+            sid = client.post("/v1/sessions", json={}).json()["id"]
+            response = open_streams.enter_context(
+                client.stream("POST", f"/v1/sessions/{sid}/messages", json=body)
+            )
+            assert response.status_code == 200, response.read()
+            lines.append(response.iter_lines())
+            assert next(lines[-1]).startswith("data: ")  # in flight
+        assert srv.app.state.service.turns_in_flight("local") == streams
 
 
 def test_expired_sessions_are_purged_on_a_timer(default_model, tmp_path):

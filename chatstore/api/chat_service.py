@@ -9,7 +9,8 @@ The turn is acknowledged (200, `done`) only once that record is durable: a recor
 written fails the turn with 503/507 and leaves the session as it was.
 
 A session has at most one turn in flight (409 otherwise), a delete waits for none, and a tenant
-has at most `max_turns_per_tenant` turns in flight and `max_sessions_per_tenant` sessions (429).
+has at most `max_turns_per_tenant` turns in flight (none in local mode, where the engine's queue
+bounds the one user) and `max_sessions_per_tenant` sessions (429).
 Across replicas sharing one Redis, a turn or a delete also holds the session's lease in Redis
 (409 `session_busy` while another replica has it), and the turn's messages are appended only on
 top of the record version it read (409 `session_conflict` otherwise): an acknowledged turn is
@@ -221,13 +222,17 @@ class ChatService:
         self._reserve((spec.tenant, prep.record.session_id))
         return prep
 
+    def turns_in_flight(self, tenant: str) -> int:
+        with self._lock:
+            return self._turns[tenant]
+
     def _reserve(self, key: tuple[str, str]) -> None:
         tenant = key[0]
         with self._lock:
             if key in self._busy:
                 raise self._busy_error(key[1])
-            limit = self.settings.max_turns_per_tenant
-            if self._turns[tenant] >= limit:
+            limit = self.settings.turns_per_tenant
+            if limit is not None and self._turns[tenant] >= limit:
                 raise APIError(
                     429,
                     f"tenant has {limit} turns in flight (max_turns_per_tenant)",

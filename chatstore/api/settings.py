@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOCAL_TENANT = "local"
+# Turns in flight per tenant when keys are set and max_turns_per_tenant is 0 (auto): a tenant
+# may not take more than this share of a 32-64 sequence batch from the others.
+KEYED_TURNS_PER_TENANT = 16
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class ServerSettings:
     max_messages: int = 512
     max_metadata_bytes: int = 16384
     max_sessions_per_tenant: int = 10000
-    max_turns_per_tenant: int = 16
+    max_turns_per_tenant: int = 0  # 0 = auto: KEYED_TURNS_PER_TENANT with keys, none in local
     allowed_hosts: str = ""  # comma-separated, local mode only
     cors_origins: str = ""  # "*" or comma-separated origins
     metrics_auth: bool = False
@@ -44,6 +47,15 @@ class ServerSettings:
     def local_mode(self) -> bool:
         """No key configured: one user, no auth, loopback only."""
         return not self.api_keys and not self.admin_key
+
+    @property
+    def turns_per_tenant(self) -> int | None:
+        """The cap on one tenant's turns in flight, None for none. A per-tenant cap protects
+        tenants from each other; in local mode there is one tenant, so it would only throttle
+        the single user: the engine's own queue (max_running, max_waiting) bounds it instead."""
+        if self.max_turns_per_tenant > 0:
+            return self.max_turns_per_tenant
+        return None if self.local_mode else KEYED_TURNS_PER_TENANT
 
     def check_bind(self) -> None:
         """Local (keyless) mode must not listen beyond loopback."""
