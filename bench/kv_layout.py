@@ -1,9 +1,10 @@
 """KV layouts side by side: the paged pool (native paged kernels) against vAttention (per-request
 contiguous KV in reserved address space, pages committed on demand, stock SDPA).
 
-Both layouts run in one process on the same model object (the embedded default, bf16 unless
---dtype says otherwise) and threads; every `*_ratio_*` key is vattention / paged, speed over
-speed (above 1: vAttention is faster):
+Both layouts run in one process on the same model object (the embedded default, in the dtype
+`dtype = auto` serves on this CPU unless --dtype says otherwise; the JSON names it, and the CPU)
+and threads; every `*_ratio_*` key is vattention / paged, speed over speed (above 1: vAttention
+is faster):
 
     decode    tok/s at batch 1, 8, 32 on 512 and 4K tokens of context (greedy, every sequence
               its own copy of one prefilled context); decode_ratio_b1 / _b8 / _b32 are at 512,
@@ -22,7 +23,7 @@ speed (above 1: vAttention is faster):
 
 The last line printed is one JSON object.
 
-    python bench/kv_layout.py [--quick] [--dtype bfloat16|float32] [--threads N]
+    python bench/kv_layout.py [--quick] [--dtype auto|bfloat16|float32] [--threads N]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_speed import sharegpt_like_lengths
-from chatstore.config import Config
+from chatstore.config import Config, cpu_has_fast_bf16, resolve_dtype
 from chatstore.engine.block_pool import BlockPool
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
@@ -267,12 +268,15 @@ def engine_run(model: LoadedModel, layout: str, plan: Plan, dtype: str) -> dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases, one repetition")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument(
+        "--dtype", choices=["auto", *DTYPES], default="auto", help="auto: what serving picks here"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = QUICK if args.quick else FULL
+    args.dtype = resolve_dtype(args.dtype)  # bf16 only on a CPU that computes it natively
     model = load_model(dtype=DTYPES[args.dtype])
     max_batch = max(b for b, _ in plan.decode)
     need = max(
@@ -281,6 +285,7 @@ def main() -> None:
     )
     print(f"kv_layout: {args.dtype}, {torch.get_num_threads()} threads, {plan.reps} reps")
     result: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
+    result["cpu_native_bf16"] = cpu_has_fast_bf16()
     layouts = {name: Layout(name, model, need, max_batch + 1) for name in LAYOUTS}
     va_pages = layouts["vattention"].kv.pages
     for b, c in plan.decode:
