@@ -114,12 +114,13 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 120.0) -> ServerProcess:
         assert not self.alive(), "already running"
-        # Only the model's home passes from the caller's CHATSTORE_* settings: a developer's
-        # CHATSTORE_REDIS_URL would silently change the scenario.
+        # Only the model's home and the dtype (tests/conftest.py pins it) pass from the caller's
+        # CHATSTORE_* settings: a developer's CHATSTORE_REDIS_URL would silently change the
+        # scenario.
         inherited = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith("CHATSTORE_") or k == "CHATSTORE_HOME"
+            if not k.startswith("CHATSTORE_") or k in ("CHATSTORE_HOME", "CHATSTORE_DTYPE")
         }
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in _reap)
