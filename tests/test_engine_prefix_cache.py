@@ -37,8 +37,10 @@ def make_manager(num_blocks: int = 8) -> BlockManager:
     return BlockManager(BlockPool(num_blocks), kv)
 
 
-def make_seq(tokens: list[int], tenant: str = "t1", seq_id: int = 0) -> Sequence:
-    request = Request(f"r{seq_id}", tokens, SamplingParams(), tenant=tenant)
+def make_seq(
+    tokens: list[int], tenant: str = "t1", seq_id: int = 0, session_id: str | None = None
+) -> Sequence:
+    request = Request(f"r{seq_id}", tokens, SamplingParams(), tenant=tenant, session_id=session_id)
     group = RequestState(request)
     seq = Sequence(seq_id, group, 0)
     group.seqs.append(seq)
@@ -132,3 +134,45 @@ def test_fork_shares_then_copy_on_write() -> None:
     bm.reserve(parent, 7)
     assert parent.block_table == [0, 1]
     assert [bm.pool.ref_count(b) for b in (0, 1, 2)] == [2, 1, 1]
+
+
+def test_a_session_is_on_the_device_while_its_last_full_block_is_cached() -> None:
+    bm = make_manager(num_blocks=6)
+    first = [*SYSTEM, 20, 21, 22, 23, 24]  # 13 tokens: full blocks 0, 1, 2 and a partial 3
+    a = make_seq(first, seq_id=0, session_id="s1")
+    compute_all(bm, a)
+    assert bm.stats().sessions == 1  # running: its computed blocks are cached
+    bm.free(a)
+    assert bm.stats().sessions == 1  # finished: still cached, its next turn would hit
+    # Requests without a session are not followed; another session taking the shared system
+    # prompt from the cache (and computing no full block of its own) counts at once.
+    other = make_seq([50, 51, 52, 53, 54], seq_id=1)
+    compute_all(bm, other)
+    bm.free(other)
+    b = make_seq([*SYSTEM, 30], seq_id=2, session_id="s2")
+    hit = bm.lookup(b)
+    assert hit == [0, 1]
+    bm.reserve(b, b.num_tokens, hit)
+    assert bm.stats().sessions == 2
+    bm.free(b)
+    # s1's next turn moves its tip further: still one session.
+    a2 = make_seq([*first, 25, 26, 27, 28], seq_id=3, session_id="s1")
+    hit = bm.lookup(a2)
+    assert hit == [0, 1, 2]
+    bm.reserve(a2, a2.num_tokens, hit)
+    a2.num_computed = a2.num_tokens
+    bm.register_computed(a2)
+    assert bm.stats().sessions == 2
+    bm.free(a2)
+    # Pressure evicts s1's tail first (its tip), so s1 leaves the device; s2's tip, the
+    # shared system prompt's last block, is evicted last.
+    evicted = bm.evictions
+    filler = make_seq(list(range(60, 76)), seq_id=4)  # 4 blocks
+    bm.reserve(filler, 16)
+    assert bm.evictions > evicted
+    stats = bm.stats()
+    assert stats.sessions == 1 and bm.lookup(make_seq([*SYSTEM, 30], seq_id=5)) == [0, 1]
+    bm.free(filler)
+    bm.reserve(make_seq(list(range(80, 104)), seq_id=6), 24)  # every block: all evicted
+    assert bm.stats().sessions == bm.stats().cached_blocks == 0
+    bm.pool.check_integrity()

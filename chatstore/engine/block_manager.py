@@ -12,6 +12,15 @@ the "device tier" of cached KV, an LRU set (the free list's head is the least re
 which a later request may revive it, until `allocate` hands it out and its hash is dropped.
 Only the block being written can be partial; when it is shared (n>1 samples after a fork) the
 writer copies it first (copy-on-write).
+
+Sessions on the device: each session's tip, the hash of the last full block its sequences
+computed or reused, is remembered while that block stays cached (a session is a request's
+(tenant, session_id); requests without a session id are not followed). A session is on the device
+when its tip is cached, and then its whole history up to the tip is: the hash chain names the
+prefix, a sequence holds every block from the first to its tip, and `BlockPool.free` puts a
+sequence's tail first in line for reuse, so a parent block is never evicted before its child.
+The tip is forgotten when its block is evicted (a deleted session counts until then: the engine
+keeps no session records).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ class PrefixCacheStats:
     hit_blocks: int  # full prompt blocks found cached at admission
     miss_blocks: int  # full prompt blocks looked up and not found
     evictions: int  # cached blocks reused for other content
+    sessions: int = 0  # sessions whose history (up to their tip) is cached: see the module doc
 
 
 class PrefixCacheListener(Protocol):
@@ -58,6 +68,9 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self.hits = self.misses = self.evictions = 0
+        # Sessions on the device (module doc): session -> tip hash, and tip hash -> sessions.
+        self._tip_of: dict[tuple[str, str], bytes] = {}
+        self._sessions_at: dict[bytes, set[tuple[str, str]]] = {}
         self.listener: PrefixCacheListener | None = None  # KV events; None costs one test
 
     # -- prefix lookup at admission ----------------------------------------------------------
@@ -97,6 +110,7 @@ class BlockManager:
             seq.block_table = list(hit)
             seq.num_computed = len(hit) * self.block_size
             seq.num_registered = len(hit)
+            self._note_tip(seq, len(hit))
         if self._needs_cow(seq):
             self._copy_on_write(seq)
         missing = self._num_blocks(num_tokens) - len(seq.block_table)
@@ -137,11 +151,14 @@ class BlockManager:
                 if self.listener is not None:
                     self._tell_stored(seq, i)
         seq.num_registered = full
+        self._note_tip(seq, full)
 
     def stats(self) -> PrefixCacheStats:
         cached = list(self._hash_of)  # one C-level copy: safe while the model thread runs
         evictable = sum(1 for b in cached if self.pool.ref_count(b) == 0)
-        return PrefixCacheStats(len(cached), evictable, self.hits, self.misses, self.evictions)
+        return PrefixCacheStats(
+            len(cached), evictable, self.hits, self.misses, self.evictions, len(self._tip_of)
+        )
 
     # -- internals ---------------------------------------------------------------------------
     def _num_blocks(self, num_tokens: int) -> int:
@@ -179,6 +196,26 @@ class BlockManager:
         parent = hashes[i - 1] if i else None
         self.listener.block_stored(hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
 
+    def _note_tip(self, seq: Sequence, full: int) -> None:
+        """The session's tip is now its sequence's `full`-th block, when that one is cached."""
+        session_id = seq.request.session_id
+        if session_id is None or full == 0:
+            return
+        tip = seq.block_hashes[full - 1]
+        if tip not in self._block_of:  # not cached (cannot happen for a hit or a registration)
+            return
+        session = (seq.request.tenant, session_id)
+        old = self._tip_of.get(session)
+        if old == tip:
+            return
+        if old is not None:
+            left = self._sessions_at[old]
+            left.discard(session)
+            if not left:
+                del self._sessions_at[old]
+        self._tip_of[session] = tip
+        self._sessions_at.setdefault(tip, set()).add(session)
+
     def _allocate(self, n: int) -> list[int]:
         blocks = self.pool.allocate(n)
         for b in blocks:
@@ -186,6 +223,8 @@ class BlockManager:
             if h is not None:
                 del self._block_of[h]
                 self.evictions += 1
+                for session in self._sessions_at.pop(h, ()):
+                    del self._tip_of[session]
                 if self.listener is not None:
                     self.listener.block_removed(h)
         return blocks

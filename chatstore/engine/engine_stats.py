@@ -1,7 +1,8 @@
 """What the engine reports: queue lengths, KV pool and device prefix cache, work done.
 
 Read by the admin endpoint and the metrics exporter (`dataclasses.asdict(engine.stats())`);
-the device prefix cache is the KV store's "device tier".
+the device prefix cache is the KV store's "device tier" (`device_tier` in the store adapter
+builds that tier's line from these numbers alone).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class EngineStats:
     read_buffer_hits: int = 0  # loads that found their session staged
     read_buffer_layers_used: int = 0  # layers copied from the buffer, not the tier
     read_buffer_bytes: int = 0  # held by the read buffer now
+    # The pool's blocks in bytes, and the device prefix cache seen as a tier of the KV store.
+    block_bytes: int = 0  # KV bytes one block holds (K and V, every layer)
+    cached_sessions: int = 0  # sessions whose history is in the prefix cache (BlockManager)
 
     @property
     def block_usage(self) -> float | None:
@@ -48,3 +52,9 @@ class EngineStats:
         if not self.num_blocks:
             return None
         return (self.num_blocks - self.free_blocks) / self.num_blocks
+
+    @property
+    def kv_blocks(self) -> int:
+        """Blocks holding KV: in use by a sequence, or free but still prefix-cached (a later
+        request may revive them). `block_usage` counts the second kind as free, as vLLM does."""
+        return self.num_blocks - self.free_blocks + self.evictable_blocks

@@ -18,6 +18,7 @@ from chatstore.engine.block_manager import BlockManager
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.engine_stats import EngineStats
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
+from chatstore.engine.kv_cache import bytes_per_block
 from chatstore.engine.kv_connector import KVConnector, NullConnector
 from chatstore.engine.request import FinishReason, InvalidRequestError, Request, RequestOutput
 from chatstore.engine.runtime import Runtime
@@ -42,6 +43,8 @@ class LLMEngine:
         self.tokenizer = runtime.model.tokenizer
         self.connector: KVConnector = connector or NullConnector()
         self.blocks = _block_manager(runtime, config)
+        kv_cache = runtime.kv_cache
+        self.block_bytes = bytes_per_block(kv_cache.spec, kv_cache.block_size, kv_cache.dtype)
         self.swap = None
         if config.preemption_mode == "swap":
             self.swap = HostSwapSpace(runtime.kv_cache, config.swap_space_bytes)
@@ -100,6 +103,8 @@ class LLMEngine:
             requests_finished=self.requests_finished,
             mean_batch_size=self._seqs_stepped / self.steps if self.steps else 0.0,
             **self._load_stats(),
+            block_bytes=self.block_bytes,
+            cached_sessions=cache.sessions,
         )
 
     def _load_stats(self) -> dict[str, float | int]:
