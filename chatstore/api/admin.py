@@ -1,7 +1,9 @@
 """Operator endpoints: /admin/* (admin key) and the open health probes.
 
 GET  /admin/cache        per tier: capacity, used bytes, sessions, hits, misses, bytes moved
-                         up/down, evictions, prefetches, hit rate; engine queue and block pool;
+                         up/down, evictions, prefetches, hit rate (the device tier first: the
+                         engine's block pool and prefix cache, also with kv_store = "off";
+                         `hit_rate` is the store tiers'); engine queue and block pool;
                          the remote tier's circuit breaker (null without Redis); `sessions`:
                          the first page of /admin/cache/sessions
 GET  /admin/cache/sessions  per session (newest first, paginated, ?tenant=): retention
@@ -24,7 +26,7 @@ from fastapi.responses import JSONResponse
 from chatstore.api.auth import Principal, admin_principal
 from chatstore.api.chat_service import ChatService
 from chatstore.api.session_routes import session_info
-from chatstore.api.store_port import SessionRecord
+from chatstore.api.store_port import SessionRecord, store_hits
 from chatstore.store.records import RecordStoreError
 
 CACHE_SESSIONS_SHOWN = 50  # rows of the session table inlined in /admin/cache
@@ -55,8 +57,7 @@ def engine_body(service: ChatService) -> dict[str, Any]:
 def cache_stats(request: Request, _: Admin) -> dict[str, Any]:
     service: ChatService = request.app.state.service
     tiers = service.store.tier_stats()
-    hits = sum(t.hits for t in tiers)
-    misses = sum(t.misses for t in tiers)
+    hits, misses = store_hits(tiers)
     remote_health = getattr(service.store, "remote_health", None)  # not every port has one
     return {
         "tiers": [tier_body(t) for t in tiers],

@@ -24,9 +24,8 @@ log = logging.getLogger("chatstore")
 def build_backend(config: Any, runtime: Any = None) -> Backend:
     from chatstore.engine.async_engine import AsyncEngine
     from chatstore.engine.engine_config import EngineConfig
-    from chatstore.engine.kv_cache import bytes_per_block
     from chatstore.engine.runtime import create_runtime, runtime_config
-    from chatstore.store import create_store, device_occupancy
+    from chatstore.store import create_store
     from chatstore.transfer import create_connector
 
     if runtime is None:
@@ -49,12 +48,7 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
         read_buffer_bytes=config.read_buffer_bytes,
         read_buffer_queue=config.read_buffer_queue,
     )
-    records = None
-    if store is not None:
-        block_bytes = bytes_per_block(model.spec, runtime.block_size, runtime.kv_cache.dtype)
-        store.set_device_occupancy(lambda: device_occupancy(runtime.pool, block_bytes))
-    else:
-        records = _records_only(config)
+    records = None if store is not None else _records_only(config)
     engine = AsyncEngine(runtime, EngineConfig.from_config(config), connector)
     if store is not None:
         store.set_waiting_queue(lambda: waiting_keys(engine))
@@ -66,7 +60,7 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
         on_shutdown.append(start_kv_events(config, engine, store))
     return Backend(
         engine=engine,
-        store=StoreAdapter(store, connector, records),
+        store=StoreAdapter(store, connector, records, engine_stats=engine.stats),
         template=ChatTemplate(model.tokenizer, model.spec.eos_token_ids),
         max_context=max_context,
         vocab_size=model.spec.vocab_size,

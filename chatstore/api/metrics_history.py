@@ -28,7 +28,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 
 from chatstore.api.auth import Principal, admin_principal
-from chatstore.api.store_port import TierStats
+from chatstore.api.store_port import TierStats, store_hits
 
 log = logging.getLogger("chatstore.api")
 DEFAULT_INTERVAL_S = 2.0
@@ -50,7 +50,7 @@ class TierSample:
 class Sample:
     t: float  # epoch seconds
     hit_rate: float | None  # hits / lookups over the interval; None without lookups
-    hits: int  # over the interval, all tiers
+    hits: int  # over the interval, the store's tiers (as /admin/cache's hit_rate)
     misses: int
     turns: int  # turns that ended in the interval
     ttft_p50_ms: float | None
@@ -87,7 +87,7 @@ class MetricsHistory:
         """Take one sample now from the given stats and append it."""
         with self._lock:
             ttfts, self._ttfts = self._ttfts, []
-        hits, misses = sum(t.hits for t in tiers), sum(t.misses for t in tiers)
+        hits, misses = store_hits(tiers)
         d_hits, d_misses = self._deltas(hits, misses)
         ms = [s * 1000 for s in ttfts]
         sample = Sample(

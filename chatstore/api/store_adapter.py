@@ -3,22 +3,26 @@
 The store owns durable records (tenant, messages, token ids whose KV is saved, timestamps) and
 the KV tiers; the engine's StoreConnector saves and loads KV. This adapter adds what the API
 needs on top: pagination, a per-tenant prefix index (for OpenAI clients that resend their
-history without a session id), the tier numbers in the admin shape, and the session leases
-that keep replicas sharing one Redis from running turns on one session at once.
+history without a session id), the tier numbers in the admin shape (the device tier first, read
+from the engine's stats: also with kv_store = "off"), and the session leases that keep replicas
+sharing one Redis from running turns on one session at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from chatstore.api.store_port import (
+    DEVICE_TIER,
     INTERNAL_TENANT_PREFIX,
     SessionPlacement,
     SessionRecord,
     TierStats,
 )
+from chatstore.engine.engine_stats import EngineStats
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey, common_prefix_len
@@ -27,13 +31,49 @@ from chatstore.store.session_lease import SessionLease, session_leases
 PREFIX_SCAN_LIMIT = 512  # sessions compared token by token when no stored history is a prefix
 
 
+def device_tier(stats: EngineStats) -> TierStats:
+    """The engine's block pool as the fastest tier, every number the engine's own (one
+    snapshot, no counter of its own here):
+
+    used_bytes  blocks holding KV, in use or free and still prefix-cached, x bytes per block
+    sessions    sessions whose history is in the prefix cache (BlockManager's module doc: the
+                last full block a session computed or reused is still cached, and with it every
+                block before it)
+    hits        full prompt blocks found in the prefix cache at admission (engine prefix_hits)
+    misses      full prompt blocks looked up and not found (engine prefix_misses)
+    evictions   cached blocks reused for other content (engine prefix_evictions)
+
+    KV loaded into the pool from the store is counted by the store's tiers and the engine's
+    kv_loads, not here (bytes_up, bytes_down and prefetches stay 0)."""
+    block = stats.block_bytes
+    return TierStats(
+        name=DEVICE_TIER,
+        capacity_bytes=stats.num_blocks * block,
+        used_bytes=stats.kv_blocks * block,
+        sessions=stats.cached_sessions,
+        hits=stats.prefix_hits,
+        misses=stats.prefix_misses,
+        bytes_up=0,
+        bytes_down=0,
+        evictions=stats.prefix_evictions,
+        prefetches=0,
+    )
+
+
 class StoreAdapter:
     def __init__(
-        self, store: Any, connector: KVConnector | None, records: Any = None, leases: Any = None
+        self,
+        store: Any,
+        connector: KVConnector | None,
+        records: Any = None,
+        leases: Any = None,
+        engine_stats: Callable[[], EngineStats] | None = None,
     ) -> None:
         """store: an AttentionStore, or None (kv_store = "off": records only, no KV kept).
-        leases: the session leases (default: in the records' Redis, or local no-ops)."""
+        leases: the session leases (default: in the records' Redis, or local no-ops).
+        engine_stats: the engine's stats, whose block pool is the device tier (None: no line)."""
         self.store = store
+        self._engine_stats = engine_stats
         self.records = records if records is not None else store.records
         self.leases = leases if leases is not None else self._leases(store, self.records)
         self._connector = connector
@@ -194,12 +234,15 @@ class StoreAdapter:
         return cut[: len(cut) - reserve] if reserve else cut
 
     def tier_stats(self) -> list[TierStats]:
+        """The device tier (from the engine), then the store's tiers, fastest first."""
+        out = [] if self._engine_stats is None else [device_tier(self._engine_stats())]
         if self.store is None:
-            return []
+            return out
         stats = self.store.stats()
         c = stats.counters
-        out = []
         for occ in stats.occupancy:
+            if occ.name == DEVICE_TIER:  # the store's own line, when one is set: the engine's
+                continue
             tc = c.tiers.get(occ.name)
             first_store_tier = occ.name == stats.first_tier
             out.append(

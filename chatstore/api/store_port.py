@@ -52,6 +52,10 @@ class SessionPlacement:
 
 @dataclass(frozen=True)
 class TierStats:
+    """One tier's line. The device tier is the engine's block pool and prefix cache, counted
+    by the engine (`device_tier` in store_adapter.py): its hits and misses are full prompt
+    blocks, the store tiers' are chunk reads."""
+
     name: str  # device | dram | ssd | remote
     capacity_bytes: int
     used_bytes: int
@@ -67,6 +71,17 @@ class TierStats:
     def hit_rate(self) -> float | None:
         total = self.hits + self.misses
         return self.hits / total if total else None
+
+
+DEVICE_TIER = "device"
+
+
+def store_hits(tiers: list[TierStats]) -> tuple[int, int]:
+    """Hits and misses of the store's tiers, the overall hit rate's terms. The device tier's
+    are left out: a prompt block missed on the device and then read from DRAM would count as
+    one miss and one hit, and the device counts blocks where the store counts chunks."""
+    store = [t for t in tiers if t.name != DEVICE_TIER]
+    return sum(t.hits for t in store), sum(t.misses for t in store)
 
 
 class SessionStorePort(Protocol):

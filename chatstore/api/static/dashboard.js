@@ -63,11 +63,17 @@ function togglePause() {
 
 // ---- tiers and engine ------------------------------------------------------------------------
 
+// The device tier (the engine's block pool and prefix cache) is listed with kv_store = off
+// too; its hits and misses are prompt blocks, the store tiers' are chunk reads, so the rate in
+// the heading (/admin/cache's hit_rate) is the store tiers' alone.
 function renderTiers(cache) {
-  $("hit-rate").textContent = `· overall hit rate ${percent(cache.hit_rate)}`;
-  const cards = (cache.tiers || []).map(tierCard);
-  const none = el("p", { class: "muted", text: "KV store off" });
-  $("tiers").replaceChildren(...(cards.length ? cards : [none]));
+  $("hit-rate").textContent = `· store hit rate ${percent(cache.hit_rate)}`;
+  const tiers = cache.tiers || [];
+  const cards = tiers.map(tierCard);
+  if (!tiers.some((t) => t.name !== "device")) {
+    cards.push(el("p", { class: "muted", text: "KV store off" }));
+  }
+  $("tiers").replaceChildren(...cards);
 }
 
 function tierCard(t) {
@@ -75,12 +81,13 @@ function tierCard(t) {
   const meter = el("span");
   meter.style.width = `${Math.min(100, used * 100)}%`;
   meter.style.background = TIER_COLORS[t.name] || "#888";
+  const unit = t.name === "device" ? " (blocks)" : "";
   const rows = [
     ["used", "used_bytes", bytes],
     ["capacity", "capacity_bytes", bytes],
     ["sessions", "sessions", count],
-    ["hits", "hits", count],
-    ["misses", "misses", count],
+    [`hits${unit}`, "hits", count],
+    [`misses${unit}`, "misses", count],
     ["moved up", "bytes_up", bytes],
     ["moved down", "bytes_down", bytes],
     ["evictions", "evictions", count],
