@@ -216,7 +216,8 @@ class AttentionStore:
         lmdb_tier = self.tier("ssd")
         self.persister: Persister | None = None
         shared = self.tier("remote") is not None
-        if settings.persist == "write_back" and (lmdb_tier or shared) and self.tiers.top:
+        if settings.persist != "off" and (lmdb_tier or shared) and self.tiers.top:
+            # write_through copies on the writer thread; its persister only retries refusals.
             self.persister = Persister(self._persist_chunk, settings.persist_lag_s)
         self.records: RecordStore = (
             RedisRecordStore(remote, settings.session_ttl_s, settings.redis_timeout_s, breaker)
@@ -660,19 +661,29 @@ class AttentionStore:
                     self.tiers.delete(chunk)
 
     def _persist_later(self, chunk: ChunkKey) -> None:
-        if self.settings.persist == "write_through":
-            self.tiers.persist(chunk)
-            self.tiers.share(chunk)
-        elif self.persister is not None:
-            self.persister.add(chunk)
+        persister = self.persister
+        if self.settings.persist != "write_through":
+            if persister is not None:
+                persister.add(chunk)
+        elif persister is not None and persister.backing_off():
+            persister.retry(chunk)  # the tier refused the last copies: no attempt until due
+        elif not self._copy_down(chunk) and persister is not None:
+            persister.retry(chunk)
 
-    def _persist_chunk(self, chunk: ChunkKey) -> None:
-        """Write-back: the chunk's copy on SSD (warm restart) and, with Redis, in Redis too,
-        where another replica finds it when a session moves there."""
+    def _persist_chunk(self, chunk: ChunkKey) -> bool:
+        """Write-back (the persister's thread): see _copy_down. False: try again later."""
         with self._mutate:
-            if self.index.referenced(chunk):
-                self.tiers.persist(chunk)
-                self.tiers.share(chunk)
+            return not self.index.referenced(chunk) or self._copy_down(chunk)
+
+    def _copy_down(self, chunk: ChunkKey) -> bool:
+        """The chunk's copy on SSD (warm restart) and, with Redis, in Redis too, where another
+        replica finds it when a session moves there. False when the chunk is still only in
+        DRAM because the first slow tier did not take it (its map or disk is full): it stays
+        there, served from there, and the persister tries again with a backoff."""
+        copied = self.tiers.persist(chunk)
+        self.tiers.share(chunk)
+        top = self.tiers.top
+        return copied or top is None or self.tiers.where(chunk) != top.name
 
     def _needed(self, chunk: ChunkKey) -> bool:
         """Held by a session, or the base a pending turn builds a chunk on (a turn may be
@@ -843,7 +854,7 @@ class AttentionStore:
 
         with self.tiers.lock:
             c = self.tiers.counters
-            counters = replace(c, tiers={n: replace(t) for n, t in c.tiers.items()})
+            counters = replace(c, tiers={n: t.copy() for n, t in c.tiers.items()})
         health = self.redis_breaker.health() if self.redis_breaker is not None else None
         first = self.tiers.tiers[0].name
         return StoreStats(self.tiers.stats_occupancy(), counters, first, health)

@@ -38,6 +38,12 @@ class TierCounters:
     evictions: int = 0  # sessions moved out of this tier to make room
     corrupt: int = 0  # values dropped because they failed their checksum
     errors: int = 0  # writes into this tier that raised (the value went elsewhere or stayed)
+    # Writes this tier did not take, by reason: map_full / disk_full (its storage refused it:
+    # a copy stays in DRAM and the write-back tries again), error (it raised: also in errors).
+    write_failures: dict[str, int] = field(default_factory=dict)
+
+    def copy(self) -> TierCounters:
+        return dataclasses.replace(self, write_failures=dict(self.write_failures))
 
 
 @dataclass
@@ -73,6 +79,7 @@ class StoreStats:
                     "evictions": c.tier(o.name).evictions,
                     "corrupt": c.tier(o.name).corrupt,
                     "errors": c.tier(o.name).errors,
+                    "write_failures": dict(c.tier(o.name).write_failures),
                 }
                 for o in self.occupancy
             ],

@@ -5,6 +5,13 @@ A chunk stored in DRAM is copied to LMDB at most `lag_s` seconds later, off the 
 in batches: a turn's chunks usually arrive together and are written together. The copy is left
 in DRAM (chunks are immutable: both copies are valid). The session record already lists the
 chunk; until its copy lands a crash loses only that chunk, and the session reloads up to it.
+
+A copy the tier refuses (its LMDB map or disk is full: `persist` returns False) is tried again
+later; the chunk stays in DRAM meanwhile. The tier is then full for every chunk, so the rest of
+the batch and every chunk due meanwhile wait with it: nothing is tried until `retry_s` has
+passed, doubling (up to `max_retry_s`) while the tier keeps refusing, back to `retry_s` after a
+copy lands. With `persist = "write_through"` the writer copies each chunk itself and hands only
+the refused ones here (`retry`).
 """
 
 from __future__ import annotations
@@ -22,15 +29,28 @@ log = logging.getLogger(__name__)
 
 
 class Persister:
-    def __init__(self, persist: Callable[[ChunkKey], None], lag_s: float) -> None:
+    def __init__(
+        self,
+        persist: Callable[[ChunkKey], bool | None],
+        lag_s: float,
+        retry_s: float = 1.0,
+        max_retry_s: float = 60.0,
+    ) -> None:
+        """persist(key) copies one chunk down; False means "not taken, try again later"."""
         self._persist = persist
         self.lag_s = lag_s
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
         self._due: deque[tuple[float, ChunkKey]] = deque()
+        self._retry: dict[ChunkKey, None] = {}  # refused chunks (and those waiting with them)
+        self._retry_at = 0.0  # when they are tried again
+        self._refusals = 0  # consecutive failed tries: the backoff's exponent
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._busy = False
         self.persisted = 0
+        self.refused = 0  # copies the tier did not take (each was tried again later)
         self.idle: threading.Event | None = None
         self.max_defer_s = 0.5
 
@@ -39,23 +59,52 @@ class Persister:
             if self._closed:
                 return
             self._due.append((time.monotonic() + self.lag_s, key))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="chatstore-persist", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify_all()
+            self._wake()
+
+    def retry(self, key: ChunkKey) -> None:
+        """A copy of key was refused elsewhere (write_through): try it with the next retry."""
+        with self._cond:
+            if self._closed:
+                return
+            self.refused += 1
+            if not self._retry:
+                self._retry_at = time.monotonic() + self._backoff()
+                self._refusals += 1
+            self._retry[key] = None
+            self._wake()
+
+    def backing_off(self) -> bool:
+        """Whether refused copies are waiting for their retry (the tier is full)."""
+        with self._cond:
+            return bool(self._retry) and self._retry_at > time.monotonic()
+
+    def retrying(self) -> int:
+        """Chunks waiting for a retry (only in DRAM until it succeeds)."""
+        with self._cond:
+            return len(self._retry)
+
+    def _wake(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="chatstore-persist", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def _backoff(self) -> float:
+        return min(self.max_retry_s, self.retry_s * 2 ** min(self._refusals, 30))
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Persist everything queued now (not waiting for its lag); False on timeout."""
+        """Persist everything queued now, not waiting for its lag nor a retry's backoff; False
+        on timeout. What the tier refuses again waits for its retry (flush does not wait)."""
         with self._cond:
-            self._due = deque((0.0, key) for _, key in self._due)
+            retry = [(0.0, key) for key in self._retry]
+            self._retry.clear()
+            self._due = deque([*retry, *((0.0, key) for _, key in self._due)])
             self._cond.notify_all()
             return self._cond.wait_for(lambda: not self._due and not self._busy, timeout)
 
     def pending(self) -> int:
         with self._cond:
-            return len(self._due) + self._busy
+            return len(self._due) + len(self._retry) + self._busy
 
     def close(self, flush: bool = True) -> None:
         if flush:
@@ -73,32 +122,66 @@ class Persister:
         if idle is not None and not self._closed:
             idle.wait(self.max_defer_s)
 
+    def _next_batch(self) -> list[ChunkKey] | None:
+        """Under the condition: wait for the chunks due now (None once closed). While refused
+        copies wait for their retry, chunks coming due join them instead."""
+        while not self._closed:
+            now = time.monotonic()
+            batch: list[ChunkKey] = []
+            if self._retry and self._retry_at <= now:
+                batch = list(self._retry)
+                self._retry.clear()
+            while self._due and self._due[0][0] <= now:
+                key = self._due.popleft()[1]
+                if self._retry:  # still backing off
+                    self._retry[key] = None
+                else:
+                    batch.append(key)
+            if batch:
+                return batch
+            times = [self._due[0][0]] if self._due else []
+            if self._retry:
+                times.append(self._retry_at)
+            self._cond.wait(min(times) - now if times else None)
+        return None
+
     def _run(self) -> None:
         own_intra_op_threads(1)
         lower_thread_priority(19)  # background work with a lag budget
         while True:
             with self._cond:
-                while not self._closed:
-                    if self._due and self._due[0][0] <= time.monotonic():
-                        break
-                    wait = self._due[0][0] - time.monotonic() if self._due else None
-                    self._cond.wait(wait)
-                if self._closed:
+                batch = self._next_batch()
+                if batch is None:
                     return
-                now = time.monotonic()
-                batch = []
-                while self._due and self._due[0][0] <= now:
-                    batch.append(self._due.popleft()[1])
                 self._busy = True
             try:
-                for key in batch:
-                    self._wait_turn()
-                    try:
-                        self._persist(key)
-                        self.persisted += 1
-                    except Exception:
-                        log.exception("persisting chunk %s failed", key)
+                self._copy(batch)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _copy(self, batch: list[ChunkKey]) -> None:
+        for i, key in enumerate(batch):
+            self._wait_turn()
+            try:
+                taken = self._persist(key) is not False
+            except Exception:
+                log.exception("persisting chunk %s failed", key)
+                continue
+            if taken:
+                self.persisted += 1
+                self._refusals = 0
+                continue
+            with self._cond:  # the tier is full: this chunk and the rest wait for the retry
+                self.refused += 1
+                delay = self._backoff()
+                self._refusals += 1
+                self._retry_at = time.monotonic() + delay
+                for rest in batch[i:]:
+                    self._retry[rest] = None
+            log.info(
+                "write-back refused (the tier is full): %d chunks stay in DRAM, retry in %.1f s",
+                len(batch) - i, delay,
+            )  # fmt: skip
+            return

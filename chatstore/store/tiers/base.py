@@ -28,6 +28,16 @@ class TierFull(RuntimeError):
     """The tier cannot take the value now (no room, or the backend refused it)."""
 
 
+class StorageFull(TierFull):
+    """The storage under the tier refused a write the tier's own accounting had room for: the
+    LMDB map is full (`reason` "map_full") or the disk under it is ("disk_full"). Nothing
+    stored is lost; the hierarchy counts it per tier and reason (TierCounters.write_failures)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class TierUnavailable(RuntimeError):
     """The tier's backend cannot be reached now (the call failed, or its circuit breaker is
     open): a read is a miss, a write is not taken, and nothing stored is dropped."""

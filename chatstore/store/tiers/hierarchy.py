@@ -40,7 +40,13 @@ from chatstore.store.chunks import ChunkKey
 from chatstore.store.events import EventLog, StoreCounters, StoreEvent
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers.background import BackgroundIO
-from chatstore.store.tiers.base import StorageTier, TierFull, TierOccupancy, TierUnavailable
+from chatstore.store.tiers.base import (
+    StorageFull,
+    StorageTier,
+    TierFull,
+    TierOccupancy,
+    TierUnavailable,
+)
 from chatstore.store.tiers.codec import CorruptValueError
 from chatstore.store.victims import LruChooser, VictimChooser
 
@@ -288,8 +294,8 @@ class ChunkTiers:
             value = self._get_memory_quiet(key)
         if value is None:
             return False
-        with self._io_lock:
-            return self._write_down(key, value, [tier]) is not None
+        with self._io_lock:  # a copy: the chunk stays in DRAM if the tier refuses it
+            return self._write_down(key, value, [tier], drop=False) is not None
 
     def _get_memory_quiet(self, key: ChunkKey) -> SessionKV | None:
         top = self.top
@@ -424,28 +430,40 @@ class ChunkTiers:
     # -- slow tiers (holding _io_lock) ------------------------------------------------------
 
     def _write_down(
-        self, key: ChunkKey, value: SessionKV, levels: Iterable[StorageTier]
+        self, key: ChunkKey, value: SessionKV, levels: Iterable[StorageTier], drop: bool = True
     ) -> str | None:
-        """value into the first of `levels` that takes it (making room there); its name."""
+        """value into the first of `levels` that takes it (making room there); its name. When
+        none does, the chunk is dropped, unless `drop` is False (a copy of a chunk that stays
+        in DRAM). A write the storage refuses is counted (TierCounters.write_failures)."""
         for tier in levels:
             if tier.contains(key):
                 return tier.name
             need = tier.footprint(value)
-            if need > tier.capacity or not self._make_room(tier, key, need):
-                continue
             try:
+                if need > tier.capacity or not self._make_room(tier, key, need):
+                    continue
                 tier.put(key, value)
+            except StorageFull as exc:  # the tier logged it and now counts as full
+                self._write_failed(tier, exc.reason)
+                continue
             except (TierFull, TierUnavailable):
                 continue
             except Exception:
                 log.exception("writing chunk %s to the %s tier failed", key, tier.name)
-                with self._lock:
-                    self.counters.tier(tier.name).errors += 1
+                self._write_failed(tier, "error")
                 continue
             self._emit("demoted", key, tier.name, value.nbytes)
             return tier.name
-        self._dropped(key, value.nbytes)
+        if drop:
+            self._dropped(key, value.nbytes)
         return None
+
+    def _write_failed(self, tier: StorageTier, reason: str) -> None:
+        with self._lock:
+            counters = self.counters.tier(tier.name)
+            counters.write_failures[reason] = counters.write_failures.get(reason, 0) + 1
+            if reason == "error":
+                counters.errors += 1
 
     def _make_room(self, tier: StorageTier, key: ChunkKey, need: int) -> bool:
         below = self.slow[self.slow.index(tier) + 1 :]

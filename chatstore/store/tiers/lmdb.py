@@ -17,14 +17,27 @@ so the index and the database change together. That lock covers one LMDB transac
 the hierarchy's I/O lock's Redis calls, so a reader (maybe the engine thread) that drops a bad
 value waits at most for one local write.
 
+Full storage. The map (`map_bytes`, by default twice the capacity or 64 MiB more) or the disk
+under it may fill before the index says the tier is full (LMDB's own pages, a small map, a disk
+shared with other files). A put it refuses raises StorageFull ("map_full" or "disk_full"; a
+commit cut short by a full disk arrives as EIO) and changes nothing, and from then on the tier
+counts as holding no more than it holds now: its `capacity` drops to its used bytes, so the
+hierarchy evicts by its placement to make room as for any full tier, and the next write goes
+into pages LMDB freed. A full map stays that size for the process; after a full disk the
+capacity comes back once the file system has room again (checked at most every second).
+
 The files hold every tenant's KV: the directory is 0700 and its files 0600, whatever the umask.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +46,14 @@ import lmdb
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
-from chatstore.store.tiers.base import IndexedTier, TierFull
+from chatstore.store.tiers.base import IndexedTier, StorageFull
+
+log = logging.getLogger(__name__)
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+DISK_RECHECK_S = 1.0  # after a full disk, the file system's free space is looked at this often
+DISK_ROOM_MIN = 1 << 20  # free bytes below which an EIO from a commit counts as a full disk
 
 
 def open_private(path: Path, **options: Any) -> lmdb.Environment:
@@ -50,17 +67,58 @@ def open_private(path: Path, **options: Any) -> lmdb.Environment:
     return env
 
 
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on path's file system (None: unknown)."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return None
+    return fs.f_bavail * fs.f_frsize
+
+
+def is_disk_full(exc: BaseException, path: Path, min_free: int = DISK_ROOM_MIN) -> bool:
+    """Whether a failed LMDB write was the disk filling up. py-lmdb reports a failed commit as
+    lmdb.Error with the errno's text only, and a write cut short by a full disk as EIO: ENOSPC
+    and EDQUOT say so; EIO (or an OSError) does when the file system has under min_free left."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    if os.strerror(errno.ENOSPC) in text or os.strerror(errno.EDQUOT) in text:
+        return True
+    if os.strerror(errno.EIO) in text or isinstance(exc, OSError):
+        free = free_bytes(path)
+        return free is not None and free < min_free
+    return False
+
+
+@dataclass
+class _Refused:
+    """The storage refused a write: the tier holds at most `limit` bytes for now."""
+
+    reason: str  # map_full | disk_full
+    limit: int
+    room: int  # disk_full: free bytes on the file system that lift the limit
+    recheck_at: float = 0.0
+
+
 class LmdbTier(IndexedTier):
     name = "ssd"
 
-    def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        fingerprint: str,
+        map_bytes: int | None = None,
+    ) -> None:
         self.path = Path(path)
         super().__init__(capacity_bytes)
         self.fingerprint = fingerprint
         self._write_lock = threading.Lock()
+        self._refused: _Refused | None = None  # set when the map or the disk refused a write
         # Room for LMDB's own pages and freed-but-not-yet-reusable pages beyond our accounting.
-        map_size = max(capacity_bytes * 2, capacity_bytes + (64 << 20))
-        self.env = open_private(self.path, map_size=map_size, max_dbs=4, sync=False)
+        self.map_bytes = map_bytes or max(capacity_bytes * 2, capacity_bytes + (64 << 20))
+        self.env = open_private(self.path, map_size=self.map_bytes, max_dbs=4, sync=False)
         self._chunks = self.env.open_db(b"chunks")
         self._sizes = self.env.open_db(b"sizes")
         self._info = self.env.open_db(b"info")
@@ -77,6 +135,45 @@ class LmdbTier(IndexedTier):
                 meta = json.loads(raw)
                 self._index.set(ChunkKey(meta["tenant"], digest.decode()), int(meta["footprint"]))
 
+    @property
+    def capacity(self) -> int:
+        """The configured capacity, or less while the map or the disk is full (module doc)."""
+        refused = self._refused
+        if refused is None:
+            return self._capacity
+        if refused.reason == "disk_full" and self._disk_has_room(refused):
+            self._refused = None
+            log.info("%s: the disk has room again (%d bytes of KV)", self.path, self._capacity)
+            return self._capacity
+        return min(self._capacity, refused.limit)
+
+    def _disk_has_room(self, refused: _Refused) -> bool:
+        now = time.monotonic()
+        if now < refused.recheck_at:
+            return False
+        refused.recheck_at = now + DISK_RECHECK_S
+        free = free_bytes(self.path)
+        return free is not None and free >= refused.room
+
+    def _storage_full(self, exc: Exception, need: int) -> StorageFull | None:
+        """exc as StorageFull when it says the map or the disk is full (the tier then counts
+        as full at what it holds now), else None. Under the write lock."""
+        if isinstance(exc, lmdb.MapFullError):
+            reason, where = "map_full", f"the LMDB map ({self.map_bytes} bytes)"
+        elif is_disk_full(exc, self.path):
+            reason, where = "disk_full", "the disk"
+        else:
+            return None
+        # A value the empty tier could not take lowers the limit below its own size only.
+        limit = min(self.capacity, max(self.used_bytes(), need - 1))
+        room = 2 * need  # free bytes on the disk that lift a disk_full limit
+        self._refused = _Refused(reason, limit, room, time.monotonic() + DISK_RECHECK_S)
+        log.warning(
+            "%s: %s is full (%s); the KV tier holds at most %d bytes from now on",
+            self.path, where, exc, limit,
+        )  # fmt: skip
+        return StorageFull(reason, f"{self.name} tier: {where} is full: {exc}")
+
     def put(self, key: ChunkKey, value: SessionKV) -> None:
         if key in self._index:
             return  # immutable: the bytes here are the same
@@ -90,8 +187,11 @@ class LmdbTier(IndexedTier):
                 with self.env.begin(write=True) as txn:
                     txn.put(key.digest.encode(), blob, db=self._chunks)
                     txn.put(key.digest.encode(), meta, db=self._sizes)
-            except lmdb.MapFullError as exc:
-                raise TierFull(f"LMDB map full: {exc}") from exc
+            except (lmdb.Error, OSError) as exc:  # the transaction was aborted: nothing changed
+                full = self._storage_full(exc, need)
+                if full is None:
+                    raise
+                raise full from exc
             self._index.set(key, need)
 
     def get(self, key: ChunkKey) -> SessionKV | None:
