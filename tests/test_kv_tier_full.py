@@ -20,11 +20,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 import chatstore.store.attention_store as attention_store
 import chatstore.store.tiers.lmdb as lmdb_tier
+from chatstore.api.launcher import local_server
 from chatstore.store import AttentionStore
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.persister import Persister
@@ -216,3 +219,59 @@ def test_a_full_disk_under_the_kv_tier_keeps_chunks_in_dram_until_it_has_room(
             exact(store, "s", ids)
         finally:
             store.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+@pytest.mark.model
+@pytest.mark.timeout(300)
+def test_turns_succeed_on_a_full_kv_map_and_the_api_counts_the_refusals(
+    default_model, tmp_path, kv_map
+):
+    """A real server whose KV tier's map holds two chunks of the default model (16 tokens,
+    ~0.7 MB each in fp32): every turn succeeds and reuses its history, which stays in DRAM;
+    /admin/cache and /metrics count the refused copies."""
+    kv_map(2 << 20)
+    srv = local_server(
+        tmp_path,
+        default_model,
+        kv_cache_bytes=32 << 20,
+        dram_bytes=128 << 20,
+        ssd_bytes=256 << 20,
+        chunk_tokens=16,
+        persist_lag_s=0.0,
+        max_context_tokens=512,
+    )
+    with srv, httpx.Client(base_url=srv.url, timeout=120) as client:
+        store = srv.app.state.service.store.store
+        sid = client.post("/v1/sessions", json={"system_prompt": "Be brief."}).json()["id"]
+        cached = []
+        for i in range(4):
+            body = {"content": f"Say {i}, then a short sentence.", "max_tokens": 8}
+            reply = client.post(f"/v1/sessions/{sid}/messages", json={**body, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            assert store.flush_persist(30)
+
+        def ssd_line() -> dict:
+            tiers = client.get("/admin/cache").json()["tiers"]
+            return next(t for t in tiers if t["name"] == "ssd")
+
+        wait_for(lambda: ssd_line()["write_failures"] > 0, 30)
+        ssd = ssd_line()
+        assert ssd["write_failures_by_reason"].get("map_full", 0) >= 1
+        assert ssd["write_failures"] == sum(ssd["write_failures_by_reason"].values())
+        text = client.get("/metrics").text
+        name = "chatstore_store_write_failures_total"
+        counted = metric(text, name, tier="ssd", reason="map_full")
+        assert counted is not None and counted >= 1
+        assert all(n > 0 for n in cached[1:]), f"history not reused: {cached}"
+        row = client.get("/admin/cache/sessions").json()["data"][0]
+        assert row["id"] == sid and row["kv_tokens_by_tier"].get("dram", 0) > 0
+        assert store.stats().counters.dropped == 0  # nothing left DRAM unkept

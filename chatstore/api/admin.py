@@ -3,7 +3,9 @@
 GET  /admin/cache        per tier: capacity, used bytes, sessions, hits, misses, bytes moved
                          up/down, evictions, prefetches, hit rate (the device tier first: the
                          engine's block pool and prefix cache, also with kv_store = "off";
-                         `hit_rate` is the store tiers'); engine queue and block pool;
+                         `hit_rate` is the store tiers'), write failures (writes a tier did
+                         not take: `write_failures`, and by reason map_full / disk_full /
+                         error in `write_failures_by_reason`); engine queue and block pool;
                          the remote tier's circuit breaker (null without Redis); `sessions`:
                          the first page of /admin/cache/sessions
 GET  /admin/cache/sessions  per session (newest first, paginated, ?tenant=): retention
@@ -40,7 +42,9 @@ Admin = Annotated[Principal, Depends(admin_principal)]
 
 
 def tier_body(t: Any) -> dict[str, Any]:
-    return {**dataclasses.asdict(t), "hit_rate": t.hit_rate}
+    """A tier's line: its TierStats, hit rate, and write failures in all (by reason:
+    write_failures_by_reason)."""
+    return {**dataclasses.asdict(t), "hit_rate": t.hit_rate, "write_failures": t.write_failures}
 
 
 def engine_body(service: ChatService) -> dict[str, Any]:

@@ -1,6 +1,11 @@
 """Prometheus metrics (GET /metrics): request counters and latency histograms kept here, engine
 and store state read at scrape time by a collector (nothing is copied in the hot path).
 
+    chatstore_store_write_failures_total{tier, reason}   writes a tier did not take: map_full /
+                                  disk_full (its LMDB map or disk is full; the chunk stays in
+                                  DRAM and the write-back retries), error (the write raised);
+                                  a series appears with its first failure
+
 The remote (Redis) tier's circuit breaker, when the store has one:
 
     chatstore_remote_breaker_open             1 while open or half-open (Redis counts as absent)
@@ -62,6 +67,14 @@ class StateCollector(Collector):
             for t in tiers:
                 c.add_metric([t.name], getattr(t, field))
             yield c
+        failures = CounterMetricFamily(
+            "chatstore_store_write_failures", "writes a tier did not take, by reason",
+            labels=["tier", "reason"],
+        )  # fmt: skip
+        for t in tiers:
+            for reason, count in sorted(t.write_failures_by_reason.items()):
+                failures.add_metric([t.name, reason], count)
+        yield failures
 
 
 class RemoteBreakerCollector(Collector):

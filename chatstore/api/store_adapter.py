@@ -257,6 +257,7 @@ class StoreAdapter:
                     bytes_down=c.bytes_down if first_store_tier else 0,
                     evictions=tc.evictions if tc else 0,
                     prefetches=c.prefetches if first_store_tier else 0,
+                    write_failures_by_reason=dict(tc.write_failures) if tc else {},
                 )
             )
         return out

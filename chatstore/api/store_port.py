@@ -66,6 +66,13 @@ class TierStats:
     bytes_down: int  # moved away from the device (saves, demotions)
     evictions: int
     prefetches: int
+    # Writes into this tier it did not take, by reason: map_full / disk_full (its LMDB map or
+    # disk is full: the chunk stays in DRAM and the write-back retries), error (it raised).
+    write_failures_by_reason: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def write_failures(self) -> int:
+        return sum(self.write_failures_by_reason.values())
 
     @property
     def hit_rate(self) -> float | None:
