@@ -217,6 +217,10 @@ def test_a_full_disk_under_the_kv_tier_keeps_chunks_in_dram_until_it_has_room(
             assert store.persister.retrying() == 0
             push_down(store, "t", "s")  # out of DRAM: read from the disk
             exact(store, "s", ids)
+            store.close()
+            fill(disk)  # a restart on the full disk opens and reads what it holds
+            store = make(data, persist="write_back", persist_lag_s=0.0)
+            exact(store, "s", ids)
         finally:
             store.close()
 

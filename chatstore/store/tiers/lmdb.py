@@ -127,10 +127,12 @@ class LmdbTier(IndexedTier):
     def _open_for_model(self) -> None:
         with self.env.begin(write=True) as txn:
             stored = txn.get(b"fingerprint", db=self._info)
-            if stored is not None and stored.decode() != self.fingerprint:
-                txn.drop(self._chunks, delete=False)
-                txn.drop(self._sizes, delete=False)
-            txn.put(b"fingerprint", self.fingerprint.encode(), db=self._info)
+            # Written only when it changes: a restart on a full disk then writes no page.
+            if stored is None or stored.decode() != self.fingerprint:
+                if stored is not None:  # another model's chunks
+                    txn.drop(self._chunks, delete=False)
+                    txn.drop(self._sizes, delete=False)
+                txn.put(b"fingerprint", self.fingerprint.encode(), db=self._info)
             for digest, raw in txn.cursor(db=self._sizes):
                 meta = json.loads(raw)
                 self._index.set(ChunkKey(meta["tenant"], digest.decode()), int(meta["footprint"]))
