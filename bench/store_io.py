@@ -4,8 +4,50 @@ behind the real AsyncEngine (built as the server builds it), store on vs off in 
 
   conversation   one session, 40 turns growing to ~8K tokens, run three ways: store off (the
                  device prefix cache holds the history), DRAM tier, LMDB tier alone (DRAM 0).
-                   bytes_written_ratio_max   max over turns of bytes the store wrote / the new
+                 Each turn goes through the API's ChatService as POST /v1/sessions/{id}/messages
+                 does (no HTTP): the prompt is built from the session's record, and the turn's
+                 messages are appended to the record before the turn returns. The DRAM run has
+                 every tier a turn reaches with the default persist = write_back: DRAM, the
+                 LMDB KV tier (write-back of the chunks a turn stored), and a local Redis
+                 (`--redis auto`: when redis-server exists), to which write-back copies the
+                 same chunks and where the records (and the session leases) then live instead
+                 of the records LMDB env; without Redis the records go to records.lmdb. After
+                 each turn the bench waits for the writer (flush_writes) and the write-back
+                 (flush_persist), so a turn's writes land in that turn.
+                   bytes_written_ratio_max   max over turns (from the 2nd) of the store's own
+                   (and _mean)               counter `bytes_written` (chunk bytes its writer
+                                             handed to the tiers: DRAM only, here) / the new
                                              tokens' KV bytes (DRAM run)
+                   bytes_written_ratio_max_all_tiers   (and _mean_all_tiers) the same with
+                                             everything written that turn (bench/tier_bytes.py):
+                                               DRAM      the KV rows the DRAM tier wrote
+                                                         into its pool (memory writes show
+                                                         up in no system call)
+                                             + every byte the process wrote to a file
+                                               (/proc/self/io wchar: LMDB's pwrite of its
+                                               pages, rewritten ones included)
+                                             + every byte its Redis clients handed to their
+                                               sockets (checked against the server's own
+                                               INFO total_net_input_bytes: redis_in),
+                                             split by the calling thread's bytes around each
+                                             call into:
+                                               lmdb_kv   the LMDB KV tier's puts and deletes
+                                               redis_kv  the Redis KV tier's puts and deletes
+                                               records   the record store's writes: the
+                                                         store's upsert of token ids and chunk
+                                                         list, the API's append of messages
+                                               other     the rest (lease and read commands to
+                                                         Redis, a log line)
+                                             goal <= 1.5 (the new tokens' KV plus one chunk
+                                             of re-keyed tail, records included).
+                                             The new tokens: this turn's history minus what
+                                             was both stored and reused from cache.
+                   bytes_all_tiers_max_turn  that breakdown for the turn with the max ratio
+                                             (bytes; per-turn lists in the conversation's
+                                             bytes_by_turn, with new_chunks_kv: the KV of the
+                                             chunks the turn created, which write-back copies
+                                             down, and redis_in: what the Redis server says it
+                                             received, INFO total_net_input_bytes)
                    save_cpu_ms_turn5/40      writer-thread CPU time of the turn's save
                    lmdb_ttft_ratio           last five turns' TTFT, LMDB-only over store off
                    dram_ttft_ratio           the same from DRAM
@@ -24,12 +66,15 @@ behind the real AsyncEngine (built as the server builds it), store on vs off in 
                    warm_restart_ttft_ratio   their first-turn TTFT / a cold recompute's
 
     python bench/store_io.py [--quick] [--only conversation,overhead,...] [--plot-dir bench/out]
-                             [--no-progress]
+                             [--redis auto|on|off] [--no-progress]
+
+Run it with --no-progress (or stderr not a terminal) for the byte counts: a progress bar drawn
+during a turn lands in that turn's `other`.
 
 The conversation section writes two plots to the plot dir: store_io_bytes_per_turn.png (what
-the store wrote each turn, against the new tokens' KV and the whole history's KV, which is what a
-store that rewrites the session every turn would write) and store_io_ttft_by_turn.png (TTFT per
-turn: store off, DRAM tier, LMDB tier alone).
+the DRAM run wrote each turn, by the store's counter and on every tier, against the new tokens'
+KV and the whole history's KV, which is what a store that rewrites the session every turn would
+write) and store_io_ttft_by_turn.png (TTFT per turn: store off, DRAM tier, LMDB tier alone).
 """
 
 from __future__ import annotations
@@ -51,11 +96,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import plots, progress  # noqa: E402
+from bench.tier_bytes import TierBytes  # noqa: E402
 from chatstore.api.backend import build_backend  # noqa: E402
+from chatstore.api.chat_service import ChatService, TurnSpec  # noqa: E402
+from chatstore.api.settings import ServerSettings  # noqa: E402
 from chatstore.config import load_config  # noqa: E402
 from chatstore.engine.request import Request, SamplingParams  # noqa: E402
+from chatstore.store.redis_server import redis_server_binary, start_local_redis  # noqa: E402
 
 TEXT = (ROOT / "tests" / "data" / "declaration_and_lincoln.txt").read_text().split()
+TENANT = "local"  # the API's tenant in local mode (no keys)
 SECTIONS = ("conversation", "overhead", "dedup", "pressure", "restart")
 
 
@@ -80,6 +130,7 @@ class Rig:
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self._start())
         self._n = 0
+        self._service: ChatService | None = None
 
     async def _start(self) -> None:
         self.engine.start()
@@ -106,6 +157,49 @@ class Rig:
 
         return self.loop.run_until_complete(run())
 
+    @property
+    def service(self) -> ChatService:
+        """The API's ChatService over this backend, as create_app builds it (no HTTP)."""
+        if self._service is None:
+            b = self.backend
+            settings = ServerSettings.from_config(self.config, env={})
+            self._service = ChatService(
+                b.engine, b.store, b.template, settings, b.max_context, b.vocab_size
+            )
+        return self._service
+
+    def open_session(self, session: str, system_prompt: str) -> None:
+        """POST /v1/sessions: the session's record, with its system message."""
+        self.service.create_session(TENANT, system_prompt, {}, session)
+
+    def session_turn(self, session: str, content: str, max_tokens: int) -> TurnResult:
+        """POST /v1/sessions/{id}/messages without the HTTP: the service renders the prompt
+        from the record (the stored token ids plus the new message when they still match),
+        runs it, and appends the turn's messages to the record before returning. TTFT is
+        the engine's, as in turn_ids."""
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        spec = TurnSpec(
+            tenant=TENANT,
+            sampling=sampling,
+            started=time.perf_counter(),
+            session_id=session,
+            new_message={"role": "user", "content": content},
+            create_missing=False,
+            api="sessions",
+        )
+
+        async def run() -> TurnResult:
+            turn = await self.service.open_turn(spec)
+            result = await turn.run()
+            if result.error is not None or turn.save_error is not None:
+                raise RuntimeError(f"turn failed: {result.error or turn.save_error}")
+            assert result.engine_ttft_s is not None
+            ids = turn.request.prompt_token_ids
+            reply = result.token_ids[0]
+            return TurnResult(result.engine_ttft_s, len(ids), result.usage.cached_tokens, reply)
+
+        return self.loop.run_until_complete(run())
+
     def close(self) -> None:
         self.loop.run_until_complete(self.engine.shutdown())
         self.loop.close()
@@ -127,9 +221,27 @@ def conversation(args, mode: str, data_dir: str) -> dict:
     overrides = {"kv_store": "off"} if mode == "off" else {}
     if mode == "lmdb":
         overrides["dram_bytes"] = 0
+    redis = None
+    if mode == "dram" and args.redis != "off":
+        if redis_server_binary() is not None:
+            redis = start_local_redis()
+            overrides["redis_url"] = redis.url
+        elif args.redis == "on":
+            raise SystemExit("--redis on: redis-server is not installed")
+        else:
+            say("  no redis-server: the DRAM run has no Redis tier (records in LMDB)")
+    try:
+        return _conversation(args, mode, data_dir, overrides)
+    finally:
+        if redis is not None:
+            redis.stop()
+
+
+def _conversation(args, mode: str, data_dir: str, overrides: dict) -> dict:
     rig = Rig(data_dir, **overrides)
     store = rig.store
     cpu: list[float] = []
+    meter = None
     if store is not None:  # the writer thread's CPU time per commit
         commit = store.writer._commit
 
@@ -141,24 +253,38 @@ def conversation(args, mode: str, data_dir: str) -> dict:
                 cpu.append(time.thread_time() - t0)
 
         store.writer._commit = timed
-    messages = [{"role": "system", "content": "You are a helpful assistant."}]
-    ratios, ttfts, saved_tokens = [], [], 0
+        meter = TierBytes(store, rig.backend.store.records, overrides.get("redis_url", ""))
+    rig.open_session("conv", "You are a helpful assistant.")
+    ratios, all_ratios, ttfts, saved_tokens = [], [], [], 0
     written = 0
     per_token = store.layout.bytes_per_token if store is not None else 0
     per_turn: dict[str, list[int]] = {"written": [], "new": [], "history": []}  # bytes
+    chunks_before: set = set()
     for t in progress.track(range(args.turns), f"conversation, store {mode}"):
-        messages.append({"role": "user", "content": words(t * 150, args.words)})
-        res = rig.turn("conv", messages, args.reply_tokens)
+        before = meter.snapshot() if meter is not None else None
+        res = rig.session_turn("conv", words(t * 150, args.words), args.reply_tokens)
         ttfts.append(res.ttft_s)
-        messages.append({"role": "assistant", "content": rig.tok.decode(res.reply)})
-        if store is not None:
+        if store is not None and meter is not None and before is not None:
+            # The turn's writes land in the turn: the writer's commit, then the write-back
+            # of the chunks it stored (to LMDB and, with Redis, to Redis), due now.
             store.flush_writes(60)
+            store.flush_persist(60)
+            tiers = meter.delta(before, meter.snapshot(end=True))
             now = res.prompt_tokens + len(res.reply) - 1
             new = max(1, now - min(saved_tokens, res.cached_tokens))
             ratios.append((store.bytes_written - written) / (new * per_token))
+            all_ratios.append(tiers["all_tiers"] / (new * per_token))
             per_turn["written"].append(store.bytes_written - written)
             per_turn["new"].append(new * per_token)
             per_turn["history"].append(now * per_token)
+            stored = store.find(TENANT, "conv")
+            fresh = [i for i, c in enumerate(stored.chunks) if c not in chunks_before]
+            tiers["new_chunks_kv"] = per_token * sum(
+                b - a for a, b in map(stored.span, fresh)
+            )  # the KV of the chunks this turn created: what write-back copies
+            chunks_before = set(stored.chunks)
+            for name, value in tiers.items():
+                per_turn.setdefault(name, []).append(value)
             written, saved_tokens = store.bytes_written, now
         if t % 10 == 9:
             say(
@@ -167,15 +293,23 @@ def conversation(args, mode: str, data_dir: str) -> dict:
             )
     out = {"ttft_last5_s": statistics.mean(ttfts[-5:]), "history_tokens": saved_tokens}
     out |= {"ttft_by_turn_s": ttfts, "bytes_by_turn": per_turn}
-    if store is not None:
+    if store is not None and meter is not None:
         store.flush_persist(60)
+        worst = 1 + max(range(1, len(all_ratios)), key=all_ratios.__getitem__)
         out |= {
             "bytes_written_ratio_max": max(ratios[1:]),
             "bytes_written_ratio_mean": statistics.mean(ratios[1:]),
+            "bytes_written_ratio_max_all_tiers": max(all_ratios[1:]),
+            "bytes_written_ratio_mean_all_tiers": statistics.mean(all_ratios[1:]),
+            "bytes_all_tiers_max_turn": {"turn": worst}
+            | {name: values[worst - 1] for name, values in per_turn.items()},
+            "tiers": [t.name for t in store.tiers.tiers],
+            "records_backend": meter.records_backend,
             "save_cpu_ms_turn5": 1000 * cpu[4],
             "save_cpu_ms_turn40": 1000 * cpu[min(39, len(cpu) - 1)],
             "session_kv_bytes": saved_tokens * per_token,
         }
+        meter.close()
     rig.close()
     size = sum(f.stat().st_size for f in Path(data_dir, "kv.lmdb").glob("*")) if store else 0
     out["kv_lmdb_bytes"] = size
@@ -319,8 +453,21 @@ def restart(args, data_dir: str) -> dict:
     }
 
 
+def say_checks(per_turn: dict[str, list[int]]) -> None:
+    """Plausibility of the DRAM run's byte counts, over turns 2..n."""
+    chunks = per_turn["new_chunks_kv"][1:]
+    for name in ("lmdb_kv", "redis_kv"):
+        if any(per_turn[name]):
+            low = min(b / c for b, c in zip(per_turn[name][1:], chunks, strict=True) if c)
+            say(f"  check: {name} / the KV of the turn's new chunks, min over turns {low:.3f}")
+    if "redis_in" in per_turn:
+        sent, got = sum(per_turn["redis_sent"]), sum(per_turn["redis_in"])
+        say(f"  check: Redis bytes sent {sent}, received by the server {got} (all turns)")
+
+
 def plot_conversation(plot_dir: Path, runs: dict[str, dict]) -> list[Path]:
-    """Bytes the DRAM run's store wrote per turn, and TTFT per turn of every run."""
+    """Bytes the DRAM run wrote per turn (the store's counter, every tier), and TTFT per turn
+    of every run."""
     mb = 1e6
     turns = range(1, len(runs["dram"]["ttft_by_turn_s"]) + 1)
     per_turn = runs["dram"]["bytes_by_turn"]
@@ -328,7 +475,14 @@ def plot_conversation(plot_dir: Path, runs: dict[str, dict]) -> list[Path]:
         plots.plot_path(plot_dir, "store_io", "bytes_per_turn"),
         [
             plots.Series(
-                "store v2: bytes written (measured)", turns, [b / mb for b in per_turn["written"]]
+                "store's own counter: chunk bytes into the tiers (measured)",
+                turns,
+                [b / mb for b in per_turn["written"]],
+            ),
+            plots.Series(
+                f"all tiers: {' + '.join(runs['dram']['tiers'])} + records (measured)",
+                turns,
+                [b / mb for b in per_turn["all_tiers"]],
             ),
             plots.Series(
                 "the new tokens' KV (computed)",
@@ -343,7 +497,7 @@ def plot_conversation(plot_dir: Path, runs: dict[str, dict]) -> list[Path]:
                 dashed=True,
             ),
         ],
-        title="store_io: bytes the store writes per turn, one growing conversation (DRAM tier)",
+        title="store_io: bytes written per turn, one growing conversation (DRAM run)",
         xlabel="turn",
         ylabel="MB written in the turn",
         integer_x=True,
@@ -373,6 +527,12 @@ def main() -> None:
         action="append",
         default=[],
         help="store setting for the overhead runs, e.g. --set persist=off (what it costs)",
+    )
+    p.add_argument(
+        "--redis",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="a local Redis tier in the conversation's DRAM run (auto: when redis-server exists)",
     )
     plots.add_argument(p)
     progress.add_argument(p)
@@ -408,10 +568,39 @@ def main() -> None:
                 f"{dram['save_cpu_ms_turn5']:.1f} ms, turn {args.turns} "
                 f"{dram['save_cpu_ms_turn40']:.1f} ms"
             )
+            worst = dram["bytes_all_tiers_max_turn"]
+            say(
+                f"  all tiers ({'+'.join(dram['tiers'])}, records in {dram['records_backend']}) "
+                f"/ new tokens' KV bytes: max {dram['bytes_written_ratio_max_all_tiers']:.3f}, "
+                f"mean {dram['bytes_written_ratio_mean_all_tiers']:.3f} (goal <= 1.5)"
+            )
+            say(
+                f"  turn {worst['turn']} (the max), bytes: new tokens' KV {worst['new']}, "
+                f"DRAM {worst['dram']}, LMDB KV {worst['lmdb_kv']}, Redis KV {worst['redis_kv']}, "
+                f"records {worst['records']}, other {worst['other']} "
+                f"(Redis received {worst.get('redis_in', '-')}; "
+                f"the turn's new chunks hold {worst['new_chunks_kv']} bytes of KV)"
+            )
+            say_checks(dram["bytes_by_turn"])
+            say(
+                f"  LMDB-alone run ({'+'.join(lmdb['tiers'])}, records in "
+                f"{lmdb['records_backend']}): all tiers / new tokens' KV bytes: max "
+                f"{lmdb['bytes_written_ratio_max_all_tiers']:.3f}, "
+                f"mean {lmdb['bytes_written_ratio_mean_all_tiers']:.3f}"
+            )
             plot_conversation(args.plot_dir, runs)
             result |= {
                 "bytes_written_ratio_max": round(dram["bytes_written_ratio_max"], 3),
                 "bytes_written_ratio_mean": round(dram["bytes_written_ratio_mean"], 3),
+                "bytes_written_ratio_max_all_tiers": round(
+                    dram["bytes_written_ratio_max_all_tiers"], 3
+                ),
+                "bytes_written_ratio_mean_all_tiers": round(
+                    dram["bytes_written_ratio_mean_all_tiers"], 3
+                ),
+                "bytes_all_tiers_max_turn": dram["bytes_all_tiers_max_turn"],
+                "conversation_tiers": dram["tiers"],
+                "records_backend": dram["records_backend"],
                 "save_cpu_ms_turn5": round(dram["save_cpu_ms_turn5"], 2),
                 "save_cpu_ms_turn40": round(dram["save_cpu_ms_turn40"], 2),
                 "dram_ttft_ratio": round(dram["ttft_last5_s"] / off["ttft_last5_s"], 3),
