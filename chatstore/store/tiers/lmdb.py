@@ -21,10 +21,11 @@ Full storage. The map (`map_bytes`, by default twice the capacity or 64 MiB more
 under it may fill before the index says the tier is full (LMDB's own pages, a small map, a disk
 shared with other files). A put it refuses raises StorageFull ("map_full" or "disk_full"; a
 commit cut short by a full disk arrives as EIO) and changes nothing, and from then on the tier
-counts as holding no more than it holds now: its `capacity` drops to its used bytes, so the
-hierarchy evicts by its placement to make room as for any full tier, and the next write goes
-into pages LMDB freed. A full map stays that size for the process; after a full disk the
-capacity comes back once the file system has room again (checked at most every second).
+counts as holding no more than it holds now: its `capacity` drops to its used bytes (or to just
+under the refused value's size, if more), so the hierarchy evicts by its placement to make room
+as for any full tier, and the next write goes into pages LMDB freed. A full map stays that size
+for the process; after a full disk the capacity comes back once the file system has room again
+(checked at most every second).
 
 The files hold every tenant's KV: the directory is 0700 and its files 0600, whatever the umask.
 """
