@@ -62,6 +62,7 @@ from chatstore.store.tiers.hierarchy import ChunkTiers
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier, connect_redis
 from chatstore.store.truncation import TruncationPlan, plan_truncation
+from chatstore.store.turn_hold import ChunkPins, TurnHold, TurnHolds
 from chatstore.store.turn_origin import TurnOrigins, tokens_by_tier
 from chatstore.store.turn_plan import ChunkDelta, TurnPlan, TurnWrite, plan_chain
 from chatstore.store.write_buffer import WriteBuffer
@@ -200,6 +201,10 @@ class AttentionStore:
         self._queue_source: Callable[[], Iterable[SessionKey]] = tuple
         self.retention = RetentionTable()  # per-session priority and TTL, from the records
         self.origins = TurnOrigins()  # chunk tiers as each queued turn found them
+        self.pins = ChunkPins()  # chunks opened turns hold: never a DRAM victim (turn_hold.py)
+        self.holds = TurnHolds()  # opened turns' holds, until the connector takes them
+        self._held: dict[ChunkKey, SessionKV] = {}  # pinned chunks DRAM could not take
+        self.held_bytes = 0
         if chooser is None:
             chooser = PolicyChooser(
                 make_policy(settings.policy, [t.capacity for t in tiers]),
@@ -207,7 +212,10 @@ class AttentionStore:
                 mean_kv_bytes=self._mean_session_bytes,
             )
         self.session_policy = chooser
-        placement = ChunkPlacement(chooser, self.index.owners_of, self.index.position_of)
+        top = tiers[0].name if tiers and tiers[0].in_memory else None
+        placement = ChunkPlacement(
+            chooser, self.index.owners_of, self.index.position_of, self.pins, top
+        )
         self.tiers = ChunkTiers(tiers, placement, self.events, wanted=self._needed)
         self.writer = WriteBuffer(self._commit, settings.write_buffer_bytes)
         self.prefetcher = Prefetcher(
@@ -285,11 +293,17 @@ class AttentionStore:
             self.prefetcher.hint(self.key(tenant, session_id))
 
     def fetch_remote(self, tenant: str, session_id: str) -> int:
-        """Copy the session's chunks whose only copy is in the remote tier up to DRAM, in
-        order, stopping at the first that fails; how many moved. For the thread that opens a
-        turn: the engine's thread reads no remote tier, so what stays remote is recomputed.
-        First it notes where each chunk is (turn_origin.py): the turn's cached tokens are
-        counted by those tiers, whatever this fetch or the prefetch thread moves later."""
+        """Open a turn: make the session's chunks readable by the engine's thread, which reads
+        no remote tier, and keep them so until it has read them (turn_hold.py); how many came
+        up from the remote tier. For the thread that opens a turn, before the engine queues
+        it. In chain order, stopping at the first chunk that is gone or cannot be held (the
+        rest is recomputed): every chunk is pinned (no DRAM eviction picks it), and one only
+        Redis holds is promoted to DRAM, or kept beside it when DRAM cannot take it (a tier
+        smaller than the session, or full of other turns' pinned chunks). The connector takes
+        the hold at admission (`take_hold`) and releases it once read; one never taken lapses
+        after HOLD_TTL_S. First it notes where each chunk is (turn_origin.py): the turn's
+        cached tokens are counted by those tiers, whatever this fetch or the prefetch thread
+        moves later."""
         key = self.key(tenant, session_id)
         remote = self.tier("remote") is not None and self.tiers.top is not None
         if remote:
@@ -299,24 +313,77 @@ class AttentionStore:
             self.origins.note(key, {c: w for c in chain.chunks if (w := self.chunk_tier(c))})
         else:
             self.origins.drop(key)
-        if not remote or chain is None:
+        if not remote:
             return 0
+        hold = TurnHold(key)
         moved = 0
-        for chunk in chain.chunks:
-            if chunk in self._pending:
-                continue
-            where = self.tiers.where(chunk)
-            if where == "remote":
-                # Promoted as a use would be (no prefetch veto: this turn runs next); the
-                # engine's read from DRAM counts the hit.
-                self.tiers.get(chunk, promote=True, count=False)
-                where = self.tiers.where(chunk)
-                if where == "remote":
+        try:
+            for chunk in chain.chunks if chain is not None else []:
+                self.pins.add(chunk)  # first: from now on no eviction takes it from DRAM
+                hold.chunks.append(chunk)
+                came_up = self._hold_chunk(chunk)
+                if came_up is None:
+                    self.release_hold(TurnHold(key, [hold.chunks.pop()]))
                     break
-                moved += 1
-            elif where is None:
-                break
+                moved += came_up
+        finally:
+            for lapsed in self.holds.put(hold):
+                self.release_hold(lapsed)
         return moved
+
+    def _hold_chunk(self, chunk: ChunkKey) -> int | None:
+        """Make a pinned chunk readable without the remote tier: 1 when it came up from there,
+        0 when it was readable already, None when it is gone or cannot be held."""
+        top = self.tiers.top
+        assert top is not None
+        if chunk in self._pending or chunk in self._held:
+            return 0  # the write buffer's (pinned: it stays in DRAM once it lands), or held
+        with self.tiers.lock:
+            if top.contains(chunk):
+                return 0  # pinned there now
+        where = self.tiers.where(chunk)
+        if where is None:
+            return None
+        if where != top.name and where != "remote":
+            return 0  # a local tier (SSD): the engine's thread reads it there
+        # Only Redis holds it, or it is on its way down from DRAM: brought up (the engine's
+        # read counts the hit), into DRAM if it makes room without evicting a pinned chunk.
+        value = self.tiers.get(chunk, promote=True, count=False)
+        if value is None:
+            return None
+        with self.tiers.lock:
+            in_dram = top.contains(chunk)
+        if not in_dram:
+            with self._lock:
+                if self.held_bytes + value.nbytes > self.settings.write_buffer_bytes:
+                    return None
+                if chunk not in self._held:
+                    self._held[chunk] = value
+                    self.held_bytes += value.nbytes
+            if where == "remote":
+                with self.tiers.lock:
+                    self.tiers.counters.bytes_up += value.nbytes
+        return 1 if where == "remote" else 0
+
+    def take_hold(self, tenant: str, session_id: str) -> TurnHold | None:
+        """The hold of the session's opened turn, for the engine's admission (the taker
+        releases it with `release_hold` once it has read the chunks); None if none."""
+        hold, lapsed = self.holds.take(self.key(tenant, session_id))
+        for old in lapsed:
+            self.release_hold(old)
+        return hold
+
+    def release_hold(self, hold: TurnHold | None) -> None:
+        """Unpin the hold's chunks; a held copy goes with its last pin."""
+        if hold is None:
+            return
+        chunks, hold.chunks = hold.chunks, []  # released once, whoever asks again
+        for chunk in chunks:
+            if self.pins.remove(chunk):
+                with self._lock:
+                    value = self._held.pop(chunk, None)
+                    if value is not None:
+                        self.held_bytes -= value.nbytes
 
     def _adopt(self, key: SessionKey) -> None:
         """Take the session's chain from its shared record when another replica saved it
@@ -355,9 +422,11 @@ class AttentionStore:
         self._bump_version(key)
 
     def chunk_tier(self, chunk: ChunkKey) -> str | None:
-        """The fastest tier holding chunk; a chunk still in the write buffer is in host
-        memory ("dram"); None when it is gone."""
-        return "dram" if chunk in self._pending else self.tiers.where(chunk)
+        """The fastest tier holding chunk; a chunk still in the write buffer, or held for an
+        opened turn beside DRAM, is in host memory ("dram"); None when it is gone."""
+        if chunk in self._pending or chunk in self._held:
+            return "dram"
+        return self.tiers.where(chunk)
 
     # -- retention ------------------------------------------------------------------------------
 
@@ -450,7 +519,7 @@ class AttentionStore:
             self._tell_policy("touch", key)
         n = 0
         for chunk in chain.chunks:
-            if chunk not in self._pending and not self.tiers.contains(chunk):
+            if not (self.has_chunk(chunk) or chunk in self._held):
                 break
             n += 1
         tokens = chain.token_ids[: min(len(chain.token_ids), n * self.settings.chunk_tokens)]
@@ -462,14 +531,14 @@ class AttentionStore:
         count: bool = True,
         rows: list[tuple[int, int] | None] | None = None,
     ) -> list[SessionKV | None]:
-        """The chunks' KV (None where one is gone), from the write buffer or the fastest tier
-        (moved up to DRAM). count: a load (hits and misses counted), not a re-read; rows:
-        per chunk, only rows [start, end) (None: all)."""
+        """The chunks' KV (None where one is gone), from the write buffer, the copies held
+        for opened turns, or the fastest tier (moved up to DRAM). count: a load (hits and
+        misses counted), not a re-read; rows: per chunk, only rows [start, end) (None: all)."""
         out: list[SessionKV | None] = []
         for i, key in enumerate(keys):
             span = rows[i] if rows is not None else None
             memo = self._pending.get(key)
-            value = self._pending_value(memo, key) if memo is not None else None
+            value = self._pending_value(memo, key) if memo is not None else self._held.get(key)
             if value is not None:
                 if count:
                     self.tiers.count_pending_hit(key)
@@ -714,6 +783,7 @@ class AttentionStore:
     def delete_session(self, tenant: str, session_id: str) -> bool:
         """Remove the session's record and the chunks no other session holds."""
         key = self.key(tenant, session_id)
+        self.release_hold(self.take_hold(tenant, session_id))  # its opened turn's, if any
         self.writer.wait(key, WAIT_SAVED_S)
         # Under _mutate, so a turn the writer is committing cannot re-create the record
         # between its check and our delete; the tombstone drops turns begun before now.

@@ -9,11 +9,15 @@ prefix others may share). Chunks no session owns (left over, about to be freed) 
 
 The session policy is told about sessions by the store (`touch` on a turn, `forget` on delete);
 the tiers' own `touch` / `forget` of chunks carry no session information and are ignored.
+
+Pinned chunks (turn_hold.py: held by a turn opened and not yet read by the engine) are never a
+victim in the DRAM tier, whatever their sessions rank: with only pinned chunks left there is no
+victim, and what wanted the room goes elsewhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Container, Hashable
 from typing import Any
 
 from chatstore.store.chunks import ChunkKey
@@ -25,10 +29,14 @@ class ChunkPlacement:
         sessions: Any,
         owners: Callable[[ChunkKey], frozenset[Hashable]],
         position: Callable[[ChunkKey], int],
+        pinned: Container[ChunkKey] = frozenset(),
+        pinned_in: str | None = None,
     ) -> None:
         self.sessions = sessions  # a VictimChooser over session keys
         self._owners = owners
         self._position = position
+        self._pinned = pinned  # chunks no eviction from tier `pinned_in` may pick
+        self._pinned_in = pinned_in
 
     def touch(self, key: Hashable) -> None:
         return None
@@ -37,6 +45,8 @@ class ChunkPlacement:
         return None
 
     def choose_victim(self, tier: str, candidates: list[ChunkKey]) -> ChunkKey | None:
+        if tier == self._pinned_in:
+            candidates = [c for c in candidates if c not in self._pinned]
         if not candidates:
             return None
         owners = {c: self._owners(c) for c in candidates}

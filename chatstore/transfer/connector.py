@@ -20,9 +20,13 @@ Load, three ways (CachedAttention §3.2.1):
     their job starts (ReadBuffer); a job never waits for a lookup still running.
 
 Remote (Redis) chunks: the admission read runs on the engine thread, so it reads local tiers
-only (`ChunkTiers.foreground`): where a chunk only Redis holds cuts the reuse, the rest is
-recomputed and the session is hinted to the store's prefetch thread, which brings its chunks to
-DRAM for the next turn (queued sessions' chunks come up ahead of their turn the same way).
+only (`ChunkTiers.foreground`). The API thread that opened the turn (`store.fetch_remote`) has
+brought them up and holds them (turn_hold.py: pinned in DRAM, or kept beside it when DRAM cannot
+take them) until this read: the connector takes that hold when the request starts and releases
+it once the chunks are read (or the request ends). Where a chunk only Redis holds still cuts
+the reuse (no turn opened it, or its hold lapsed), the rest is recomputed and the session is
+hinted to the store's prefetch thread, which brings its chunks to DRAM for the next turn
+(queued sessions' chunks come up ahead of their turn the same way).
 
 Save (§3.2.2): save_layer copies each tracked request's rows once per layer (LayerSaver); at the
 end of the turn the engine thread copies only what lives in the device pool alone (rows never
@@ -54,6 +58,7 @@ from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store.attention_store import AttentionStore, StoredSession
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
+from chatstore.store.turn_hold import TurnHold
 from chatstore.store.turn_origin import tokens_by_tier
 from chatstore.store.turn_plan import ChunkDelta
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
@@ -73,6 +78,7 @@ class _Pending:
     staged: StagedKV | None = None  # read-buffer entry claimed for this request
     kv: ChunkedKV | None = None  # the chunks past the device hit, read at admission
     origins: dict[ChunkKey, str] = dataclasses.field(default_factory=dict)  # turn_origin.py
+    hold: TurnHold | None = None  # the opened turn's chunks, kept readable until read
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,8 @@ class StoreConnector(KVConnector):
         assert stored is not None
         with self.store.tiers.foreground():
             parts, reached = self._read(stored, start, pending.reusable)
+        self.store.release_hold(pending.hold)  # read: the parts own their rows now
+        pending.hold = None
         if reached < pending.reusable and self._only_remote(stored, reached):
             self.store.prefetch(stored.key.tenant, stored.key.session_id)
         pending.reusable = reached  # a chunk that is gone: reuse stops where it starts
@@ -233,6 +241,8 @@ class StoreConnector(KVConnector):
             self.read_buffer.release(staged)
             staged = None
         pending = _Pending(request, saved, reusable, staged)
+        if request.session_id is not None:
+            pending.hold = self.store.take_hold(request.tenant, request.session_id)
         if saved is not None:  # before any read here promotes a chunk
             noted = self.store.origins.take(saved.key)
             pending.origins = {c: noted.get(c) or self._tier_now(c) for c in saved.chunks}
@@ -392,6 +402,9 @@ class StoreConnector(KVConnector):
 
     def _drop(self, request_id: str) -> _Pending | None:
         pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self.store.release_hold(pending.hold)
+            pending.hold = None
         if pending is not None and pending.staged is not None:
             self.read_buffer.release(pending.staged)
             pending.staged = None
