@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import array
 import base64
-import errno
 import json
 import math
-import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -300,20 +298,10 @@ class LmdbRecordStore(RecordStore):
             raise RecordStoreUnavailable(f"writing session records failed: {exc}") from None
 
     def _disk_full(self, exc: Exception) -> bool:
-        """py-lmdb reports a failed commit as lmdb.Error with the errno's text only; a full
-        disk can also surface as EIO, so the file system's free space decides then."""
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(exc)
-        if os.strerror(errno.ENOSPC) in text or os.strerror(errno.EDQUOT) in text:
-            return True
-        if os.strerror(errno.EIO) in text or isinstance(exc, OSError):
-            try:
-                fs = os.statvfs(self.path)
-            except OSError:
-                return False
-            return fs.f_bavail * fs.f_frsize < max(2 * self._headroom, 1 << 20)
-        return False
+        """A full disk, by the KV tier's test, with twice the records' headroom as the floor."""
+        from chatstore.store.tiers.lmdb import DISK_ROOM_MIN, is_disk_full
+
+        return is_disk_full(exc, self.path, max(2 * self._headroom, DISK_ROOM_MIN))
 
     def put(self, record: SessionRecord) -> None:
         raw = record.to_json()
