@@ -70,7 +70,9 @@ class OutageReport:
     breaker_metric_seen_open: bool = False
     recovered_s: float | None = None  # outage end -> the first acknowledged turn posted after it
     breaker_closed_s: float | None = None
-    resumed_cached: int = 0  # the turn on a session held in Redis, after recovery
+    resumed_session: str | None = None  # a session whose KV sat (partly) in Redis only
+    resumed_stored: int = 0  # ... its stored history, in tokens
+    resumed_cached: int = 0  # the turn on that session after recovery: tokens reused
     resumed_bytes_up: int = 0  # KV bytes that turn brought up from Redis
     resurrected_503: int = 0  # turns refused with 503 found in the history later
 
@@ -254,12 +256,15 @@ def _measure(
 
 def _resume_hits(http: httpx.Client, ledger: Ledger, report: OutageReport) -> None:
     """A session whose KV sits only in Redis is reused again by its next turn: the worker
-    thread that opens the turn brings the chunks up to DRAM (the engine's thread never reads
-    Redis), no client hint needed."""
+    thread that opens the turn brings the chunks up (the engine's thread never reads Redis)
+    and holds them until the engine has read them, however small DRAM is: no client hint
+    needed."""
     listed = http.get("/v1/sessions", params={"limit": 100}).json()["data"]
-    sid = next((s["id"] for s in listed if s["kv_location"] == "remote"), None)
-    if sid is None:
+    remote = next((s for s in listed if s["kv_location"] == "remote"), None)
+    if remote is None:
         return
+    sid = report.resumed_session = remote["id"]
+    report.resumed_stored = remote["num_tokens"]
     before = _bytes_up(http)
     out = ledger.add(post_turn(http, sid, "After the outage: one more colour?", max_tokens=4))
     report.resumed_bytes_up = _bytes_up(http) - before
