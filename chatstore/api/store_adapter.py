@@ -241,8 +241,6 @@ class StoreAdapter:
         stats = self.store.stats()
         c = stats.counters
         for occ in stats.occupancy:
-            if occ.name == DEVICE_TIER:  # the store's own line, when one is set: the engine's
-                continue
             tc = c.tiers.get(occ.name)
             first_store_tier = occ.name == stats.first_tier
             out.append(

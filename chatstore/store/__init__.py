@@ -9,7 +9,6 @@ from chatstore.store.attention_store import (
     AttentionStore,
     StoreSettings,
     create_store,
-    device_occupancy,
 )
 from chatstore.store.session_kv import SessionKey, SessionKV
 
@@ -19,5 +18,4 @@ __all__ = [
     "SessionKey",
     "StoreSettings",
     "create_store",
-    "device_occupancy",
 ]

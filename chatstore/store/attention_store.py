@@ -55,7 +55,7 @@ from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordSto
 from chatstore.store.retention import Retention, RetentionTable
 from chatstore.store.session_index import SessionChain, SessionIndex
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
-from chatstore.store.tiers.base import StorageTier, TierOccupancy
+from chatstore.store.tiers.base import StorageTier
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.dram import DramTier, KVLayout
 from chatstore.store.tiers.hierarchy import ChunkTiers
@@ -915,10 +915,6 @@ class AttentionStore:
 
     # -- stats and lifecycle --------------------------------------------------------------------
 
-    def set_device_occupancy(self, provider: Any) -> None:
-        """A callable returning the engine pool's TierOccupancy, shown first in stats()."""
-        self.tiers.device_occupancy = provider
-
     def stats(self) -> StoreStats:
         from dataclasses import replace
 
@@ -971,8 +967,3 @@ def create_store(
     if config.kv_store == "off":
         return None
     return AttentionStore(StoreSettings.from_config(config), spec, fingerprint, **kwargs)
-
-
-def device_occupancy(pool: Any, block_bytes: int) -> TierOccupancy:
-    """The engine's block pool as a tier line in stats (blocks in use x bytes per block)."""
-    return TierOccupancy("device", pool.num_used * block_bytes, pool.num_blocks * block_bytes, 0)

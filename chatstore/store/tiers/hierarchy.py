@@ -72,7 +72,6 @@ class ChunkTiers:
         self.events = events or EventLog()
         self.counters = StoreCounters()
         self.wanted = wanted
-        self.device_occupancy: Callable[[], TierOccupancy] | None = None
         self._lock = threading.RLock()
         self._io_lock = threading.Lock()
         self._transit: dict[ChunkKey, SessionKV] = {}
@@ -505,10 +504,7 @@ class ChunkTiers:
 
     def stats_occupancy(self) -> list[TierOccupancy]:
         with self._lock:
-            out = [t.occupancy() for t in self.tiers]
-            if self.device_occupancy is not None:
-                out.insert(0, self.device_occupancy())
-            return out
+            return [t.occupancy() for t in self.tiers]
 
     def keys(self) -> set[ChunkKey]:
         with self._lock:
