@@ -191,3 +191,27 @@ def test_kill_9_under_load_restarts_warm(tmp_path):
 def _quietly(fn, *args, **kwargs) -> None:
     with contextlib.suppress(httpx.HTTPError):
         fn(*args, **kwargs)
+
+
+def test_a_stopped_server_leaves_no_thread_behind(default_model, tmp_path):
+    """Every thread a server starts (engine, writer, persister, prefetcher, the KV loader and
+    its lookup thread, ...) ends with it: one left running holds the engine, the KV pool and
+    the store, so a process that builds servers one after another (the tests) grew by ~1 GB
+    each."""
+    before = set(threading.enumerate())
+    turn = {"max_tokens": 4, "temperature": 0}
+    with (
+        local_server(tmp_path, default_model, kv_cache_bytes=16 << 20) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as client,
+    ):
+        sid = client.post("/v1/sessions", json={}).json()["id"]
+        for text in ("Hi.", "Again."):  # the second turn loads the first one's KV
+            r = client.post(f"/v1/sessions/{sid}/messages", json={"content": text, **turn})
+            assert r.status_code == 200, r.text
+        assert client.post(f"/v1/sessions/{sid}/prefetch", json={}).is_success  # stages it
+        started = {t.name for t in set(threading.enumerate()) - before}
+    assert {"chatstore-engine", "chatstore-loader"} <= started, started
+    deadline = time.monotonic() + 10
+    while left := [t.name for t in set(threading.enumerate()) - before if t.is_alive()]:
+        assert time.monotonic() < deadline, f"still running after the server stopped: {left}"
+        time.sleep(0.05)

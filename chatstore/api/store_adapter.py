@@ -266,6 +266,9 @@ class StoreAdapter:
         return self.store.invalidate_all()
 
     def close(self) -> None:
+        """After the engine has stopped: the connector's threads, the leases, then the store."""
+        if self._connector is not None:
+            self._connector.close()
         self.leases.close()
         if self.store is not None:
             self.store.close()  # DRAM sessions move to LMDB; records are closed with it

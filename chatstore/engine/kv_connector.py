@@ -86,6 +86,10 @@ class KVConnector(ABC):
         """Counters of loading history KV (EngineStats' kv_* and read_buffer_* fields)."""
         return {}
 
+    def close(self) -> None:
+        """Stop the connector's own threads (after the engine has stopped)."""
+        return None
+
 
 class NullConnector(KVConnector):
     """No store: every turn recomputes its history (the paper's RE baseline)."""

@@ -145,6 +145,9 @@ class StoreConnector(KVConnector):
     def load_copy_s(self) -> float:
         return self.loader.copy_s
 
+    def close(self) -> None:
+        self.loader.close()
+
     def load_stats(self) -> dict[str, float | int]:
         buffer = self.read_buffer
         stats = LoadStats(

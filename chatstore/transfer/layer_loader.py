@@ -94,9 +94,21 @@ class LayerLoader:
         self._lookups: deque[StagedKV] = deque()
         self._lookup_cond = threading.Condition()
         self._lookup_thread: threading.Thread | None = None
+        self._closed = False  # close(): both threads leave their loops
         self._stream = None
         self.copy_s = 0.0  # time spent writing loads into the pool (delays included)
         self.stage_s = 0.0  # time spent staging (lookups included)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the loader and lookup threads once the engine has stopped (no load is in
+        flight): they hold the pool, the store and, through them, the whole engine."""
+        for cond in (self._cond, self._lookup_cond):
+            with cond:
+                self._closed = True
+                cond.notify_all()
+        for thread in (self._thread, self._lookup_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout)
 
     # -- engine thread -----------------------------------------------------------------------
 
@@ -168,7 +180,9 @@ class LayerLoader:
             self._stream = torch.cuda.Stream(device=self.kv_cache.device)
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._loads or self._stages)
+                self._cond.wait_for(lambda: self._loads or self._stages or self._closed)
+                if self._closed:
+                    return
                 entry = None if self._loads else self._stages.popleft()
             if entry is None:
                 self._serve_loads()
@@ -223,7 +237,9 @@ class LayerLoader:
             own_intra_op_threads(self.threads)
         while True:
             with self._lookup_cond:
-                self._lookup_cond.wait_for(lambda: bool(self._lookups))
+                self._lookup_cond.wait_for(lambda: bool(self._lookups) or self._closed)
+                if self._closed:
+                    return
                 entry = self._lookups.popleft()
             t0 = time.perf_counter()
             try:
