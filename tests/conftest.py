@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import gc
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,6 +19,21 @@ import torch
 # run the suite's servers in bf16 with CHATSTORE_DTYPE=bfloat16.
 TEST_DTYPE = "float32"
 os.environ.setdefault("CHATSTORE_DTYPE", TEST_DTYPE)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def give_freed_memory_back() -> Iterator[None]:
+    """After each module, hand the memory its servers freed back to the OS. A server keeps
+    freed activations in the heap for reuse (engine/host_memory.py), which is right for one
+    long-lived server but, in a process that builds dozens of them one after another, left
+    the suite's RSS growing by ~0.9 GB a module (13 GB by the end) with nothing alive."""
+    yield
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(libc).malloc_trim(0)
+
 
 TINY_ARCHS = ("llama", "mistral", "qwen2")
 
