@@ -18,6 +18,10 @@ Redis Cluster: `connect_redis` returns a RedisCluster for a `redis+cluster://h:p
 `cluster=True`). Every call here names keys of one slot or goes through a non-transactional
 pipeline, which RedisCluster splits per node; SCAN at start walks every master.
 
+TLS and ACL: `rediss://` and `rediss+cluster://` URLs, a CA, a client certificate, an ACL user
+and password (redis_security.py) apply to a single server and a cluster alike. The keys used
+all start with `chatstore:`, so an ACL user limited to `~chatstore:*` is enough.
+
 Threads: the client is thread-safe (a connection pool), the index is a FootprintIndex.
 """
 
@@ -33,6 +37,7 @@ from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import IndexedTier, TierUnavailable
 from chatstore.store.tiers.breaker import BreakerHealth, CircuitBreaker
+from chatstore.store.tiers.redis_security import RedisSecurity
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +81,33 @@ def outage_errors() -> tuple[type[BaseException], ...]:
     return (e.ConnectionError, e.TimeoutError, OSError, e.ClusterError, e.RedisClusterException)
 
 
-def connect_redis(url: str, timeout_s: float, cluster: bool = False) -> Any:
+def connect_redis(
+    url: str,
+    timeout_s: float,
+    cluster: bool = False,
+    security: RedisSecurity | None = None,
+) -> Any:
     """A client whose every call (connect included) gives up after timeout_s: redis-py otherwise
     retries a timed-out call up to 10 times with backoff, which turns a hung server into a
     multi-second stall per call. A cluster (`cluster`, or a `redis+cluster://` URL) gets one
     retry, taken after RedisCluster re-reads the topology, so a call that hit a failed-over
-    master lands on its promoted replica; MOVED / ASK redirects it follows by itself."""
+    master lands on its promoted replica; MOVED / ASK redirects it follows by itself.
+
+    security: TLS files and ACL credentials (redis_security.py); its user and password win over
+    the URL's. Nothing connects here: a wrong CA or password shows at the first call, as a
+    ConnectionError (an outage to the breaker)."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    extra = (security or RedisSecurity()).client_kwargs(url)
     if not (cluster or is_cluster_url(url)):
         return redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
+            **extra,
         )
     from redis.cluster import ClusterNode, RedisCluster
 
@@ -101,7 +117,7 @@ def connect_redis(url: str, timeout_s: float, cluster: bool = False) -> Any:
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 1),
-        **kwargs,
+        **{**kwargs, **extra},
     )
 
 
