@@ -77,6 +77,7 @@ class Config:
     port: int = 8000
     api_keys: str = ""  # "key1:tenant1,key2:tenant2"; "" (and no admin_key) = local mode
     admin_key: str = ""
+    api_keys_file: str = ""  # hashed keys (`chatstore keys`); "" = <data_dir>/api_keys.json
     max_body_bytes: int = 1 << 20
     max_message_chars: int = 32768
     max_messages: int = 512  # per request and per stored session
@@ -95,6 +96,12 @@ class Config:
     redis_bytes: int = 4 << 30
     redis_cluster: bool = False  # redis_url names a Redis Cluster (or use redis+cluster://)
     redis_timeout_s: float = 0.25  # socket timeout of every Redis call
+    redis_tls_ca_file: str = ""  # rediss://: CA of Redis's certificate ("" = the system's CAs)
+    redis_tls_cert_file: str = ""  # client certificate (Redis with tls-auth-clients yes)
+    redis_tls_key_file: str = ""  # its private key
+    redis_tls_check_hostname: bool = True  # Redis's certificate must name the URL's host
+    redis_username: str = ""  # ACL user (AUTH user password); wins over the URL's user
+    redis_password: str = ""  # better set as CHATSTORE_REDIS_PASSWORD than in a file
     session_lease_s: float = 30.0  # a turn's lease on its session in Redis (renewed while it runs)
     replica_id: str = ""  # this server's name in leases and KV events ("" = host:port:pid)
     kv_events_endpoint: str = ""  # ZMQ PUB endpoint for KV cache events, e.g. tcp://*:5557
@@ -189,6 +196,9 @@ class Config:
             raise ValueError(f"records_map_bytes must be >= 1 MiB, got {self.records_map_bytes}")
         if self.redis_timeout_s <= 0 or self.redis_breaker_failures < 1:
             raise ValueError("redis_timeout_s must be > 0 and redis_breaker_failures >= 1")
+        from chatstore.store.tiers.redis_security import RedisSecurity
+
+        RedisSecurity.from_config(self).validate(self.redis_url)
         if not 0 < self.tenant_queue_share <= 1:
             raise ValueError(f"tenant_queue_share must be in (0, 1], got {self.tenant_queue_share}")
         if self.max_context_tokens <= 0:
