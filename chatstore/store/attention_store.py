@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from chatstore.store.tiers.dram import DramTier, KVLayout
 from chatstore.store.tiers.hierarchy import ChunkTiers
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier, connect_redis
+from chatstore.store.tiers.redis_security import RedisSecurity
 from chatstore.store.truncation import TruncationPlan, plan_truncation
 from chatstore.store.turn_hold import ChunkPins, TurnHold, TurnHolds
 from chatstore.store.turn_origin import TurnOrigins, tokens_by_tier
@@ -88,6 +89,7 @@ class StoreSettings:
     redis_bytes: int = 4 << 30
     redis_cluster: bool = False
     redis_timeout_s: float = 0.25
+    redis_security: RedisSecurity = field(default_factory=RedisSecurity)  # TLS, ACL user
     session_lease_s: float = 30.0
     replica_id: str = ""
     redis_breaker_failures: int = 3
@@ -117,6 +119,7 @@ class StoreSettings:
             redis_bytes=config.redis_bytes,
             redis_cluster=config.redis_cluster,
             redis_timeout_s=config.redis_timeout_s,
+            redis_security=RedisSecurity.from_config(config),
             session_lease_s=config.session_lease_s,
             replica_id=config.replica_id,
             redis_breaker_failures=config.redis_breaker_failures,
@@ -177,7 +180,10 @@ class AttentionStore:
             # One client for the KV tier and the records: every call gives up after the
             # timeout, so a hung Redis costs a bounded wait (and the tier's breaker, less).
             remote = connect_redis(
-                settings.redis_url, settings.redis_timeout_s, cluster=settings.redis_cluster
+                settings.redis_url,
+                settings.redis_timeout_s,
+                cluster=settings.redis_cluster,
+                security=settings.redis_security,
             )
         tiers: list[StorageTier] = []
         if settings.dram_bytes > 0:
