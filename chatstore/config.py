@@ -125,6 +125,9 @@ class Config:
     chunk_tokens: int = 256  # tokens per stored KV chunk (a multiple of block_size)
     persist: str = "write_back"  # completed chunks reach LMDB: write_back | write_through | off
     persist_lag_s: float = 2.0  # write_back: at most this long after a chunk is stored
+    encrypt_at_rest: bool = True  # seal records and KV in LMDB / Redis (AES-256-GCM per tenant)
+    secret_key: str = ""  # "id:base64,..." (set CHATSTORE_SECRET_KEY); the first seals, all open
+    secret_key_file: str = ""  # "id:base64" per line, mode 0600 ("" = <data_dir>/secret.key)
 
     @property
     def resolved_dtype(self) -> str:
