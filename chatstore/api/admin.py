@@ -7,11 +7,18 @@ GET  /admin/cache        per tier: capacity, used bytes, sessions, hits, misses,
                          not take: `write_failures`, and by reason map_full / disk_full /
                          error in `write_failures_by_reason`); engine queue and block pool;
                          the remote tier's circuit breaker (null without Redis); `sessions`:
-                         the first page of /admin/cache/sessions
+                         the first page of /admin/cache/sessions; `open_failures`: stored
+                         values that failed to open (encryption at rest), per slow tier and
+                         `records`
 GET  /admin/cache/sessions  per session (newest first, paginated, ?tenant=): retention
                          (priority, ttl_s, expires_at) and where its KV is, tokens/bytes per tier
 GET  /admin/sessions     every tenant's sessions (paginated)
 POST /admin/cache/flush  drop all cached session KV (records stay; next turns recompute)
+DELETE /admin/tenants/{tenant}/data  crypto-shred: destroy the tenant's data key (every sealed
+                         copy of its data stops opening at once), then purge its sessions, KV
+                         and stored Responses
+POST /admin/keys/rotate  re-seal every stored value under the newest key, in the background
+                         (resumes from its saved cursor); GET /admin/keys/rotation: progress
 GET  /healthz            the process is up
 GET  /readyz             the engine is started and not draining (503 otherwise)
 """
@@ -27,6 +34,7 @@ from fastapi.responses import JSONResponse
 
 from chatstore.api.auth import Principal, admin_principal
 from chatstore.api.chat_service import ChatService
+from chatstore.api.errors import APIError, store_error
 from chatstore.api.session_routes import session_info
 from chatstore.api.store_port import SessionRecord, store_hits
 from chatstore.store.records import RecordStoreError
@@ -63,12 +71,14 @@ def cache_stats(request: Request, _: Admin) -> dict[str, Any]:
     tiers = service.store.tier_stats()
     hits, misses = store_hits(tiers)
     remote_health = getattr(service.store, "remote_health", None)  # not every port has one
+    open_failures = getattr(service.store, "open_failures", None)
     return {
         "tiers": [tier_body(t) for t in tiers],
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "engine": engine_body(service),
         "remote_breaker": remote_health() if remote_health is not None else None,
         "sessions": _sessions_or_error(service),
+        "open_failures": open_failures() if open_failures is not None else {},
     }
 
 
@@ -166,6 +176,33 @@ def _listed_session(service: ChatService, record: SessionRecord) -> dict[str, An
 def flush_cache(request: Request, _: Admin) -> dict[str, Any]:
     service: ChatService = request.app.state.service
     return {"flushed_sessions": service.store.flush()}
+
+
+@router.delete("/admin/tenants/{tenant}/data")
+def shred_tenant(request: Request, tenant: str, _: Admin) -> dict[str, Any]:
+    """Crypto-shred one tenant: its key first, then its data (store_adapter.shred_tenant)."""
+    service: ChatService = request.app.state.service
+    try:
+        purged = service.store.shred_tenant(tenant)
+    except RecordStoreError as exc:
+        raise store_error(exc) from None
+    return {"tenant": tenant, "key_destroyed": True, **purged}
+
+
+@router.post("/admin/keys/rotate", status_code=202)
+def rotate_keys(request: Request, _: Admin) -> dict[str, Any]:
+    progress = request.app.state.service.store.rotate_keys()
+    if progress is None:
+        raise APIError(409, "encryption at rest is off: there is nothing to re-seal")
+    return progress
+
+
+@router.get("/admin/keys/rotation")
+def rotation(request: Request, _: Admin) -> dict[str, Any]:
+    progress = request.app.state.service.store.rotation_progress()
+    if progress is None:
+        raise APIError(404, "no key rotation started since the server started", code="not_found")
+    return progress
 
 
 @router.get("/healthz")

@@ -101,11 +101,16 @@ def _records_only(config: Any) -> Any:
     """kv_store = "off" (recompute every turn): session records still need a home."""
     from chatstore.store.attention_store import default_data_dir
     from chatstore.store.records import LmdbRecordStore
+    from chatstore.store.sealing import sealer_for
 
     data_dir = config.data_dir or os.environ.get("CHATSTORE_DATA_DIR", "")
     root = Path(data_dir).expanduser() if data_dir else default_data_dir()
+    sealer = sealer_for(config.encrypt_at_rest, root, config.secret_key, config.secret_key_file)
     return LmdbRecordStore(
-        root / "records.lmdb", config.session_ttl_s, map_size=config.records_map_bytes
+        root / "records.lmdb",
+        config.session_ttl_s,
+        map_size=config.records_map_bytes,
+        sealer=sealer,
     )
 
 

@@ -6,6 +6,10 @@ and store state read at scrape time by a collector (nothing is copied in the hot
                                   DRAM and the write-back retries), error (the write raised);
                                   a series appears with its first failure
 
+    chatstore_store_open_failures_total{tier}   stored values that failed to open (encryption
+                                  at rest: another or a shredded key, a changed byte), per
+                                  slow tier and `records`; dropped, never served
+
 The remote (Redis) tier's circuit breaker, when the store has one:
 
     chatstore_remote_breaker_open             1 while open or half-open (Redis counts as absent)
@@ -75,6 +79,21 @@ class StateCollector(Collector):
             for reason, count in sorted(t.write_failures_by_reason.items()):
                 failures.add_metric([t.name, reason], count)
         yield failures
+
+
+class OpenFailuresCollector(Collector):
+    """Values that failed to open, as `open_failures()` (StoreAdapter) counts them per tier."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Any]:
+        c = CounterMetricFamily(
+            "chatstore_store_open_failures", "stored values that failed to open", labels=["tier"]
+        )
+        for tier, count in sorted(self.counts().items()):
+            c.add_metric([tier], count)
+        yield c
 
 
 class RemoteBreakerCollector(Collector):
@@ -180,6 +199,9 @@ def metrics(request: Request) -> Response:
     health = getattr(getattr(service, "store", None), "remote_health", None)
     if health is not None:  # read per scrape from the store port (app.py attaches no more)
         body += generate_latest(RemoteBreakerCollector(health))  # type: ignore[arg-type]
+    open_failures = getattr(getattr(service, "store", None), "open_failures", None)
+    if open_failures is not None:
+        body += generate_latest(OpenFailuresCollector(open_failures))  # type: ignore[arg-type]
     engine = getattr(service, "engine", None)
     if engine is not None:
         gateway = GatewayCollector(_quiet(engine.stats), state.settings.model_name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from chatstore.api.store_port import (
@@ -78,6 +79,7 @@ class StoreAdapter:
         self.leases = leases if leases is not None else self._leases(store, self.records)
         self._connector = connector
         self._index: dict[str, dict[str, list[int]]] = {}  # tenant -> sid -> saved token ids
+        self._resealer: Any = None  # the key rotation job, once started (rotate_keys)
         self._lock = threading.Lock()
 
     @property
@@ -260,6 +262,57 @@ class StoreAdapter:
             )
         return out
 
+    def open_failures(self) -> dict[str, int]:
+        """Stored values that failed to open (encryption at rest: another or a shredded key,
+        a changed byte), per slow tier and `records` (sessions and stored Responses)."""
+        out = {"records": int(getattr(self.records, "open_failures", 0))}
+        if self.store is not None:
+            counters = self.store.stats().counters
+            for tier in self.store.tiers.slow:
+                out[tier.name] = counters.tier(tier.name).open_failures
+        return out
+
+    def rotate_keys(self) -> dict[str, Any] | None:
+        """Start (or resume, or report) re-sealing every stored value under the newest key in
+        the background (sealing/reseal.py); its progress. None: encryption at rest is off."""
+        from chatstore.store.sealing.reseal import Resealer
+
+        sealer = getattr(self.records, "sealer", None)
+        if sealer is None:
+            return None
+        with self._lock:
+            if self._resealer is None:
+                if self.store is not None:
+                    tiers, data_dir = self.store.tiers.slow, self.store.settings.data_dir
+                else:
+                    tiers, data_dir = [], Path(self.records.path).parent
+                self._resealer = Resealer(sealer.sealing_id, self.records, tiers, data_dir)
+            resealer = self._resealer
+        resealer.start()
+        return self.rotation_progress()
+
+    def rotation_progress(self) -> dict[str, Any] | None:
+        """The key rotation's progress (None: none started since this process began)."""
+        if self._resealer is None:
+            return None
+        progress = self._resealer.progress
+        return {**dataclasses.asdict(progress), "done": progress.done}
+
+    def shred_tenant(self, tenant: str) -> dict[str, int]:
+        """Crypto-shred tenant: destroy its key (all its sealed data stops opening at once),
+        then delete its sessions, KV and stored Responses; how many of each went."""
+        from chatstore.api.responses_store import NAMESPACE
+
+        sealer = getattr(self.records, "sealer", None)
+        if self.store is None and sealer is not None:  # the store shreds first itself
+            sealer.keyring.shred(tenant)  # first: nothing of it opens from here on
+        with self._lock:
+            self._index.pop(tenant, None)
+        with_kv = self.store.shred_tenant(tenant) if self.store is not None else 0
+        records = self.records.delete_tenant(tenant)
+        responses = self.records.delete_tenant(NAMESPACE + tenant)
+        return {"sessions": max(with_kv, records), "responses": responses}
+
     def flush(self) -> int:
         if self.store is None:
             return 0
@@ -269,6 +322,8 @@ class StoreAdapter:
         """After the engine has stopped: the connector's threads, the leases, then the store."""
         if self._connector is not None:
             self._connector.close()
+        if self._resealer is not None:
+            self._resealer.stop()  # its cursor is saved: the next rotate-keys resumes there
         self.leases.close()
         if self.store is not None:
             self.store.close()  # DRAM sessions move to LMDB; records are closed with it

@@ -53,6 +53,7 @@ from chatstore.store.policy import PolicyChooser, make_policy
 from chatstore.store.prefetcher import Prefetcher
 from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordStore, SessionRecord
 from chatstore.store.retention import Retention, RetentionTable
+from chatstore.store.sealing import sealer_for
 from chatstore.store.session_index import SessionChain, SessionIndex
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 from chatstore.store.tiers.base import StorageTier
@@ -107,6 +108,10 @@ class StoreSettings:
     chunk_tokens: int = 256
     persist: str = "write_back"  # write_back | write_through | off
     persist_lag_s: float = 2.0
+    # Encryption at rest (sealing/): records and chunks in LMDB and Redis sealed per tenant.
+    encrypt_at_rest: bool = True
+    secret_key: str = field(default="", repr=False)  # "id:base64,..." (else the key file)
+    secret_key_file: str = ""  # "" = <data_dir>/secret.key, generated on first start
 
     @classmethod
     def from_config(cls, config: Config) -> StoreSettings:
@@ -137,6 +142,9 @@ class StoreSettings:
             chunk_tokens=config.chunk_tokens,
             persist=config.persist,
             persist_lag_s=config.persist_lag_s,
+            encrypt_at_rest=config.encrypt_at_rest,
+            secret_key=config.secret_key,
+            secret_key_file=config.secret_key_file,
         )
 
 
@@ -175,6 +183,13 @@ class AttentionStore:
         )
         self.hasher = ChunkHasher(fingerprint, settings.storage_dtype, settings.chunk_tokens)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        # One sealer for the records and the slow tiers: DRAM stays in the clear.
+        self.sealer = sealer_for(
+            settings.encrypt_at_rest,
+            settings.data_dir,
+            settings.secret_key,
+            settings.secret_key_file,
+        )
         remote = redis_client
         if remote is None and settings.redis_url:
             # One client for the KV tier and the records: every call gives up after the
@@ -189,14 +204,17 @@ class AttentionStore:
         if settings.dram_bytes > 0:
             tiers.append(DramTier(settings.dram_bytes, self.layout, settings.block_size))
         if settings.ssd_bytes > 0:
-            tiers.append(LmdbTier(settings.data_dir / "kv.lmdb", settings.ssd_bytes, fingerprint))
+            path = settings.data_dir / "kv.lmdb"
+            tiers.append(LmdbTier(path, settings.ssd_bytes, fingerprint, sealer=self.sealer))
         # One breaker per Redis: the KV tier and the records fail (and recover) together.
         breaker = CircuitBreaker(settings.redis_breaker_failures, settings.redis_breaker_reset_s)
         self.redis_breaker = breaker if remote is not None else None
         if remote is not None and settings.redis_bytes > 0:
             s = settings
             ttl, timeout = s.session_ttl_s, s.redis_timeout_s
-            tiers.append(RedisTier(remote, s.redis_bytes, fingerprint, ttl, timeout, breaker))
+            tiers.append(
+                RedisTier(remote, s.redis_bytes, fingerprint, ttl, timeout, breaker, self.sealer)
+            )
         self.events = EventLog()
         self.index = SessionIndex()
         self._lock = threading.RLock()  # the index, pending chunks, versions
@@ -234,12 +252,15 @@ class AttentionStore:
             # write_through copies on the writer thread; its persister only retries refusals.
             self.persister = Persister(self._persist_chunk, settings.persist_lag_s)
         self.records: RecordStore = (
-            RedisRecordStore(remote, settings.session_ttl_s, settings.redis_timeout_s, breaker)
+            RedisRecordStore(
+                remote, settings.session_ttl_s, settings.redis_timeout_s, breaker, self.sealer
+            )
             if remote is not None
             else LmdbRecordStore(
                 settings.data_dir / "records.lmdb",
                 settings.session_ttl_s,
                 map_size=settings.records_map_bytes,
+                sealer=self.sealer,
             )
         )
         self._version_clock = itertools.count(1)
@@ -804,6 +825,25 @@ class AttentionStore:
         self._free(freed)
         self._bump_version(key)
         return existed or found
+
+    def shred_tenant(self, tenant: str) -> int:
+        """Crypto-shred tenant: its key is destroyed first (every sealed copy of its data, in
+        any tier or backup, stops opening at once), then its sessions are deleted, then any of
+        its chunks still stored (orphans) are; how many sessions went. Its records the index
+        does not know (no KV) are the caller's to delete (records.delete_tenant)."""
+        if self.sealer is not None:
+            self.sealer.keyring.shred(tenant)
+        with self._lock:
+            sessions = [k for k in self.index.sessions() if k.tenant == tenant]
+        for key in sessions:
+            self.delete_session(tenant, key.session_id)
+        with self._mutate:
+            held = [c for t in self.tiers.tiers for c in list(t.keys())]
+            left = {c for c in held if c.tenant == tenant}
+            for chunk in left:
+                if not self._needed(chunk) and chunk not in self._pending:
+                    self.tiers.delete(chunk)
+        return len(sessions)
 
     def _tombstone(self, key: SessionKey) -> None:
         now = time.monotonic()

@@ -37,6 +37,7 @@ class TierCounters:
     hits: int = 0
     evictions: int = 0  # sessions moved out of this tier to make room
     corrupt: int = 0  # values dropped because they failed their checksum
+    open_failures: int = 0  # sealed values that failed to open (encryption at rest): dropped
     errors: int = 0  # writes into this tier that raised (the value went elsewhere or stayed)
     # Writes this tier did not take, by reason: map_full / disk_full (its storage refused it:
     # a copy stays in DRAM and the write-back tries again), error (it raised: also in errors).
@@ -78,6 +79,7 @@ class StoreStats:
                     "hits": c.tier(o.name).hits,
                     "evictions": c.tier(o.name).evictions,
                     "corrupt": c.tier(o.name).corrupt,
+                    "open_failures": c.tier(o.name).open_failures,
                     "errors": c.tier(o.name).errors,
                     "write_failures": dict(c.tier(o.name).write_failures),
                 }

@@ -8,6 +8,13 @@ A write that cannot be made durable raises `RecordStoreFull` (the LMDB map or th
 or `RecordStoreUnavailable` (Redis down or too slow): the API then refuses to acknowledge the
 turn instead of answering 200 for a record it does not have. LMDB keys start with the tenant, so
 listing one tenant's sessions reads only that tenant's records.
+
+Encryption at rest: with a `sealer` every record is stored sealed under its tenant's key (a
+stored Response's under the tenant it belongs to), its storage name the associated data
+(sealing/sealer.py). A record that fails to open (a wrong or shredded key, a changed byte, a
+value moved under another name) reads as absent and is counted in `open_failures`: it is
+never served, and it never turns into an error. `delete_tenant` removes a tenant's records by
+name, without opening them (what crypto-shredding purges).
 """
 
 from __future__ import annotations
@@ -15,16 +22,20 @@ from __future__ import annotations
 import array
 import base64
 import json
+import logging
 import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from chatstore.store.keys import key_digest
+from chatstore.store.sealing import RECORD_PURPOSE, OpenError, Sealer
 from chatstore.store.session_kv import SessionKey
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,8 +103,46 @@ class _Absent(Exception):
 
 
 class RecordStore(ABC):
-    def __init__(self, ttl_s: int = 0) -> None:
+    def __init__(self, ttl_s: int = 0, sealer: Sealer | None = None) -> None:
         self.ttl_s = ttl_s  # the server's session TTL; a record's own ttl_s overrides it
+        self.sealer = sealer
+        self.open_failures = 0  # records that failed to open (read as absent)
+
+    def _encode(self, tenant: str, name: bytes, record: SessionRecord) -> bytes:
+        raw = record.to_json()
+        if self.sealer is None:
+            return raw
+        return self.sealer.seal(RECORD_PURPOSE, tenant, name, raw)
+
+    def _decode(self, tenant: str, name: bytes, raw: bytes | None) -> SessionRecord | None:
+        """The record stored as raw under name (None when absent or when it fails to open)."""
+        if raw is None:
+            return None
+        try:
+            if self.sealer is not None:
+                raw = self.sealer.open(RECORD_PURPOSE, tenant, name, raw)
+            return SessionRecord.from_json(raw)
+        except (OpenError, ValueError, TypeError) as exc:
+            self.open_failures += 1
+            log.warning("session record %r failed to open (%s): read as absent", name, exc)
+            return None
+
+    def reseal(self, tenant: str, name: bytes, raw: bytes) -> bytes | None:
+        """raw re-sealed under the sealing key when it is under an older key or in the clear
+        (key rotation); None when it needs nothing or opens under no key."""
+        if self.sealer is None or not self.sealer.needs_reseal(raw):
+            return None
+        try:
+            plain = self.sealer.open(RECORD_PURPOSE, tenant, name, raw)
+        except OpenError:
+            if not raw.startswith(b"{"):
+                return None
+            plain = raw  # written in the clear before encryption was on
+        try:
+            SessionRecord.from_json(plain)
+        except (ValueError, TypeError):
+            return None
+        return self.sealer.seal(RECORD_PURPOSE, tenant, name, plain)
 
     def ttl_of(self, record: SessionRecord) -> int:
         """The record's idle TTL in seconds (0: never expires)."""
@@ -238,12 +287,18 @@ class LmdbRecordStore(RecordStore):
     """Records in one LMDB environment, keyed `t:<tenant>/<digest>` (one tenant = one key range).
     The directory is 0700 and its files 0600: they hold every tenant's chat history."""
 
-    def __init__(self, path: str | Path, ttl_s: int = 0, map_size: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        ttl_s: int = 0,
+        map_size: int = 1 << 30,
+        sealer: Sealer | None = None,
+    ) -> None:
         import lmdb
 
         from chatstore.store.tiers.lmdb import open_private
 
-        super().__init__(ttl_s)
+        super().__init__(ttl_s, sealer)
         self._lmdb = lmdb
         self.path = Path(path)
         self.env = open_private(self.path, map_size=map_size, sync=True, metasync=True)
@@ -268,8 +323,9 @@ class LmdbRecordStore(RecordStore):
             return
         with self.env.begin(write=True) as txn:
             for name, raw in old:
-                record = SessionRecord.from_json(raw)
-                txn.put(self._name(record.key), raw)
+                record = SessionRecord.from_json(raw)  # written before sealing existed
+                new_name = self._name(record.key)
+                txn.put(new_name, self._encode(record.tenant, new_name, record))
                 txn.delete(name)
 
     def used_bytes(self) -> int:
@@ -304,9 +360,10 @@ class LmdbRecordStore(RecordStore):
         return is_disk_full(exc, self.path, max(2 * self._headroom, DISK_ROOM_MIN))
 
     def put(self, record: SessionRecord) -> None:
-        raw = record.to_json()
+        name = self._name(record.key)
+        raw = self._encode(record.tenant, name, record)
         self._check_room(len(raw))
-        self._write(lambda txn: txn.put(self._name(record.key), raw))
+        self._write(lambda txn: txn.put(name, raw))
 
     def delete(self, key: SessionKey) -> bool:
         return bool(self._write(lambda txn: txn.delete(self._name(key))))
@@ -317,8 +374,8 @@ class LmdbRecordStore(RecordStore):
 
         def update(txn: Any) -> None:  # LMDB serialises write transactions
             raw = txn.get(name)
-            record = change(SessionRecord.from_json(raw) if raw is not None else None)
-            encoded = record.to_json()
+            record = change(self._decode(key.tenant, name, raw))
+            encoded = self._encode(key.tenant, name, record)
             self._check_room(len(encoded) - (len(raw) if raw is not None else 0))
             txn.put(name, encoded)
             done.append(record)
@@ -327,9 +384,10 @@ class LmdbRecordStore(RecordStore):
         return done[0]
 
     def _load(self, key: SessionKey) -> SessionRecord | None:
+        name = self._name(key)
         with self.env.begin() as txn:
-            raw = txn.get(self._name(key))
-        return SessionRecord.from_json(raw) if raw is not None else None
+            raw = txn.get(name)
+        return self._decode(key.tenant, name, raw)
 
     def _all(self, tenant: str | None = None) -> list[SessionRecord]:
         prefix = b"t:" if tenant is None else self._prefix(tenant)
@@ -337,12 +395,65 @@ class LmdbRecordStore(RecordStore):
             cursor = txn.cursor()
             if not cursor.set_range(prefix):
                 return []
-            records = []
+            found = []
             for name, raw in cursor:
                 if not name.startswith(prefix):
                     break
-                records.append(SessionRecord.from_json(raw))
-        return records
+                found.append((name, raw))
+        # The tenant is in the name (quoted); opening happens outside the read transaction.
+        records = [self._decode(self._tenant_of(n), n, raw) for n, raw in found]
+        return [r for r in records if r is not None]
+
+    @staticmethod
+    def _tenant_of(name: bytes) -> str:
+        return unquote(name[2:].decode().rsplit("/", 1)[0])
+
+    def delete_tenant(self, tenant: str) -> int:
+        """Delete every record of tenant by name (none is opened); how many."""
+        prefix = self._prefix(tenant)
+
+        def drop(txn: Any) -> int:
+            cursor = txn.cursor()
+            names = []
+            if cursor.set_range(prefix):
+                for name in cursor.iternext(values=False):
+                    if not name.startswith(prefix):
+                        break
+                    names.append(bytes(name))
+            for name in names:
+                txn.delete(name)
+            return len(names)
+
+        return int(self._write(drop))
+
+    def reseal_all(self, after: bytes = b"", batch: int = 64) -> tuple[int, bytes | None]:
+        """Re-seal up to `batch` records whose names follow `after` (key rotation); (how many
+        were rewritten, the last name looked at: the cursor to resume from; None when done)."""
+        with self.env.begin() as txn:
+            cursor = txn.cursor()
+            todo: list[tuple[bytes, bytes]] = []
+            if cursor.set_range(after or b"t:"):
+                for name, raw in cursor:
+                    if name == after:
+                        continue
+                    if not name.startswith(b"t:") or len(todo) >= batch:
+                        break
+                    todo.append((bytes(name), bytes(raw)))
+        if not todo:
+            return 0, None
+        done = 0
+        for name, raw in todo:
+            sealed = self.reseal(self._tenant_of(name), name, raw)
+            if sealed is None:
+                continue
+
+            def swap(
+                txn: Any, name: bytes = name, raw: bytes = raw, sealed: bytes = sealed
+            ) -> bool:
+                return txn.get(name) == raw and txn.put(name, sealed)  # unchanged meanwhile
+
+            done += bool(self._write(swap))
+        return done, todo[-1][0]
 
     def close(self) -> None:
         self.env.close()
@@ -357,12 +468,13 @@ class RedisRecordStore(RecordStore):
         ttl_s: int = 0,
         timeout_s: float = 0.25,
         breaker: Any = None,
+        sealer: Sealer | None = None,
     ) -> None:
         """breaker: the KV tier's CircuitBreaker when both live in one Redis, so an outage
         costs a few timeouts in all, then record operations fail at once (503)."""
         from chatstore.store.tiers.redis import connect_redis, outage_errors
 
-        super().__init__(ttl_s)
+        super().__init__(ttl_s, sealer)
         self.breaker = breaker
         self._errors = outage_errors()
         if isinstance(url_or_client, str):
@@ -418,9 +530,9 @@ class RedisRecordStore(RecordStore):
         return out
 
     def put(self, record: SessionRecord) -> None:
-        self._call(
-            self.client.set, self._name(record.key), record.to_json(), ex=self._expiry_s(record)
-        )
+        name = self._name(record.key)
+        raw = self._encode(record.tenant, name.encode(), record)
+        self._call(self.client.set, name, raw, ex=self._expiry_s(record))
 
     def delete(self, key: SessionKey) -> bool:
         return bool(self._call(self.client.delete, self._name(key)))
@@ -456,33 +568,83 @@ class RedisRecordStore(RecordStore):
 
         def attempt(pipe: Any) -> None:  # retried by redis-py if `name` changes meanwhile
             raw = pipe.get(name)
-            record = change(SessionRecord.from_json(raw) if raw is not None else None)
+            record = change(self._decode(key.tenant, name.encode(), raw))
             pipe.multi()
-            pipe.set(name, record.to_json(), ex=self._expiry_s(record))
+            pipe.set(
+                name, self._encode(key.tenant, name.encode(), record), ex=self._expiry_s(record)
+            )
             done[:] = [record]
 
         self.client.transaction(attempt, name)
         return done[0]
 
     def _load(self, key: SessionKey) -> SessionRecord | None:
-        raw = self.client.get(self._name(key))
-        return SessionRecord.from_json(raw) if raw is not None else None
+        name = self._name(key)
+        return self._decode(key.tenant, name.encode(), self.client.get(name))
 
-    def _all(self, tenant: str | None = None) -> list[SessionRecord]:
+    def _tenant_of(self, name: str) -> str:
+        return unquote(name[len(self.PREFIX) + 1 :].rsplit(":", 1)[0])
+
+    def _names(self, tenant: str | None) -> list[str]:
         # quote() leaves no glob character in a tenant (*, ?, [ are %-escaped; `{` is literal
         # in a Redis glob). Only names ending in the tag's `}` are records.
         tag = f"{{{quote(tenant, safe='')}:" if tenant else "{"
-        names = [
+        return [
             name
             for raw in self.client.scan_iter(match=f"{self.PREFIX}{tag}*", count=1000)
             if (name := raw.decode() if isinstance(raw, bytes) else raw).endswith("}")
         ]
+
+    def delete_tenant(self, tenant: str) -> int:
+        """Delete every record of tenant by name (none is opened); how many."""
+
+        def drop() -> int:
+            names = self._names(tenant)
+            for name in names:  # one by one: the names lie in many cluster slots
+                self.client.delete(name)
+            return len(names)
+
+        return int(self._call(drop))
+
+    def reseal_all(self, after: bytes = b"", batch: int = 64) -> tuple[int, bytes | None]:
+        """Re-seal the records (key rotation), `batch` names after `after` (in name order:
+        SCAN has no stable cursor across a resharding); (rewritten, the cursor; None: done).
+        A record changed meanwhile is left as its writer sealed it (WATCH)."""
+        from redis.exceptions import WatchError
+
+        def run() -> tuple[int, bytes | None]:
+            names = sorted(n for n in self._names(None) if n.encode() > after)[:batch]
+            done = 0
+            for name in names:
+                with self.client.pipeline() as pipe:
+                    try:
+                        pipe.watch(name)
+                        raw = pipe.get(name)
+                        sealed = raw and self.reseal(self._tenant_of(name), name.encode(), raw)
+                        if not sealed:
+                            continue
+                        pipe.multi()
+                        pipe.set(name, sealed, keepttl=True)
+                        pipe.execute()
+                        done += 1
+                    except WatchError:
+                        continue
+            return done, names[-1].encode() if names else None
+
+        return self._call(run)
+
+    def _all(self, tenant: str | None = None) -> list[SessionRecord]:
+        names = self._names(tenant)
         # GETs in a pipeline, not one MGET: the names lie in many cluster slots.
         with self.client.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.get(name)
             raws = pipe.execute() if names else []
-        return [SessionRecord.from_json(raw) for raw in raws if raw is not None]
+        records = [
+            self._decode(self._tenant_of(name), name.encode(), raw)
+            for name, raw in zip(names, raws, strict=True)
+        ]
+        return [r for r in records if r is not None]
 
     def close(self) -> None:
         self.client.close()

@@ -38,6 +38,7 @@ import torch
 
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.events import EventLog, StoreCounters, StoreEvent
+from chatstore.store.sealing import OpenError
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers.background import BackgroundIO
 from chatstore.store.tiers.base import (
@@ -182,6 +183,10 @@ class ChunkTiers:
             return tier.get(key)
         except TierUnavailable:
             pass  # out of reach now (the tier's breaker counts it): a miss
+        except OpenError:  # a wrong, shredded or missing key, or a changed byte: a miss
+            with self._lock:
+                self.counters.tier(tier.name).open_failures += 1
+            self._emit("corrupt", key, tier.name)
         except CorruptValueError:
             with self._lock:
                 self.counters.tier(tier.name).corrupt += 1

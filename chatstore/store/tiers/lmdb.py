@@ -28,6 +28,10 @@ for the process; after a full disk the capacity comes back once the file system 
 (checked at most every second).
 
 The files hold every tenant's KV: the directory is 0700 and its files 0600, whatever the umask.
+With a `sealer` (encryption at rest, the default) every chunk is stored sealed under its
+tenant's key with (tenant, digest) as associated data (sealing/sealer.py); a value that fails to
+open is dropped like a corrupt one (the codec's checks run beneath the seal). `reseal` re-seals
+one value under the newest key (key rotation, sealing/reseal.py).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 import lmdb
 
 from chatstore.store.chunks import ChunkKey
+from chatstore.store.sealing import KV_PURPOSE, OpenError, Sealer
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import IndexedTier, StorageFull
@@ -111,8 +116,10 @@ class LmdbTier(IndexedTier):
         capacity_bytes: int,
         fingerprint: str,
         map_bytes: int | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         self.path = Path(path)
+        self.sealer = sealer
         super().__init__(capacity_bytes)
         self.fingerprint = fingerprint
         self._write_lock = threading.Lock()
@@ -180,7 +187,7 @@ class LmdbTier(IndexedTier):
     def put(self, key: ChunkKey, value: SessionKV) -> None:
         if key in self._index:
             return  # immutable: the bytes here are the same
-        blob = codec.encode(value, self.fingerprint)  # outside the lock: the slow part
+        blob = self._seal(key, codec.encode(value, self.fingerprint))  # outside the lock
         with self._write_lock:
             if key in self._index:
                 return
@@ -205,7 +212,7 @@ class LmdbTier(IndexedTier):
             raw = txn.get(key.digest.encode(), db=self._chunks)
             if raw is not None:
                 try:
-                    return codec.decode(raw, self.fingerprint)  # copies out of the map once
+                    return self._decode(key, raw)  # copies out of the map once
                 except (codec.CorruptValueError, codec.FingerprintMismatch) as exc:
                     error = exc
         self._drop_unreadable(key)
@@ -220,11 +227,58 @@ class LmdbTier(IndexedTier):
             raw = txn.get(key.digest.encode(), db=self._chunks)
             if raw is not None and key in self._index:
                 try:
-                    codec.decode(raw, self.fingerprint)
+                    self._decode(key, raw)
                     return  # rewritten meanwhile: keep it
                 except (codec.CorruptValueError, codec.FingerprintMismatch):
                     pass
             self._delete(txn, key)
+
+    def _seal(self, key: ChunkKey, blob: bytearray) -> bytes | bytearray:
+        if self.sealer is None:
+            return blob
+        return self.sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), blob)
+
+    def _decode(self, key: ChunkKey, raw: Any) -> SessionKV:
+        """The chunk in raw (sealed or not, as this tier stores); CorruptValueError (OpenError
+        for a value that fails to open) or FingerprintMismatch when unusable."""
+        if self.sealer is not None:
+            raw = self.sealer.open(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
+        return codec.decode(raw, self.fingerprint)
+
+    def reseal(self, key: ChunkKey) -> bool:
+        """Re-seal key's value under the sealing key if it is under an older one (or in the
+        clear: written before encryption was on); whether it was rewritten. A value that
+        opens under no key is dropped (as a reader would) and counts as not rewritten."""
+        sealer = self.sealer
+        if sealer is None:
+            return False
+        with self._write_lock:
+            if key not in self._index:
+                return False
+            with self.env.begin(write=True) as txn:
+                raw = txn.get(key.digest.encode(), db=self._chunks)
+                if raw is None or not sealer.needs_reseal(raw):
+                    return False
+                try:
+                    plain = self._plain(key, raw)
+                except (codec.CorruptValueError, codec.FingerprintMismatch):
+                    self._delete(txn, key)
+                    return False
+                sealed = sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), plain)
+                txn.put(key.digest.encode(), sealed, db=self._chunks)
+        return True
+
+    def _plain(self, key: ChunkKey, raw: bytes) -> bytes:
+        """raw's codec bytes: opened if sealed, as is if a valid clear value."""
+        assert self.sealer is not None
+        try:
+            plain = self.sealer.open(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
+        except OpenError:
+            if not raw.startswith(codec.MAGIC):
+                raise
+            plain = raw
+        codec.decode(plain, self.fingerprint)  # its checksum and model, beneath the seal
+        return plain
 
     def delete(self, key: ChunkKey) -> bool:
         with self._write_lock:

@@ -23,6 +23,11 @@ and password (redis_security.py) apply to a single server and a cluster alike. T
 all start with `chatstore:`, so an ACL user limited to `~chatstore:*` is enough.
 
 Threads: the client is thread-safe (a connection pool), the index is a FootprintIndex.
+
+Encryption at rest: with a `sealer` every chunk is sealed under its tenant's key, (tenant,
+digest) its associated data (sealing/sealer.py), so neither a dump nor Redis' memory holds KV
+in the clear and a value copied under another key fails to open (dropped, a miss). The
+sealed size is what STRLEN reports: the index at start counts it as before.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 from chatstore.store.chunks import ChunkKey
+from chatstore.store.sealing import KV_PURPOSE, OpenError, Sealer
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import IndexedTier, TierUnavailable
@@ -133,8 +139,10 @@ class RedisTier(IndexedTier):
         ttl_s: int = 86400,
         timeout_s: float = 0.25,
         breaker: CircuitBreaker | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         super().__init__(capacity_bytes)
+        self.sealer = sealer
         if isinstance(url_or_client, str):
             self.client = connect_redis(url_or_client, timeout_s)
         else:
@@ -188,7 +196,7 @@ class RedisTier(IndexedTier):
             return
         needs = [self.check_fits(k, v) for k, v in todo]
         ttl = self.ttl_s if self.ttl_s > 0 else None
-        blobs = [(self._name(k), codec.encode(v, self.fingerprint)) for k, v in todo]
+        blobs = [(self._name(k), self._seal(k, codec.encode(v, self.fingerprint))) for k, v in todo]
 
         def write() -> None:
             with self.client.pipeline(transaction=False) as pipe:
@@ -220,11 +228,45 @@ class RedisTier(IndexedTier):
                 out.append(None)
                 continue
             try:
-                out.append(codec.decode(raw, self.fingerprint))
+                out.append(self._decode(key, raw))
             except (codec.CorruptValueError, codec.FingerprintMismatch):
                 self.delete(key)
                 raise
         return out
+
+    def _seal(self, key: ChunkKey, blob: bytearray) -> bytes | bytearray:
+        if self.sealer is None:
+            return blob
+        return self.sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), blob)
+
+    def _decode(self, key: ChunkKey, raw: bytes) -> SessionKV:
+        if self.sealer is not None:
+            raw = self.sealer.open(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
+        return codec.decode(raw, self.fingerprint)
+
+    def reseal(self, key: ChunkKey) -> bool:
+        """Re-seal key's chunk under the sealing key if it is under an older one or in the
+        clear (key rotation); whether it was rewritten. Its TTL is kept, and a chunk that
+        expired meanwhile is not written back (SET XX KEEPTTL); one that opens under no key is
+        deleted. TierUnavailable when Redis is out of reach."""
+        sealer = self.sealer
+        if sealer is None:
+            return False
+        name = self._name(key)
+        raw = self._call(lambda: self.client.get(name))
+        if raw is None or not sealer.needs_reseal(raw):
+            return False
+        try:
+            plain = sealer.open(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
+        except OpenError:
+            plain = raw if raw.startswith(codec.MAGIC) else b""
+        try:
+            codec.decode(plain, self.fingerprint)  # beneath the seal: checksum and model
+        except (codec.CorruptValueError, codec.FingerprintMismatch):
+            self.delete(key)
+            return False
+        sealed = sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), plain)
+        return bool(self._call(lambda: self.client.set(name, sealed, xx=True, keepttl=True)))
 
     def delete(self, key: ChunkKey) -> bool:
         known = self._index.pop(key)
