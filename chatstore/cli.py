@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from chatstore.admin_cli import add_admin_parser, cmd_admin
 from chatstore.config import DTYPE_CHOICES, load_config
 from chatstore.model.errors import ModelLoadError
 
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common_flags(serve)
     _chat_parser(sub)
+    add_admin_parser(sub)
     return parser
 
 
@@ -170,7 +172,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             server.stop()
 
 
-COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat}
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat, "admin": cmd_admin}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
