@@ -184,7 +184,8 @@ class ChunkTiers:
         except TierUnavailable:
             pass  # out of reach now (the tier's breaker counts it): a miss
         except OpenError:  # a wrong, shredded or missing key, or a changed byte: a miss
-            with self._lock:
+            with self._lock:  # corrupt, and said why: the seal refused it
+                self.counters.tier(tier.name).corrupt += 1
                 self.counters.tier(tier.name).open_failures += 1
             self._emit("corrupt", key, tier.name)
         except CorruptValueError:
