@@ -51,7 +51,13 @@ from chatstore.store.persister import Persister
 from chatstore.store.placement import ChunkPlacement
 from chatstore.store.policy import PolicyChooser, make_policy
 from chatstore.store.prefetcher import Prefetcher
-from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordStore, SessionRecord
+from chatstore.store.records import (
+    LmdbRecordStore,
+    RecordStore,
+    RecordStoreUnavailable,
+    RedisRecordStore,
+    SessionRecord,
+)
 from chatstore.store.retention import Retention, RetentionTable
 from chatstore.store.sealing import sealer_for
 from chatstore.store.session_index import SessionChain, SessionIndex
@@ -279,7 +285,16 @@ class AttentionStore:
     # -- start: index from records, orphans out ----------------------------------------------
 
     def _restore(self) -> None:
-        for record in self.records.list_sessions():
+        try:
+            records = self.records.list_sessions()
+        except RecordStoreUnavailable as exc:
+            # Redis out of reach at start (down, or refusing us: a TLS certificate that does
+            # not verify, a wrong password). Serve from the local tiers; sessions are found in
+            # the records when Redis is back. No orphan sweep: with no records read, every
+            # local chunk would look unreferenced.
+            log.warning("session records unreachable at start (%s): index starts empty", exc)
+            return
+        for record in records:
             self._retain(record)
             chunks = getattr(record, "chunks", None) or []
             if not chunks or not record.token_ids:
