@@ -8,10 +8,14 @@
 Two implementations with one interface: `NativeOps` (CPU, fp32/bf16: `csrc/fused_ops.c`) and
 `TorchOps` (any device: the same arithmetic as transformers' eager modules, op by op). The
 native ops round in bf16 wherever torch's op-by-op arithmetic rounds, so both agree with
-transformers to the same tolerance.
+transformers to the same tolerance. Each C op dispatches on dtype once per call (one loop per
+dtype, bf16 <-> fp32 converted vectorised); with AVX512-BF16 the rms norm's sum of squares is a bf16
+dot product (exact products, fp32 sum).
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -81,8 +85,9 @@ class NativeOps:
 
     name = "native"
 
-    def __init__(self) -> None:
-        lib = native_library()
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        """`lib`: a particular build (native.fallback_library()); default: this CPU's."""
+        lib = lib or native_library()
         if lib is None:
             raise RuntimeError("native kernels are not available")
         self._lib = lib

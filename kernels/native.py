@@ -9,6 +9,13 @@ torch's ops and these kernels share one OpenMP thread pool.
 Anything that goes wrong (no compiler, a failed build, a failed load) logs one warning and
 `native_library()` returns None: callers then take their torch path. `CHATSTORE_NATIVE_KERNELS=0`
 turns the native kernels off.
+
+What runs where is decided when the library is built, for the CPU it is built on: with
+AVX512-BF16 (`-march=native` defines `__AVX512BF16__`), bf16 attention and the rms norm's sum of
+squares use bf16 dot products with fp32 accumulation; without it the same sources compile to the
+fp32 path (bf16 widened on load), so no CPU ever meets an instruction it lacks.
+`kernel_features(lib)` says which path a loaded library has; `fallback_library()` is the same
+kernels built with `-mno-avx512bf16` (what a CPU without it runs), for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -22,16 +29,29 @@ import platform
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch  # noqa: F401  (loads torch's libgomp.so.1 before ours is linked to it)
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "fused_ops.c")
-HEADERS = (CSRC / "common.h",)
+SOURCES = tuple(
+    CSRC / name
+    for name in (
+        "paged_decode.c",
+        "paged_decode_bf16.c",
+        "paged_prefill.c",
+        "paged_prefill_bf16.c",
+        "fused_ops.c",
+        "features.c",
+    )
+)
+HEADERS = (CSRC / "common.h", CSRC / "vec16.h", CSRC / "attention_bf16.h")
 # ISO C mode turns FMA contraction off: ask for it, or `a += b * c` stays two instructions.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# Extra flags of the fallback build: the fp32 path, as on a CPU without AVX512-BF16.
+NO_BF16_DOT = ("-mno-avx512bf16",)
 BUILD_TIMEOUT_S = 120
 _OFF = ("0", "false", "no", "off")
 
@@ -50,6 +70,13 @@ FUSED_ARGTYPES = {
     "rope_store_kv": [ctypes.c_int, *[_ptr] * 7, _i64, _i64, _i64, _i64],
     "silu_mul": [ctypes.c_int, _ptr, _ptr, _i64, _i64],
 }
+FEATURE_BF16_DOT = 1  # bit of kernel_features() in csrc/features.c
+
+
+class KernelFeatures(NamedTuple):
+    """What a loaded build computes with."""
+
+    bf16_dot: bool  # bf16 on AVX512-BF16 dot products (else: widened to fp32 on load)
 
 
 def cache_dir() -> Path:
@@ -73,11 +100,21 @@ def _cpu_identity() -> str:
     return platform.machine() + "".join(sorted(set(keep)))
 
 
-def _build_key() -> str:
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU reports AVX512-BF16 (Linux /proc/cpuinfo; False where unreadable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return "avx512_bf16" in flags.split()
+
+
+def _build_key(extra_cflags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join((*CFLAGS, *extra_cflags)).encode())
     version = subprocess.run(
         [_compiler(), "--version"], capture_output=True, text=True, timeout=30, check=True
     )
@@ -86,9 +123,9 @@ def _build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def build() -> Path:
+def build(extra_cflags: tuple[str, ...] = ()) -> Path:
     """Compile the sources (or reuse the cached build); the path of the shared library."""
-    target = cache_dir() / f"chatstore_kernels_{_build_key()}.so"
+    target = cache_dir() / f"chatstore_kernels_{_build_key(extra_cflags)}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +133,7 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [_compiler(), *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        cmd = [_compiler(), *CFLAGS, *extra_cflags, *map(str, SOURCES), "-o", tmp, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
@@ -107,17 +144,33 @@ def build() -> Path:
     return target
 
 
-@functools.cache
 def native_library() -> ctypes.CDLL | None:
     """The loaded kernels, or None when they are turned off or cannot be built here."""
     if os.environ.get("CHATSTORE_NATIVE_KERNELS", "1").lower() in _OFF:
         return None
+    return load_library()
+
+
+def fallback_library() -> ctypes.CDLL | None:
+    """The kernels without AVX512-BF16 instructions (the fp32 path), or None if not buildable."""
+    return load_library(NO_BF16_DOT)
+
+
+def kernel_features(lib: ctypes.CDLL) -> KernelFeatures:
+    return KernelFeatures(bf16_dot=bool(lib.kernel_features() & FEATURE_BF16_DOT))
+
+
+@functools.cache
+def load_library(extra_cflags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The kernels built with CFLAGS plus extra_cflags, loaded; None (and a warning) on failure."""
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(extra_cflags)))
         lib.paged_decode.argtypes = PAGED_DECODE_ARGTYPES
         lib.paged_decode.restype = ctypes.c_int
         lib.paged_prefill.argtypes = PAGED_PREFILL_ARGTYPES
         lib.paged_prefill.restype = ctypes.c_int
+        lib.kernel_features.argtypes = []
+        lib.kernel_features.restype = ctypes.c_int
         for name, argtypes in FUSED_ARGTYPES.items():
             fn = getattr(lib, name)
             fn.argtypes = argtypes

@@ -4,6 +4,8 @@ Two implementations of the same function:
 
 - native (CPU, fp32/bf16): `csrc/paged_decode.c`, one OpenMP work item per (sequence, KV head)
   that reads each K and V row of the sequence's blocks in place, once, for its whole GQA group.
+  bf16 on a CPU with AVX512-BF16 runs `csrc/paged_decode_bf16.c` (bf16 dot products, fp32
+  accumulation); elsewhere bf16 is widened to fp32 on load (see native.py).
 - torch (any device, the fallback): all blocks the batch uses are taken as one flat list and
   attention runs per block, with a softmax segmented by owning sequence (flash-decoding's split-K,
   with one split per block):
@@ -18,6 +20,7 @@ The per-step `DecodePlan` is built once and reused by every layer.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -95,10 +98,17 @@ def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def paged_decode_native(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor | None:
-    """The C kernel over the blocks in place; None when it is not available."""
-    lib = native_library()
+    """The C kernel over the blocks in place; None when it is not available.
+
+    `lib`: a particular build (native.fallback_library() for the fp32 path); default: this CPU's."""
+    lib = lib or native_library()
     if lib is None:
         return None
     q = q.contiguous()

@@ -4,12 +4,15 @@ The general case of the step: fresh prompts, new turns on top of pooled history 
 main path) and single decode tokens, in one call. The native kernel
 (`csrc/paged_prefill.c`, CPU, fp32/bf16) reads each sequence's K, V blocks where they lie, in
 chunks of one block, with an online softmax; chunks past a tile's last position are never read,
-so history prefill costs what its causal attention costs and no history is copied. Elsewhere (no
+so history prefill costs what its causal attention costs and no history is copied. bf16 on a CPU
+with AVX512-BF16 runs `csrc/paged_prefill_bf16.c` (bf16 dot products for QK^T and PV, fp32
+accumulation, the same online softmax); elsewhere bf16 is widened to fp32 on load. Elsewhere (no
 compiler, CUDA, a head dim that is not a multiple of 16) the gather-and-SDPA reference runs.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -91,9 +94,16 @@ def paged_prefill(
 
 
 def paged_prefill_native(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    scale: float,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    lib = native_library()
+    """`lib`: a particular build (native.fallback_library() for the fp32 path); default: this
+    CPU's."""
+    lib = lib or native_library()
     if lib is None:
         raise RuntimeError("native kernels are not available")
     q = q.contiguous()

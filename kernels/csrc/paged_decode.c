@@ -13,13 +13,16 @@
  *   p[g][t] = exp(scale * q[g] . k[t] - max_t) ;  out[g] = sum_t p[g][t] v[t] / sum_t p[g][t]
  *
  * Arithmetic is fp32 throughout; bf16 inputs are widened on load and the output rounded to
- * nearest even, as torch does. Plain C (no torch headers) so that it builds in about a second.
+ * nearest even, as torch does. Where the CPU has AVX512-BF16 (CHATSTORE_BF16_DOT), bf16 items
+ * take paged_decode_bf16.c instead: the same items and passes on bf16 dot products with fp32
+ * accumulation, K and V read as stored. Plain C (no torch headers): it builds in seconds.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_bf16.h"
 #include "common.h"
 
 typedef struct {
@@ -137,10 +140,16 @@ int paged_decode(int dtype, const void* q, const void* k, const void* v, const i
     const int64_t rows = nh * L.G;                           /* query heads an item covers */
     int64_t max_ctx = 1;
     for (int64_t s = 0; s < S; s++) max_ctx = ctx_lens[s] > max_ctx ? ctx_lens[s] : max_ctx;
+    size_t bytes = sizeof(float) * (size_t)(rows * max_ctx + 2 * rows * D + B * nh * D);
+#if CHATSTORE_BF16_DOT
+    const int bf16_dot = dtype == DTYPE_BF16 && B % 2 == 0 && D % 16 == 0;
+    const Bf16Attention A = {q, k, v, out, Hq, Hkv, L.G, D, B, scale};
+    if (bf16_dot) bytes = decode_bf16_scratch_bytes(rows, max_ctx, D, B);
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        float* scratch = malloc(sizeof(float) * (rows * max_ctx + 2 * rows * D + B * nh * D));
+        float* scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
         failed |= scratch == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < S * (Hkv / nh); item++) {
@@ -148,6 +157,12 @@ int paged_decode(int dtype, const void* q, const void* k, const void* v, const i
             const int64_t s = item / (Hkv / nh), h0 = item % (Hkv / nh) * nh;
             const int64_t q_off = (s * Hq + h0 * L.G) * D, ctx = ctx_lens[s];
             const int64_t* table = tables + s * table_width;
+#if CHATSTORE_BF16_DOT
+            if (bf16_dot) {
+                decode_item_bf16(&A, table, s, ctx, h0, nh, max_ctx, scratch);
+                continue;
+            }
+#endif
             float* scores = scratch;
             float* qg = scores + rows * max_ctx;
             float* acc = qg + rows * D;

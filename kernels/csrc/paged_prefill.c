@@ -19,36 +19,20 @@
  *
  * and the softmax needs no horizontal operation at all. Keys past a lane's position are
  * masked; a chunk past every lane's position is never read. Arithmetic is fp32: bf16 K, V are
- * widened per chunk into a buffer and the output rounded once.
+ * widened per chunk into a buffer and the output rounded once. Where the CPU has AVX512-BF16
+ * (CHATSTORE_BF16_DOT), bf16 items take paged_prefill_bf16.c instead: the same items, chunks
+ * and softmax, with bf16 dot products and fp32 accumulation.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "attention_bf16.h"
 #include "common.h"
+#include "vec16.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-#define NV 2                /* lane vectors per work item */
-#define LANES (16 * NV)     /* query rows per work item */
-#define CHUNK 16            /* keys per chunk */
-#define QK_KEYS 8           /* keys whose scores are accumulated together */
-#define PV_DIMS 8           /* output dims accumulated together */
-
-INLINE v16 splat(float x) { return (v16){0} + x; }
-
-INLINE v16 select_v(i16 mask, v16 a, v16 b) { return (v16)(((i16)a & mask) | ((i16)b & ~mask)); }
-
-/* exp of 16 lanes (the polynomial of exp_f32 in common.h); lanes below -87 give 0. */
-INLINE v16 exp_v16(v16 x) {
-    const i16 under = x < -87.f; /* comparisons give 0 / -1 lanes */
-    v16 xc = select_v(under, splat(-87.f), x);
-    xc = select_v(xc > 88.f, splat(88.f), xc);
-    EXP_REDUCE_AND_POLY(v16, xc, n, p);
-    const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-    return (v16)((i16)(p * (v16)bits) & ~under);
-}
+#define QK_KEYS 8 /* keys whose scores are accumulated together */
+#define PV_DIMS 8 /* output dims accumulated together */
 
 /* One chunk of n keys (rows kr + o * stride, vr + o * stride) against the item's lanes:
  * qt [D][NV][16], ot [D][NV][16], pos / m / l one vector per lane group. */
@@ -81,23 +65,7 @@ INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_
         for (int g = 0; g < NV; g++) s[o][g] = acc[g];
     }
     v16 corr[NV];
-    for (int g = 0; g < NV; g++) {
-        v16 mx = m[g];
-        for (o = 0; o < n; o++) {
-            s[o][g] = select_v(pos[g] >= (int32_t)(t0 + o), s[o][g], splat(-INFINITY));
-            mx = select_v(s[o][g] > mx, s[o][g], mx);
-        }
-        /* Lanes that have seen no key yet keep m = -inf: subtract 0 there (no inf - inf). */
-        const v16 base = select_v(mx == -INFINITY, (v16){0}, mx);
-        corr[g] = exp_v16(m[g] - base);
-        v16 sum = (v16){0};
-        for (o = 0; o < n; o++) {
-            s[o][g] = exp_v16(s[o][g] - base);
-            sum += s[o][g];
-        }
-        l[g] = l[g] * corr[g] + sum;
-        m[g] = mx;
-    }
+    online_softmax(s, n, t0, pos, m, l, corr);
     for (int64_t d = 0; d < D; d += PV_DIMS) {
         v16 a[PV_DIMS][NV];
         for (int j = 0; j < PV_DIMS; j++)
@@ -141,12 +109,17 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
         groups += (q_len[s] * G + LANES - 1) / LANES;
     }
     first_group[S] = groups;
+    /* QT and OT [D][16], then bf16 chunks widened to K and V [16][D]. */
+    size_t bytes = (size_t)(2 * D * LANES + 2 * CHUNK * D) * sizeof(float);
+#if CHATSTORE_BF16_DOT
+    const int bf16_dot = dtype == DTYPE_BF16;
+    const Bf16Attention A = {q, k, v, out, Hq, Hkv, G, D, B, scale};
+    if (bf16_dot) bytes = prefill_bf16_scratch_bytes(D);
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        /* QT and OT [D][16], then bf16 chunks widened to K and V [16][D]. */
-        const size_t floats = (size_t)(2 * D * LANES + 2 * CHUNK * D);
-        float* scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        float* scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
         failed |= scratch == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < groups * Hkv; item++) {
@@ -165,6 +138,13 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
             const int64_t r0 = (group - first_group[s]) * LANES;
             const int64_t rows = q_len[s] * G - r0 < LANES ? q_len[s] * G - r0 : LANES;
             const int64_t first_pos = ctx_len[s] - q_len[s];
+#if CHATSTORE_BF16_DOT
+            if (bf16_dot) {
+                prefill_item_bf16(&A, tables + s * table_width, q_start[s], h, r0, rows, first_pos,
+                                  scratch);
+                continue;
+            }
+#endif
             float* qt = scratch;
             float* ot = qt + D * LANES;
             float* kb = ot + D * LANES;

@@ -1,0 +1,76 @@
+/* The AVX512-BF16 attention paths: QK^T and PV as bf16 dot products (VDPBF16PS) with fp32
+ * accumulation, K and V read as stored (no widened copy). Compiled only where the compiler
+ * targets AVX512-BF16 (the build uses -march=native, so: where this CPU has it); elsewhere
+ * CHATSTORE_BF16_DOT is 0 and the kernels keep their fp32 path (bf16 widened on load). */
+#ifndef CHATSTORE_ATTENTION_BF16_H
+#define CHATSTORE_ATTENTION_BF16_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define CHATSTORE_BF16_DOT 1
+#else
+#define CHATSTORE_BF16_DOT 0
+#endif
+
+/* One layer's bf16 tensors and shapes, as both kernels see them. */
+typedef struct {
+    const uint16_t *q, *k, *v; /* q [T, Hq, D]; k, v [N, B, Hkv, D] */
+    uint16_t* out;             /* [T, Hq, D] */
+    int64_t Hq, Hkv, G, D, B;
+    float scale;
+} Bf16Attention;
+
+#if CHATSTORE_BF16_DOT
+/* Scratch one thread needs for prefill_item_bf16, 64-byte aligned by the caller. */
+size_t prefill_bf16_scratch_bytes(int64_t D);
+
+/* The rows r0 .. r0 + rows (at most 32) of KV head h of one sequence: rows are (new token i,
+ * head g) pairs, r = i * G + g; the sequence's first new token is q row q_row0, at position
+ * first_pos; table is its block table. */
+void prefill_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t q_row0, int64_t h,
+                       int64_t r0, int64_t rows, int64_t first_pos, void* scratch);
+
+/* Scratch one thread needs for decode_item_bf16 (rows query heads, contexts up to max_ctx). */
+size_t decode_bf16_scratch_bytes(int64_t rows, int64_t max_ctx, int64_t D, int64_t B);
+
+/* The KV heads h0 .. h0 + nh of one sequence (context ctx, q at row `seq`), B even. */
+void decode_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t seq, int64_t ctx,
+                      int64_t h0, int64_t nh, int64_t max_ctx, void* scratch);
+#endif
+
+#if CHATSTORE_BF16_DOT
+#include <immintrin.h>
+#include <string.h>
+
+#include "common.h"
+
+/* acc[l] += a[2l] * b[2l] + a[2l+1] * b[2l+1]: 32 bf16 products, exact in fp32, summed in fp32. */
+INLINE __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+/* Two adjacent bf16 (a pair along the reduction) as one 32-bit word, ready to broadcast. */
+INLINE int32_t load_pair(const uint16_t* p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+/* Rows r0 and r1 (NULL: a zero row) of D bf16 interleaved into D 32-bit pairs (r0[d], r1[d]):
+ * the layout a dot product along the key index needs. D is a multiple of 16. */
+INLINE void interleave_rows(const uint16_t* r0, const uint16_t* r1, uint32_t* dst, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r0 + d)));
+        __m512i pair = lo;
+        if (r1) {
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r1 + d)));
+            pair = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        }
+        _mm512_storeu_si512(dst + d, pair);
+    }
+}
+#endif
+
+#endif

@@ -1,0 +1,152 @@
+/* The AVX512-BF16 path of the paged-prefill kernel (paged_prefill.c): the same work items, chunks
+ * and online softmax, with both products as bf16 dot products (VDPBF16PS: pairs of bf16 products,
+ * exact in fp32, accumulated in fp32) instead of fp32 FMAs over K and V widened into a buffer.
+ *
+ *   QK^T  the 32 query rows sit in the lanes as bf16 pairs along d, QT2[d/2][lane] =
+ *         (q[lane][d], q[lane][d+1]); key o's pair (k[o][d], k[o][d+1]) is one 32-bit word of
+ *         the K row as stored, broadcast: S[o] += dot(QT2[d/2], bcast(k[o][d:d+2])). No widening,
+ *         half the instructions of the fp32 FMAs; q unscaled (exact), the scale applied to S.
+ *   PV    pairs along the key index: P[o], P[o+1] (fp32 after the softmax) rounded to bf16 and
+ *         interleaved per lane, V rows o and o+1 interleaved per dim once per chunk:
+ *         OT[d] += dot(P2[o/2], bcast(VI[o/2][d])).
+ *
+ * P rounded to bf16 before PV is what bf16 flash attention does (torch's CPU kernel included); the
+ * softmax, its max and its sum stay fp32. Built only where CHATSTORE_BF16_DOT is 1.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "attention_bf16.h"
+#include "vec16.h"
+
+#if CHATSTORE_BF16_DOT
+
+#define QK_KEYS 8 /* keys whose scores are accumulated together */
+#define PV_DIMS 8 /* output dims accumulated together */
+
+size_t prefill_bf16_scratch_bytes(int64_t D) {
+    /* QT2 [D/2][LANES] pairs, OT [D][LANES] fp32, VI [CHUNK/2][D] pairs */
+    return (size_t)(D / 2 * LANES + D * LANES + CHUNK / 2 * D) * 4;
+}
+
+/* bf16(a[l]) and bf16(b[l]) side by side in 32-bit lane l: two keys' probabilities as a pair. */
+INLINE __m512i pair_lanes(v16 a, v16 b) {
+    static const uint16_t order[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                       21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a); /* [a | b] */
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(order), halves);
+}
+
+/* One chunk of n keys (K, V rows kr + o * stride, vr + o * stride) against the item's lanes. */
+INLINE void chunk_bf16(const uint32_t* qt2, const uint16_t* kr, const uint16_t* vr,
+                       int64_t stride, int64_t n, int64_t t0, const i16* pos, v16* m, v16* l,
+                       float* ot, uint32_t* vi, float scale, const int64_t D) {
+    v16 s[CHUNK][NV];
+    const __m512 sc = _mm512_set1_ps(scale);
+    int64_t o = 0;
+    for (; o + QK_KEYS <= n; o += QK_KEYS) {
+        __m512 acc[QK_KEYS][NV];
+        for (int j = 0; j < QK_KEYS; j++)
+            for (int g = 0; g < NV; g++) acc[j][g] = _mm512_setzero_ps();
+        for (int64_t e = 0; e < D / 2; e++) {
+            __m512i q[NV];
+            for (int g = 0; g < NV; g++) q[g] = _mm512_load_si512(qt2 + (e * NV + g) * 16);
+            for (int j = 0; j < QK_KEYS; j++) {
+                const __m512i kp = _mm512_set1_epi32(load_pair(kr + (o + j) * stride + 2 * e));
+                for (int g = 0; g < NV; g++) acc[j][g] = dot_bf16(acc[j][g], q[g], kp);
+            }
+        }
+        for (int j = 0; j < QK_KEYS; j++)
+            for (int g = 0; g < NV; g++) s[o + j][g] = (v16)_mm512_mul_ps(acc[j][g], sc);
+    }
+    for (; o < n; o++) {
+        __m512 acc[NV];
+        for (int g = 0; g < NV; g++) acc[g] = _mm512_setzero_ps();
+        for (int64_t e = 0; e < D / 2; e++) {
+            const __m512i kp = _mm512_set1_epi32(load_pair(kr + o * stride + 2 * e));
+            for (int g = 0; g < NV; g++)
+                acc[g] = dot_bf16(acc[g], _mm512_load_si512(qt2 + (e * NV + g) * 16), kp);
+        }
+        for (int g = 0; g < NV; g++) s[o][g] = (v16)_mm512_mul_ps(acc[g], sc);
+    }
+    v16 corr[NV];
+    online_softmax(s, n, t0, pos, m, l, corr);
+    /* Pairs of keys (2p, 2p + 1); an odd chunk's last key pairs with a zero key (P = 0, V = 0:
+     * the row past the chunk is never read). */
+    const int64_t pairs = (n + 1) / 2;
+    __m512i pp[CHUNK / 2][NV];
+    for (int64_t p = 0; p < pairs; p++) {
+        const int has_odd = 2 * p + 1 < n;
+        for (int g = 0; g < NV; g++)
+            pp[p][g] = pair_lanes(s[2 * p][g], has_odd ? s[2 * p + 1][g] : splat(0.f));
+        interleave_rows(vr + 2 * p * stride, has_odd ? vr + (2 * p + 1) * stride : NULL,
+                        vi + p * D, D);
+    }
+    for (int64_t d = 0; d < D; d += PV_DIMS) {
+        __m512 a[PV_DIMS][NV];
+        for (int j = 0; j < PV_DIMS; j++)
+            for (int g = 0; g < NV; g++)
+                a[j][g] = _mm512_mul_ps(_mm512_load_ps(ot + ((d + j) * NV + g) * 16),
+                                        (__m512)corr[g]);
+        for (int64_t p = 0; p < pairs; p++)
+            for (int j = 0; j < PV_DIMS; j++) {
+                const __m512i vp = _mm512_set1_epi32((int32_t)vi[p * D + d + j]);
+                for (int g = 0; g < NV; g++) a[j][g] = dot_bf16(a[j][g], pp[p][g], vp);
+            }
+        for (int j = 0; j < PV_DIMS; j++)
+            for (int g = 0; g < NV; g++) _mm512_store_ps(ot + ((d + j) * NV + g) * 16, a[j][g]);
+    }
+}
+
+static void chunk_bf16_any(const uint32_t* qt2, const uint16_t* kr, const uint16_t* vr,
+                           int64_t stride, int64_t n, int64_t t0, const i16* pos, v16* m, v16* l,
+                           float* ot, uint32_t* vi, float scale, int64_t D) {
+    if (D == 64)
+        chunk_bf16(qt2, kr, vr, stride, n, t0, pos, m, l, ot, vi, scale, 64);
+    else if (D == 128)
+        chunk_bf16(qt2, kr, vr, stride, n, t0, pos, m, l, ot, vi, scale, 128);
+    else
+        chunk_bf16(qt2, kr, vr, stride, n, t0, pos, m, l, ot, vi, scale, D);
+}
+
+void prefill_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t q_row0, int64_t h,
+                       int64_t r0, int64_t rows, int64_t first_pos, void* scratch) {
+    const int64_t D = A->D, G = A->G, B = A->B, Hq = A->Hq, Hkv = A->Hkv;
+    uint32_t* qt2 = scratch;
+    float* ot = (float*)(qt2 + D / 2 * LANES);
+    uint32_t* vi = (uint32_t*)(ot + D * LANES);
+    i16 pos[NV];
+    int64_t last_pos = 0;
+    for (int lane = 0; lane < LANES; lane++) {
+        const int64_t r = r0 + lane, i = r / G, g = r % G;
+        /* -1: a padding lane, which sees nothing */
+        pos[lane / 16][lane % 16] = lane < rows ? (int32_t)(first_pos + i) : -1;
+        last_pos = lane < rows ? first_pos + i : last_pos;
+        const uint16_t* qr = A->q + ((q_row0 + i) * Hq + h * G + g) * D;
+        for (int64_t e = 0; e < D / 2; e++)
+            qt2[e * LANES + lane] = lane < rows ? (uint32_t)load_pair(qr + 2 * e) : 0u;
+        for (int64_t d = 0; d < D; d++) ot[d * LANES + lane] = 0.f;
+    }
+    v16 m[NV], l[NV];
+    for (int g = 0; g < NV; g++) {
+        m[g] = splat(-INFINITY);
+        l[g] = (v16){0};
+    }
+    for (int64_t t0 = 0, n; t0 <= last_pos; t0 += n) {
+        const int64_t o0 = t0 % B;
+        n = last_pos + 1 - t0;
+        n = n < CHUNK ? n : CHUNK;
+        n = n < B - o0 ? n : B - o0; /* a chunk never crosses a block */
+        const int64_t at = ((table[t0 / B] * B + o0) * Hkv + h) * D;
+        chunk_bf16_any(qt2, A->k + at, A->v + at, Hkv * D, n, t0, pos, m, l, ot, vi, A->scale, D);
+    }
+    for (int lane = 0; lane < rows; lane++) {
+        const int64_t r = r0 + lane, i = r / G, g = r % G;
+        uint16_t* dst = A->out + ((q_row0 + i) * Hq + h * G + g) * D;
+        const float inv = 1.f / l[lane / 16][lane % 16];
+        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(ot[d * LANES + lane] * inv);
+    }
+}
+
+#endif
