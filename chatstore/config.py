@@ -15,6 +15,8 @@ DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent.parent / "config" / "defau
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+# The store may also keep KV as int8 with a scale per token and head (chatstore/store/kv_quant.py).
+KV_STORAGE_CHOICES = (*DTYPE_CHOICES, "int8")
 # CPU features with native bf16 arithmetic. Without them oneDNN emulates bf16 through fp32 and
 # a bf16 GEMM runs ~5x slower than fp32 (measured on an AVX512 Xeon without AVX512-BF16).
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -109,7 +111,7 @@ class Config:
     kv_events_topic: str = ""  # topic frame of every published batch
     redis_breaker_failures: int = 3  # consecutive failures that take Redis out
     redis_breaker_reset_s: float = 5.0  # then one probe after this long puts it back
-    kv_storage_dtype: str = "auto"  # "auto" = the compute dtype
+    kv_storage_dtype: str = "auto"  # "auto" = the compute dtype; int8: half of bf16's bytes
     session_ttl_s: int = 86400
     purge_interval_s: float = 60.0  # how often expired sessions are deleted (0 = never)
     records_map_bytes: int = 1 << 30  # LMDB map of the session records
@@ -143,6 +145,8 @@ class Config:
         """The dtype the store keeps KV in: the compute dtype unless set otherwise."""
         if self.kv_storage_dtype == "auto":
             return self.torch_dtype
+        if self.kv_storage_dtype == "int8":
+            return torch.int8
         return DTYPES[self.kv_storage_dtype]
 
     def for_model_dtype(self, model_dtype: torch.dtype) -> Config:
@@ -180,9 +184,9 @@ class Config:
     def _validate_store(self) -> None:
         if self.kv_store not in ("on", "off"):
             raise ValueError(f"kv_store must be 'on' or 'off', got {self.kv_store!r}")
-        if self.kv_storage_dtype not in DTYPE_CHOICES:
+        if self.kv_storage_dtype not in KV_STORAGE_CHOICES:
             raise ValueError(
-                f"kv_storage_dtype must be one of {list(DTYPE_CHOICES)}, "
+                f"kv_storage_dtype must be one of {list(KV_STORAGE_CHOICES)}, "
                 f"got {self.kv_storage_dtype!r}"
             )
         for name in (

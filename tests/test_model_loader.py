@@ -152,5 +152,7 @@ def test_dtype_auto_resolves_by_cpu_features() -> None:
     assert cfg.storage_torch_dtype == cfg.torch_dtype
     cfg = load_config(overrides={"dtype": "float32", "kv_storage_dtype": "float16"}, env={})
     assert cfg.storage_torch_dtype == torch.float16
+    cfg = load_config(overrides={"kv_storage_dtype": "int8"}, env={})
+    assert cfg.storage_torch_dtype == torch.int8  # quantised KV (store/kv_quant.py)
     with pytest.raises(ValueError, match="kv_storage_dtype must be one of"):
-        load_config(overrides={"kv_storage_dtype": "int8"}, env={})
+        load_config(overrides={"kv_storage_dtype": "int4"}, env={})

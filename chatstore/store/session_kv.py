@@ -1,6 +1,7 @@
 """One session's saved KV: the token ids of its history and their position-decoupled K and V.
 
     kv: [L, 2, T, Hkv, D]    L layers, K (pre-RoPE) / V, T tokens, in the storage dtype
+                             (int8: [L, 2, T, Hkv, D + 2], each row with its scale: kv_quant.py)
 
 K is kept *before* RoPE, so the same tensor is valid at whatever positions its tokens occupy when
 it is loaded again (CachedAttention §3.4); `transfer/rerope.py` rotates it on the way back in.
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from chatstore.store import kv_quant
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,13 @@ class SessionKV:
     def prefix(self, n: int) -> SessionKV:
         return SessionKV(self.token_ids[:n], self.kv[:, :, :n])
 
+    @property
+    def quantized(self) -> bool:
+        return kv_quant.is_quantized(self.kv.dtype)
+
     def to(self, dtype: torch.dtype, device: str | torch.device = "cpu") -> SessionKV:
-        return SessionKV(list(self.token_ids), self.kv.to(device=device, dtype=dtype))
+        """In `dtype` on `device`: to int8 quantises, from int8 dequantises (kv_quant.py)."""
+        return SessionKV(list(self.token_ids), kv_quant.convert(self.kv, dtype, device))
 
     def equal(self, other: SessionKV) -> bool:
         return self.token_ids == other.token_ids and torch.equal(self.kv, other.kv)

@@ -31,7 +31,9 @@ hinted to the store's prefetch thread, which brings its chunks to DRAM for the n
 Save (§3.2.2): save_layer copies each tracked request's rows once per layer (LayerSaver); at the
 end of the turn the engine thread copies only what lives in the device pool alone (rows never
 seen computed, usually none); assembling the new chunks and writing them to the tiers is handed
-to the store's writer thread when the store runs with `async_save`.
+to the store's writer thread when the store runs with `async_save`. With int8 storage the rows
+wait in the compute dtype and each new chunk is quantised as it is built (kv_quant.py), so the
+quantisation runs on the writer thread, never in a forward.
 
 What the engine must give: `num_external_tokens` is called (once or more) for every new request
 before `load`; in `save_layer`, the batch's rows must be attributable to requests, either by a
@@ -55,6 +57,7 @@ from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
+from chatstore.store import kv_quant
 from chatstore.store.attention_store import AttentionStore, StoredSession
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
@@ -126,9 +129,9 @@ class StoreConnector(KVConnector):
         self.loader = LayerLoader(
             kv_cache, rope, self._stage_lookup, self.read_buffer, layer_delay_s, loader_threads
         )
-        self.saver = LayerSaver(
-            kv_cache.spec.num_layers, store.settings.storage_dtype, kv_cache.device
-        )
+        # The dtype the turn's rows wait in until its chunks are built (int8: the compute's).
+        self.staging_dtype = kv_quant.staging_dtype(store.settings.storage_dtype, kv_cache.dtype)
+        self.saver = LayerSaver(kv_cache.spec.num_layers, self.staging_dtype, kv_cache.device)
         self._jobs: list[LoadJob] = []  # loads started this step
         self.loads = 0
         self.loads_started = 0  # layer-wise ones
@@ -444,7 +447,7 @@ class StoreConnector(KVConnector):
             wanted[a:b] = True
         missing = (wanted & ~have).nonzero().flatten()
         device_rows = self._copy_from_device(missing, block_table) if len(missing) else None
-        dtype = store.settings.storage_dtype
+        dtype, storage = self.staging_dtype, store.settings.storage_dtype
 
         def build() -> dict[ChunkKey, SessionKV | ChunkDelta]:
             try:
@@ -461,7 +464,7 @@ class StoreConnector(KVConnector):
                         inside = (missing >= first) & (missing < b)
                         if inside.any():
                             kv[:, :, missing[inside] - first] = device_rows[:, :, inside].to(dtype)
-                    value = SessionKV(ids[first:b], kv)
+                    value = SessionKV(ids[first:b], kv_quant.convert(kv, storage))
                     out[key] = value if base is None else ChunkDelta(base, keep, value)
                 return out
             finally:
@@ -484,7 +487,7 @@ class StoreConnector(KVConnector):
         dev_positions = positions.to(cache.device)
         out = torch.empty(
             (cache.spec.num_layers, 2, len(positions), *flat[1:]),
-            dtype=self.store.settings.storage_dtype,
+            dtype=self.staging_dtype,
         )
         for layer in range(cache.spec.num_layers):
             k = cache.k(layer).reshape(flat).index_select(0, slots)

@@ -5,7 +5,8 @@ the hinted sessions' KV out of the store for it.
 
     engine thread                          loader thread
     submit(job) x loads of this step  ──►  layer 0 of every job, layer 1, ..., L-1
-    forward: layer i waits job.layers[i],  (per layer: read buffer copy, or tier copy + RoPE)
+    forward: layer i waits job.layers[i],  (per layer: read buffer copy, or tier copy
+                                            [+ int8 dequantise] + RoPE)
       or copies it itself if the loader has not started it (take_layer: one claim per layer);
       on a CPU host staged layers are left to the forward (_left_to_forward)
     finish(job): the layers nobody         idle: stage layers 0..N-1 rotated of a looked-up
@@ -37,6 +38,7 @@ import torch
 from chatstore.engine.cpu_threads import own_intra_op_threads
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
+from chatstore.store import kv_quant
 from chatstore.store.session_kv import SessionKey
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
 from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
@@ -160,9 +162,9 @@ class LayerLoader:
             positions = torch.arange(job.start, job.end, device=dev)
             job._cos_sin = self.rope.cos_sin(positions, self.kv_cache.dtype)
         cos, sin = job._cos_sin
-        k, v = job.saved.layer(layer, job.start, job.end)
-        k = k.to(dev, self.kv_cache.dtype)
-        self.kv_cache.write(layer, apply_rope(k, cos, sin), v.to(dev), job.slots)
+        k, v = job.saved.layer(layer, job.start, job.end)  # int8 storage: packed rows + scales
+        k, v = self._in_pool_dtype(k), self._in_pool_dtype(v)
+        self.kv_cache.write(layer, apply_rope(k, cos, sin), v, job.slots)
         if self.layer_delay_s > 0:
             time.sleep(self.layer_delay_s)
 
@@ -296,14 +298,19 @@ class LayerLoader:
                 return
 
             def stage_layer(layer: int = layer, saved: ChunkedKV = saved) -> None:
-                k = apply_rope(saved.k(layer).to(dev, dtype), cos, sin)
-                v = saved.v(layer).to(dev, dtype)  # on a CPU host: a view, no copy
+                k = apply_rope(self._in_pool_dtype(saved.k(layer)), cos, sin)
+                v = self._in_pool_dtype(saved.v(layer))  # CPU, same dtype: a view, no copy
                 if self.layer_delay_s > 0:
                     time.sleep(self.layer_delay_s)
                 entry.k.append(k)
                 entry.v.append(v)
 
             self._on_stream(stage_layer)
+
+    def _in_pool_dtype(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows [T, Hkv, W] as the pool's [T, Hkv, D] on its device: int8 ones moved as
+        int8 (half the bytes) and dequantised there, into the compute dtype."""
+        return kv_quant.convert(rows, self.kv_cache.dtype, self.kv_cache.device)
 
     def _on_stream(self, fn: Callable[[], None]) -> None:
         if self._stream is None:

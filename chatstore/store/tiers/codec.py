@@ -8,6 +8,11 @@ The header carries the model fingerprint, dtype and shape: a value of another mo
 refused (FingerprintMismatch), a value whose bytes changed is refused (CorruptValueError) — the
 caller drops it and recomputes, so a wrong answer is never served from a bad entry. One value is
 one KV chunk (Store v2), stored under one key in LMDB and in Redis.
+
+An int8 value (kv_storage_dtype = int8) is the packed form of store/kv_quant.py: its kv bytes
+are the int8 rows with each row's fp16 scale in its last two bytes, its shape [L, 2, T, Hkv,
+D + 2]; the header adds "kv_format" naming that layout, and an int8 value without it, or with
+another, is refused as corrupt (its bytes could not be read as KV).
 """
 
 from __future__ import annotations
@@ -19,12 +24,18 @@ import zlib
 import numpy
 import torch
 
+from chatstore.store import kv_quant
 from chatstore.store.session_kv import SessionKV
 
 MAGIC = b"CSK1"
 _PREFIX = struct.Struct("<4sII")  # magic, crc32, header length
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+}
 
 
 class CorruptValueError(ValueError):
@@ -42,14 +53,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 def _kv_and_head(value: SessionKV, fingerprint: str) -> tuple[torch.Tensor, bytes]:
     """The value's KV on the CPU, and the bytes before it: header length, header, token ids."""
     kv = value.kv.detach().to("cpu").contiguous()
-    header = json.dumps(
-        {
-            "fingerprint": fingerprint,
-            "dtype": dtype_name(kv.dtype),
-            "shape": list(kv.shape),
-            "num_tokens": value.num_tokens,
-        }
-    ).encode()
+    fields = {
+        "fingerprint": fingerprint,
+        "dtype": dtype_name(kv.dtype),
+        "shape": list(kv.shape),
+        "num_tokens": value.num_tokens,
+    }
+    if kv_quant.is_quantized(kv.dtype):
+        fields["kv_format"] = kv_quant.FORMAT
+    header = json.dumps(fields).encode()
     tokens = torch.tensor(value.token_ids, dtype=torch.int32).numpy().astype("<i4").tobytes()
     return kv, struct.pack("<I", len(header)) + header + tokens
 
@@ -75,6 +87,8 @@ def decode(blob: bytes | bytearray | memoryview, fingerprint: str) -> SessionKV:
         )
     try:
         dtype = _DTYPES[header["dtype"]]
+        if kv_quant.is_quantized(dtype) and header.get("kv_format") != kv_quant.FORMAT:
+            raise ValueError(f"int8 KV in an unknown layout {header.get('kv_format')!r}")
         shape = [int(x) for x in header["shape"]]
         n = int(header["num_tokens"])
         tokens = torch.frombuffer(payload, dtype=torch.int32, count=n) if n else None

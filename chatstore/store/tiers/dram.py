@@ -1,6 +1,7 @@
 """Host DRAM tier: one preallocated pool of fixed-size blocks, pinned when CUDA is present.
 
-    pool: [N, L, 2, B, Hkv, D]    N blocks of B tokens, every layer's K (pre-RoPE) and V
+    pool: [N, L, 2, B, Hkv, W]    N blocks of B tokens, every layer's K (pre-RoPE) and V
+                                  (W = D; int8 storage: D + 2, each row with its scale)
 
 A session of T tokens takes ceil(T / B) blocks from the free list (any blocks, in any order);
 its block list and token ids live in a small table. Capacity is whole blocks, so
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chatstore.store import kv_quant
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.tiers.base import StorageTier, TierFull
 
@@ -31,9 +33,14 @@ class KVLayout:
     dtype: torch.dtype
 
     @property
+    def row_width(self) -> int:
+        """Elements of one stored (token, head) row: D, or for int8 D + its scale's bytes."""
+        return kv_quant.row_width(self.head_dim, self.dtype)
+
+    @property
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * elem
 
 
 @dataclass
@@ -57,7 +64,7 @@ class DramTier(StorageTier):
         self.num_blocks = max(0, capacity_bytes // self.block_bytes)
         pin = torch.cuda.is_available() if pin is None else pin
         shape = (self.num_blocks, layout.num_layers, 2, block_size)
-        shape += (layout.num_kv_heads, layout.head_dim)
+        shape += (layout.num_kv_heads, layout.row_width)
         self.pool = torch.empty(shape, dtype=layout.dtype, pin_memory=pin)
         self._free: deque[int] = deque(range(self.num_blocks))
         self._entries: dict[SessionKey, _Entry] = {}
@@ -90,7 +97,7 @@ class DramTier(StorageTier):
         del self._entries[base]
         self._free.extend(entry.blocks[kept_blocks:])
         blocks = entry.blocks[:kept_blocks] + [self._free.popleft() for _ in range(extra)]
-        kv = rows.kv.to(self.layout.dtype)
+        kv = kv_quant.convert(rows.kv, self.layout.dtype)
         offset = keep % B
         head = min(B - offset, rows.num_tokens) if offset else 0
         if head:  # the rest of base's last, partial block
@@ -107,11 +114,11 @@ class DramTier(StorageTier):
             raise TierFull(f"DRAM tier: {n} blocks needed, {len(self._free)} free")
         self.delete(key)
         blocks = [self._free.popleft() for _ in range(n)]
-        self._write_blocks(blocks, value.kv.to(self.layout.dtype))
+        self._write_blocks(blocks, kv_quant.convert(value.kv, self.layout.dtype))
         self._entries[key] = _Entry(blocks, list(value.token_ids))
 
     def _write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
-        """kv [L, 2, T, H, D] into the pool's blocks: one strided copy of the full blocks, the
+        """kv [L, 2, T, H, W] into the pool's blocks: one strided copy of the full blocks, the
         last partial block zero-padded (no padded temporary of the whole value)."""
         T, B = kv.shape[2], self.block_size
         full = T // B
@@ -120,7 +127,7 @@ class DramTier(StorageTier):
             self.pool[torch.tensor(blocks[:full])] = src
         rest = T - full * B
         if rest or not T:
-            tail = self.pool[blocks[full]]  # [L, 2, B, H, D], a view
+            tail = self.pool[blocks[full]]  # [L, 2, B, H, W], a view
             tail[:, :, rest:].zero_()
             tail[:, :, :rest] = kv[:, :, full * B :]
 
@@ -143,19 +150,19 @@ class DramTier(StorageTier):
         return SessionKV(entry.token_ids[start:end], kv[:, :, start - first * B :])
 
     def _read_blocks(self, blocks: list[int], T: int) -> torch.Tensor:
-        """The blocks' first T tokens as a fresh [L, 2, T, H, D] tensor, each byte copied once.
+        """The blocks' first T tokens as a fresh [L, 2, T, H, W] tensor, each byte copied once.
 
         A gather (index_select), a permute+reshape and a final `contiguous()` made three full
         copies (~45 ms for 1,000 tokens of the default model). Instead each run of consecutive
         block ids is one strided copy into a view of the output (a fresh session's blocks are
         usually one run), and the last, partial block copies only its live tokens."""
-        L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
-        out = torch.empty((L, 2, T, H, D), dtype=self.layout.dtype)
+        L, H, W = self.layout.num_layers, self.layout.num_kv_heads, self.layout.row_width
+        out = torch.empty((L, 2, T, H, W), dtype=self.layout.dtype)
         B, full = self.block_size, T // self.block_size
         for first, count in _runs(blocks[:full]):
             start = first * B
             dst = out[:, :, start : start + count * B].unflatten(2, (count, B))
-            run = self.pool[blocks[first] : blocks[first] + count]  # [count, L, 2, B, H, D]
+            run = self.pool[blocks[first] : blocks[first] + count]  # [count, L, 2, B, H, W]
             dst.copy_(run.permute(1, 2, 0, 3, 4, 5))
         rest = T - full * B
         if rest:
