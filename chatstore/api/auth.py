@@ -7,15 +7,21 @@ With no key configured the server runs in local single-user mode: every caller i
 only to loopback Host names, see origin_policy.py). Otherwise a tenant key grants the tenant's
 own sessions and nothing else; the admin key grants /admin, and /metrics too when
 `metrics_auth` is set.
+
+Keys are checked against hashes only (api_keys.py: plain configured keys peppered at start, the
+keys file's scrypt hashes). Every refusal is counted in /metrics as
+chatstore_auth_failures_total{reason}: missing (no key), malformed (not `Bearer <key>`),
+invalid (no such key), revoked (a revoked key of the keys file), forbidden (a valid key on an
+endpoint it does not grant).
 """
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
+from chatstore.api.api_keys import INVALID, Verdict, peppered
 from chatstore.api.errors import APIError
 from chatstore.api.settings import LOCAL_TENANT, ServerSettings
 
@@ -31,19 +37,29 @@ def _presented_key(conn: HTTPConnection) -> str | None:
     if header:
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise APIError(
-                401, "Authorization header must be 'Bearer <key>'", code="invalid_api_key"
+            raise _refused(
+                conn, "malformed", "Authorization header must be 'Bearer <key>'", "invalid_api_key"
             )
         return key.strip()
     return conn.query_params.get("api_key") if conn.scope["type"] == "websocket" else None
 
 
-def _match(key: str, candidates: dict[str, str]) -> str | None:
-    found = None
-    for candidate, tenant in candidates.items():  # constant time per candidate
-        if hmac.compare_digest(key.encode(), candidate.encode()):
-            found = tenant
-    return found
+def _refused(
+    conn: HTTPConnection, reason: str, message: str, code: str, status: int = 401
+) -> APIError:
+    metrics = getattr(conn.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.observe_auth_failure(reason)
+    return APIError(status, message, code=code)
+
+
+def verify_key(key: str, settings: ServerSettings) -> Verdict:
+    """Who key belongs to: the configured keys' hashes, then the keys file."""
+    digest = peppered(key)
+    verdict = settings.api_keys.match(digest)  # type: ignore[union-attr]
+    if verdict is None and settings.key_file is not None:
+        verdict = settings.key_file.check(key, digest)
+    return verdict or INVALID
 
 
 def authenticate(conn: HTTPConnection, settings: ServerSettings) -> Principal:
@@ -51,20 +67,22 @@ def authenticate(conn: HTTPConnection, settings: ServerSettings) -> Principal:
         return Principal(LOCAL_TENANT, is_admin=True)
     key = _presented_key(conn)
     if key is None:
-        raise APIError(401, "missing API key (Authorization: Bearer <key>)", code="missing_api_key")
-    if settings.admin_key and hmac.compare_digest(key.encode(), settings.admin_key.encode()):
-        return Principal("admin", is_admin=True)
-    tenant = _match(key, settings.api_keys)
-    if tenant is None:
-        raise APIError(401, "invalid API key", code="invalid_api_key")
-    return Principal(tenant)
+        raise _refused(
+            conn, "missing", "missing API key (Authorization: Bearer <key>)", "missing_api_key"
+        )
+    verdict = verify_key(key, settings)
+    if verdict.tenant is None:
+        raise _refused(conn, verdict.refused or "invalid", "invalid API key", "invalid_api_key")
+    return Principal(verdict.tenant, is_admin=verdict.is_admin)
 
 
 def tenant_principal(conn: HTTPConnection) -> Principal:
     """FastAPI dependency: the caller's tenant (the admin key is not a tenant)."""
     principal = authenticate(conn, conn.app.state.settings)
     if principal.is_admin and not conn.app.state.settings.local_mode:
-        raise APIError(403, "the admin key cannot use tenant endpoints", code="forbidden")
+        raise _refused(
+            conn, "forbidden", "the admin key cannot use tenant endpoints", "forbidden", 403
+        )
     return principal
 
 
@@ -72,7 +90,7 @@ def admin_principal(conn: HTTPConnection) -> Principal:
     """FastAPI dependency: the admin (or the single user in local mode)."""
     principal = authenticate(conn, conn.app.state.settings)
     if not principal.is_admin:
-        raise APIError(403, "admin endpoints need the admin key", code="forbidden")
+        raise _refused(conn, "forbidden", "admin endpoints need the admin key", "forbidden", 403)
     return principal
 
 

@@ -10,6 +10,10 @@ and store state read at scrape time by a collector (nothing is copied in the hot
                                   at rest: another or a shredded key, a changed byte), per
                                   slow tier and `records`; dropped, never served
 
+Authentication refusals (auth.py), every reason present from the start at 0:
+
+    chatstore_auth_failures_total{reason}   missing / malformed / invalid / revoked / forbidden
+
 The remote (Redis) tier's circuit breaker, when the store has one:
 
     chatstore_remote_breaker_open             1 while open or half-open (Redis counts as absent)
@@ -47,6 +51,7 @@ router = APIRouter(tags=["ops"])
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TIER_COUNTERS = ("hits", "misses", "bytes_up", "bytes_down", "evictions", "prefetches")
 TIER_GAUGES = ("capacity_bytes", "used_bytes", "sessions")
+AUTH_FAILURE_REASONS = ("missing", "malformed", "invalid", "revoked", "forbidden")
 
 
 class StateCollector(Collector):
@@ -166,6 +171,12 @@ class Metrics:
             "chatstore_ttft_seconds", "time to first token (API arrival to first token)",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.auth_failures = Counter(
+            "chatstore_auth_failures", "requests refused by authentication, by reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        for reason in AUTH_FAILURE_REASONS:
+            self.auth_failures.labels(reason)
         self.history = MetricsHistory()  # the dashboard's plots (GET /admin/history)
 
     def attach_state(self, engine_stats: Callable[[], Any], tiers: Callable[[], Any]) -> None:
@@ -174,6 +185,9 @@ class Metrics:
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
         self.requests.labels(method, route, str(status)).inc()
         self.latency.labels(route).observe(seconds)
+
+    def observe_auth_failure(self, reason: str) -> None:
+        self.auth_failures.labels(reason).inc()
 
     def observe_turn(self, turn: Any) -> None:
         api = turn.log.get("api", "openai")

@@ -16,7 +16,7 @@ import torch
 import uvicorn
 
 from chatstore.api.app import create_app
-from chatstore.api.settings import ServerSettings
+from chatstore.api.settings import ServerSettings, forget_plain_keys
 
 log = logging.getLogger("chatstore.api")
 SWITCH_INTERVAL_S = 0.001  # GIL hand-over between the engine thread and the event loop
@@ -109,6 +109,7 @@ def run_server(config: Any) -> int:
     try:
         settings = ServerSettings.from_config(config)
         settings.check_bind()
+        config = forget_plain_keys(config)  # hashed in settings; not kept in the clear
     except ValueError as exc:
         print(f"chatstore: error: {exc}", file=sys.stderr)
         return 2
@@ -118,7 +119,7 @@ def run_server(config: Any) -> int:
     configure_logging(settings.log_level)
     app = build_app(config, settings)
     server = DrainingServer(uvicorn_config(app, settings), app.state.service)
-    mode = "local single-user mode" if settings.local_mode else f"{len(settings.api_keys)} keys"
+    mode = "local single-user mode" if settings.local_mode else "API keys (hashed)"
     log.info("chatstore: serving on http://%s:%d (%s)", settings.host, settings.port, mode)
     server.run()
     return 0 if server.started else 1

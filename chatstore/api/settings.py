@@ -5,15 +5,24 @@ the environment always wins, in the forms the README documents:
 
     CHATSTORE_API_KEYS=key1:tenant1,key2:tenant2
     CHATSTORE_ADMIN_KEY=secret
+    CHATSTORE_API_KEYS_FILE=/path/api_keys.json    (default <data_dir>/api_keys.json)
+
+Plain keys are hashed as the settings are built (api_keys.py): afterwards `api_keys` is a
+HashedKeys (admin key included) and `admin_key` is None, in this object and every copy
+`dataclasses.replace` makes of it. The keys file (`chatstore keys add|list|revoke`) holds salted
+hashes only; `key_file` checks presented keys against it and follows its changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from chatstore.api.api_keys import HashedKeys, KeyVerifier, default_keys_file
 
 LOCAL_TENANT = "local"
 # Turns in flight per tenant when keys are set and max_turns_per_tenant is 0 (auto): a tenant
@@ -25,8 +34,11 @@ KEYED_TURNS_PER_TENANT = 16
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
-    admin_key: str | None = None
+    # Given as {plain key: tenant} and an admin key; held as HashedKeys from __post_init__ on.
+    api_keys: Mapping[str, str] | HashedKeys = field(default_factory=HashedKeys, repr=False)
+    admin_key: str | None = field(default=None, repr=False)
+    api_keys_file: str = ""  # hashed keys (`chatstore keys`); "" here = none
+    key_file: KeyVerifier | None = field(default=None, compare=False, repr=False)
     max_body_bytes: int = 1 << 20
     max_message_chars: int = 32_768
     max_messages: int = 512
@@ -43,10 +55,22 @@ class ServerSettings:
     retry_after_s: int = 1
     drain_timeout_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        hashed = self.api_keys if isinstance(self.api_keys, HashedKeys) else None
+        if hashed is None or self.admin_key:
+            plain = {} if hashed is not None else dict(self.api_keys)  # type: ignore[arg-type]
+            fresh = HashedKeys.from_plain(plain, self.admin_key)
+            object.__setattr__(self, "api_keys", (hashed or HashedKeys()).merged(fresh))
+            object.__setattr__(self, "admin_key", None)
+        if self.api_keys_file and self.key_file is None:
+            object.__setattr__(self, "key_file", KeyVerifier(self.api_keys_file))
+
     @property
     def local_mode(self) -> bool:
-        """No key configured: one user, no auth, loopback only."""
-        return not self.api_keys and not self.admin_key
+        """No key configured (plain, admin or a keys file present at start): one user, no
+        auth, loopback only. A keys file whose keys are all revoked still means keys: nobody
+        gets in, rather than everybody."""
+        return not self.api_keys and not (self.key_file and self.key_file.present_at_start)
 
     @property
     def turns_per_tenant(self) -> int | None:
@@ -78,6 +102,9 @@ class ServerSettings:
         if "api_keys" in values:
             values["api_keys"] = parse_api_keys(values["api_keys"])
         values["admin_key"] = values.get("admin_key") or None
+        # "" in the config means the data directory's file (a ServerSettings built by hand
+        # has none unless given one).
+        values["api_keys_file"] = values.get("api_keys_file") or str(default_keys_file(config, env))
         for name in (
             "port",
             "max_body_bytes",
@@ -98,6 +125,18 @@ class ServerSettings:
         if isinstance(values.get("metrics_auth"), str):
             values["metrics_auth"] = values["metrics_auth"].lower() in ("1", "true", "yes", "on")
         return cls(**values)
+
+
+def forget_plain_keys(config: Any, env: MutableMapping[str, str] | None = None) -> Any:
+    """config without its plain keys, and CHATSTORE_API_KEYS / CHATSTORE_ADMIN_KEY gone from the
+    environment (os.environ by default): once ServerSettings has hashed them, the serving
+    process keeps no reference to a key in the clear (nor hands one to a child process)."""
+    env = os.environ if env is None else env
+    for name in ("CHATSTORE_API_KEYS", "CHATSTORE_ADMIN_KEY"):
+        env.pop(name, None)
+    if getattr(config, "api_keys", "") or getattr(config, "admin_key", ""):
+        config = dataclasses.replace(config, api_keys="", admin_key="")
+    return config
 
 
 def parse_api_keys(raw: str | Mapping[str, str] | list[str]) -> dict[str, str]:
