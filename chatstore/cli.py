@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from chatstore.admin_cli import add_admin_parser, cmd_admin
 from chatstore.config import DTYPE_CHOICES, load_config
+from chatstore.keys_cli import add_keys_parser, cmd_keys
 from chatstore.model.errors import ModelLoadError
 
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common_flags(serve)
     _chat_parser(sub)
     add_admin_parser(sub)
+    add_keys_parser(sub)
     return parser
 
 
@@ -172,7 +174,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
             server.stop()
 
 
-COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat, "admin": cmd_admin}
+COMMANDS = {
+    "generate": cmd_generate,
+    "serve": cmd_serve,
+    "chat": cmd_chat,
+    "admin": cmd_admin,
+    "keys": cmd_keys,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
