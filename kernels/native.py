@@ -8,7 +8,8 @@ torch's ops and these kernels share one OpenMP thread pool.
 
 Anything that goes wrong (no compiler, a failed build, a failed load) logs one warning and
 `native_library()` returns None: callers then take their torch path. `CHATSTORE_NATIVE_KERNELS=0`
-turns the native kernels off.
+turns the native kernels off; `CHATSTORE_BF16_DOT=0` serves the fallback build below (the fp32
+path) on any CPU, to compare the two in the engine or to rule the dot-product path out.
 
 What runs where is decided when the library is built, for the CPU it is built on: with
 AVX512-BF16 (`-march=native` defines `__AVX512BF16__`), bf16 attention and the rms norm's sum of
@@ -148,6 +149,8 @@ def native_library() -> ctypes.CDLL | None:
     """The loaded kernels, or None when they are turned off or cannot be built here."""
     if os.environ.get("CHATSTORE_NATIVE_KERNELS", "1").lower() in _OFF:
         return None
+    if os.environ.get("CHATSTORE_BF16_DOT", "1").lower() in _OFF:
+        return fallback_library()
     return load_library()
 
 
