@@ -1,0 +1,182 @@
+"""What TLS to Redis costs: KV chunk put/get GB/s through our RedisTier, TLS vs plain.
+
+Two redis-servers on loopback, started here: one plain, one TLS-only with client certificates
+and the ACL user of deploy/redis-users.acl.template (tests/redis_tls_support.py makes its
+certificates). Each is driven the way the store drives Redis: RedisTier.put_many / get_many of
+chunk-sized values (one chunk of the default model: 256 tokens x 30 layers x K,V x 3 KV heads x
+64 dims in bf16, ~5.9 MB encoded), `batch` chunks per pipeline, fresh keys each round (the tier
+skips a chunk it already holds), deleted after. The encode / decode (codec.py: header, CRC) is
+inside the timed calls, as it is in the server, and costs the same on both; `raw_*` keys time
+the same pipelines of the encoded bytes alone (connect_redis, SET / GET), the transport only.
+
+    redis_tls_ratio      TLS GB/s / plain GB/s through RedisTier, puts and gets together
+                         (issue 26 goal: >= 0.7)
+    redis_plain_gbps     (bytes put + bytes got) / (put time + get time), plain
+    redis_tls_gbps       the same over TLS
+    *_put_gbps, *_get_gbps, raw_*   the parts
+
+Encryption at rest is off here (RedisTier without a sealer): sealing costs the same with or
+without TLS and bench/security.py measures it. Loopback has no network cost, so this is the CPU
+cost of TLS (AES-GCM in OpenSSL on both ends, one Redis thread) at its most visible.
+
+    python bench/redis_tls.py [--quick] [--rounds N] [--batch N]
+
+Prints one line per measurement; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from chatstore.store.chunks import ChunkKey  # noqa: E402
+from chatstore.store.redis_server import start_local_redis  # noqa: E402
+from chatstore.store.session_kv import SessionKV  # noqa: E402
+from chatstore.store.tiers import codec  # noqa: E402
+from chatstore.store.tiers.redis import RedisTier, connect_redis  # noqa: E402
+from chatstore.store.tiers.redis_security import RedisSecurity  # noqa: E402
+from tests.redis_tls_support import make_tls_files, start_tls_redis  # noqa: E402
+
+# One KV chunk of the default model (SmolLM2-135M-Instruct) at chunk_tokens = 256, in bf16.
+LAYERS, KV_HEADS, HEAD_DIM, CHUNK_TOKENS = 30, 3, 64, 256
+FINGERPRINT = "bench-redis-tls"
+
+
+@dataclass
+class Throughput:
+    put_bytes: int = 0
+    put_s: float = 0.0
+    get_bytes: int = 0
+    get_s: float = 0.0
+
+    def gbps(self) -> float:
+        return (self.put_bytes + self.get_bytes) / max(self.put_s + self.get_s, 1e-9) / 1e9
+
+    def put_gbps(self) -> float:
+        return self.put_bytes / max(self.put_s, 1e-9) / 1e9
+
+    def get_gbps(self) -> float:
+        return self.get_bytes / max(self.get_s, 1e-9) / 1e9
+
+
+def chunk_value(tokens: int, seed: int) -> SessionKV:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn((LAYERS, 2, tokens, KV_HEADS, HEAD_DIM), generator=g).to(torch.bfloat16)
+    return SessionKV(list(range(tokens)), kv)
+
+
+def through_tier(url: str, security: RedisSecurity | None, values: list[SessionKV], rounds: int):
+    """RedisTier put_many / get_many of all values per round, fresh keys each round."""
+    client = connect_redis(url, 30.0, security=security)
+    tier = RedisTier(client, 1 << 40, FINGERPRINT, ttl_s=600, timeout_s=30.0)
+    size = len(codec.encode(values[0], FINGERPRINT))
+    out = Throughput()
+    for r in range(rounds + 1):  # round 0 warms up (connections, TLS sessions, allocator)
+        keys = [ChunkKey("bench", f"{r:08x}{i:024x}") for i in range(len(values))]
+        started = time.perf_counter()
+        tier.put_many(list(zip(keys, values, strict=True)))
+        put_s = time.perf_counter() - started
+        started = time.perf_counter()
+        got = tier.get_many(keys)
+        get_s = time.perf_counter() - started
+        pairs = zip(got, values, strict=True)
+        assert all(g is not None and g.kv.shape == v.kv.shape for g, v in pairs)
+        for key in keys:
+            tier.delete(key)
+        if r:
+            out.put_bytes += size * len(values)
+            out.get_bytes += size * len(values)
+            out.put_s += put_s
+            out.get_s += get_s
+    tier.close()
+    return out
+
+
+def raw_pipelines(url: str, security: RedisSecurity | None, blobs: list[bytes], rounds: int):
+    """The same pipelines of encoded bytes: SET / GET only, no codec."""
+    client = connect_redis(url, 30.0, security=security)
+    names = [f"chatstore:bench:{i}" for i in range(len(blobs))]
+    out = Throughput()
+    for r in range(rounds + 1):
+        started = time.perf_counter()
+        with client.pipeline(transaction=False) as pipe:
+            for name, blob in zip(names, blobs, strict=True):
+                pipe.set(name, blob, ex=600)
+            pipe.execute()
+        put_s = time.perf_counter() - started
+        started = time.perf_counter()
+        with client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.get(name)
+            got = pipe.execute()
+        get_s = time.perf_counter() - started
+        assert [len(g) for g in got] == [len(b) for b in blobs]
+        client.delete(*names)
+        if r:
+            total = sum(len(b) for b in blobs)
+            out.put_bytes += total
+            out.get_bytes += total
+            out.put_s += put_s
+            out.get_s += get_s
+    client.close()
+    return out
+
+
+def measure_redis_tls_ratio(quick: bool = False, rounds: int = 0, batch: int = 0) -> dict[str, Any]:
+    rounds = rounds or (2 if quick else 10)
+    batch = batch or (2 if quick else 8)
+    tokens = 32 if quick else CHUNK_TOKENS
+    values = [chunk_value(tokens, seed) for seed in range(batch)]
+    blobs = [bytes(codec.encode(v, FINGERPRINT)) for v in values]
+    plain = start_local_redis()
+    tls = start_tls_redis(make_tls_files(Path(tempfile.mkdtemp(prefix="chatstore-tls-"))))
+    security = tls.security("chatstore")
+    try:
+        results = {
+            "plain": through_tier(plain.url, None, values, rounds),
+            "tls": through_tier(tls.url, security, values, rounds),
+            "raw_plain": raw_pipelines(plain.url, None, blobs, rounds),
+            "raw_tls": raw_pipelines(tls.url, security, blobs, rounds),
+        }
+    finally:
+        plain.stop()
+        tls.stop()
+    out: dict[str, Any] = {
+        "redis_tls_ratio": round(results["tls"].gbps() / results["plain"].gbps(), 3),
+        "redis_plain_gbps": round(results["plain"].gbps(), 3),
+        "redis_tls_gbps": round(results["tls"].gbps(), 3),
+    }
+    for name, t in results.items():
+        prefix = f"redis_{name}"
+        out[f"{prefix}_put_gbps"] = round(t.put_gbps(), 3)
+        out[f"{prefix}_get_gbps"] = round(t.get_gbps(), 3)
+    out["redis_raw_tls_ratio"] = round(results["raw_tls"].gbps() / results["raw_plain"].gbps(), 3)
+    out.update(chunk_bytes=len(blobs[0]), batch=batch, rounds=rounds, quick=quick)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small chunks, 2 rounds (a smoke run)")
+    p.add_argument("--rounds", type=int, default=0, help="measured rounds (default 10)")
+    p.add_argument("--batch", type=int, default=0, help="chunks per pipeline (default 8)")
+    args = p.parse_args()
+    result = measure_redis_tls_ratio(args.quick, args.rounds, args.batch)
+    for key, value in result.items():
+        print(f"{key:32s} {value}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
