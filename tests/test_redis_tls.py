@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 import redis as redis_lib
 
+from chatstore.api.launcher import local_server
 from chatstore.config import load_config
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkKey
@@ -201,3 +203,53 @@ def test_tls_options_are_checked_before_connecting(tls_files):
     assert "pw" not in repr(security)
     plain = RedisSecurity(username="u", password="p").client_kwargs("redis://h:1/0")
     assert plain == {"username": "u", "password": "p"}  # no ssl_* for a plain connection
+
+
+@pytest.mark.model
+def test_a_server_whose_redis_refuses_its_certificate_starts_and_keeps_serving(
+    default_model, tmp_path, tls_server, tls_files
+):
+    """The whole server on a wrong CA: it starts, answers health checks, reports the open
+    breaker and why, and refuses turns (their records live in Redis) with a quick 503, never a
+    500 or a hang; the same server on the right CA serves the turn."""
+    wrong = {
+        "redis_url": tls_server.url,
+        "redis_tls_ca_file": str(tls_files.other_ca),
+        "redis_tls_cert_file": str(tls_files.client_cert),
+        "redis_tls_key_file": str(tls_files.client_key),
+        "redis_username": "chatstore",
+        "redis_password": tls_server.security().password,
+        "redis_timeout_s": 1.0,
+        "kv_cache_bytes": 32 << 20,
+        "dram_bytes": 64 << 20,
+    }
+    with (
+        local_server(tmp_path / "wrong", default_model, **wrong) as server,
+        httpx.Client(base_url=server.url, timeout=120) as http,
+    ):
+        assert http.get("/healthz").status_code == 200
+        started = time.monotonic()
+        turn = http.post("/v1/chat/completions", json=_turn())
+        assert turn.status_code == 503, turn.text
+        assert turn.json()["error"]["code"] == "store_unavailable"
+        assert time.monotonic() - started < 30  # liveness bound, not a speed goal
+        breaker = http.get("/admin/cache").json()["remote_breaker"]
+        assert breaker["state"] == "open"
+        assert "CERTIFICATE_VERIFY_FAILED" in breaker["last_error"]
+        assert "chatstore_remote_breaker_open 1.0" in http.get("/metrics").text
+    right = {**wrong, "redis_tls_ca_file": str(tls_files.ca)}
+    with (
+        local_server(tmp_path / "right", default_model, **right) as server,
+        httpx.Client(base_url=server.url, timeout=120) as http,
+    ):
+        turn = http.post("/v1/chat/completions", json=_turn())
+        assert turn.status_code == 200, turn.text
+
+
+def _turn() -> dict:
+    return {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
