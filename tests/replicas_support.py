@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from chatstore.store.sealing.keyring import new_secret_line
 from tests.chaos.harness import (
     RedisProcess,
     ServerProcess,
@@ -198,7 +199,10 @@ class ReplicaCluster:
         self.work = Path(work)
         self.redis_cluster = redis_cluster
         self.n = replicas
-        self.env = {**REPLICA_ENV, **(env or {})}
+        # Replicas share one server secret (encryption at rest): each would otherwise make its
+        # own in its data dir and could not open what the others sealed in Redis.
+        shared_secret = {"CHATSTORE_SECRET_KEY": new_secret_line("k1")}
+        self.env = {**REPLICA_ENV, **shared_secret, **(env or {})}
         self.balances = balances
         self.redis: Any = None
         self.replicas: list[ServerProcess] = []
