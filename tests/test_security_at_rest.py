@@ -36,6 +36,7 @@ from chatstore.store.sealing import reseal as reseal_module
 from chatstore.store.sealing.keyring import Secret, parse_secrets
 from chatstore.store.sealing.reseal import Resealer
 from chatstore.store.sealing.sealer import read_header
+from chatstore.store.sealing.shared_shreds import SharedShreds
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.tiers.codec import CorruptValueError
 from chatstore.store.tiers.lmdb import LmdbTier
@@ -210,6 +211,31 @@ def test_redis_values_rotate_and_refuse_a_swap(redis_client, tmp_path):
     assert RedisRecordStore(redis_client, sealer=only_new).get(SessionKey("alice", "s"))
 
 
+def test_replicas_share_the_shred_list_through_redis(redis_client, tmp_path):
+    """Two replicas with one secret: a tenant shredded on one stops opening on the other once
+    it pulls the shared list (its thread does so every second), and both seal its new data
+    under the same fresh key."""
+    shared = secret("k1")
+    a = Keyring([shared], tmp_path / "a" / "shredded.json")
+    b = Keyring([shared], tmp_path / "b" / "shredded.json")
+    ra, rb = SharedShreds(redis_client, a, 60.0), SharedShreds(redis_client, b, 60.0)
+    records_a = RedisRecordStore(redis_client, sealer=Sealer(a))
+    records_b = RedisRecordStore(redis_client, sealer=Sealer(b))
+    records_a.put(SessionRecord("alice", "s", [{"role": "user", "content": "x"}]))
+    sealed_before = redis_client.get(records_a._name(SessionKey("alice", "s")))
+    assert records_b.get(SessionKey("alice", "s")) is not None
+    assert a.shred("alice") == 1
+    assert rb.pull() == ["alice"] and b.generation("alice") == 1
+    redis_client.set(records_a._name(SessionKey("alice", "s")), sealed_before)  # a backup
+    assert records_b.get(SessionKey("alice", "s")) is None
+    records_b.put(SessionRecord("alice", "t", [{"role": "user", "content": "new"}]))
+    assert records_a.get(SessionKey("alice", "t")).messages[0]["content"] == "new"
+    assert b.shred("alice") == 2 and ra.pull() == ["alice"]  # a second shred, from b
+    assert Keyring([shared], tmp_path / "b" / "shredded.json").generation("alice") == 2
+    ra.close()
+    rb.close()
+
+
 # -- the bytes at rest, through the real server ---------------------------------------------------
 
 
@@ -310,6 +336,22 @@ def test_shredded_tenant_is_absent_after_restart_and_its_backup_no_longer_opens(
     tenants = {r.tenant for r in old.list_sessions()}
     assert "bob" in tenants and "alice" not in tenants and old.open_failures >= 1
     old.close()
+    # The backup restored in place of the data: alice's sessions are still absent, bob's
+    # are back, and the records that failed to open are counted where operators look.
+    for name in ("records.lmdb", "kv.lmdb"):
+        shutil.rmtree(data / name)
+        shutil.copytree(backup / name, data / name)
+    restored = _server(data, default_model)
+    with restored as srv, httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as c:
+        alice = {"Authorization": "Bearer key-alice"}
+        assert c.get(f"/v1/sessions/{alice_sid}", headers=alice).status_code == 404
+        bob = c.get(f"/v1/sessions/{bob_sid}", headers={"Authorization": "Bearer key-bob"})
+        assert bob.status_code == 200
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        failures = c.get("/admin/cache", headers=admin).json()["open_failures"]
+        assert failures["records"] >= 1 and "ssd" in failures
+        metrics = c.get("/metrics", headers=admin).text
+        assert 'chatstore_store_open_failures_total{tier="records"}' in metrics
 
 
 # -- KV restored from sealed LMDB gives the recompute's tokens ------------------------------------

@@ -38,6 +38,7 @@ from chatstore.api.errors import APIError, store_error
 from chatstore.api.session_routes import session_info
 from chatstore.api.store_port import SessionRecord, store_hits
 from chatstore.store.records import RecordStoreError
+from chatstore.store.sealing.shared_shreds import ShredNotShared
 
 CACHE_SESSIONS_SHOWN = 50  # rows of the session table inlined in /admin/cache
 # The pagination of every admin listing.
@@ -186,6 +187,8 @@ def shred_tenant(request: Request, tenant: str, _: Admin) -> dict[str, Any]:
         purged = service.store.shred_tenant(tenant)
     except RecordStoreError as exc:
         raise store_error(exc) from None
+    except ShredNotShared as exc:  # the key is gone here; the other replicas must hear it
+        raise APIError(503, str(exc), code="shred_not_shared") from None
     return {"tenant": tenant, "key_destroyed": True, **purged}
 
 

@@ -60,6 +60,7 @@ from chatstore.store.records import (
 )
 from chatstore.store.retention import Retention, RetentionTable
 from chatstore.store.sealing import sealer_for
+from chatstore.store.sealing.shared_shreds import SharedShreds
 from chatstore.store.session_index import SessionChain, SessionIndex
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 from chatstore.store.tiers.base import StorageTier
@@ -206,6 +207,12 @@ class AttentionStore:
                 cluster=settings.redis_cluster,
                 security=settings.redis_security,
             )
+        # Replicas share the shred list in Redis as they share the secret (shared_shreds.py).
+        self.shared_shreds = (
+            SharedShreds(remote, self.sealer.keyring)
+            if remote is not None and self.sealer is not None
+            else None
+        )
         tiers: list[StorageTier] = []
         if settings.dram_bytes > 0:
             tiers.append(DramTier(settings.dram_bytes, self.layout, settings.block_size))
@@ -1001,6 +1008,8 @@ class AttentionStore:
                 self.tiers.demote_all()
         else:
             self.tiers.drain_background()  # write-downs in flight land before the tiers close
+        if self.shared_shreds is not None:
+            self.shared_shreds.close()
         for tier in self.tiers.tiers:
             tier.close()
         self.records.close()

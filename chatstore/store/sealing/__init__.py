@@ -3,6 +3,7 @@
 keyring.py  server secrets (key ids, rotation) and per-tenant keys derived by HKDF; shredding
 sealer.py   the sealed value format, seal / open (OpenError), associated data
 reseal.py   the background re-seal under the newest key (rotation), resumable
+shared_shreds.py  the shred list replicas share in Redis
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ secret comes from `CHATSTORE_SECRET_KEY` / `secret_key` ("id:base64,id:base64"),
 ("id:base64" per line, mode 0600), else `<data_dir>/secret.key`, generated on first start.
 
 Crypto-shredding bumps a tenant's generation in `<data_dir>/shredded.json` (written atomically
-and fsynced): the key its values were sealed under is never derived again, so they stop opening
-everywhere at once, and the tenant's later data is sealed under a fresh key.
+and fsynced; with Redis also in a hash replicas share, shared_shreds.py): the key its values
+were sealed under is never derived again, so they stop opening everywhere at once, and the
+tenant's later data is sealed under a fresh key.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -122,6 +124,7 @@ class Keyring:
         self._generations: dict[str, int] = self._read_generations()
         self._cache: dict[tuple[str, str, int], AESGCM] = {}
         self._lock = threading.Lock()
+        self.shared: Any = None  # SharedShreds: the shred list replicas share in Redis
 
     @property
     def key_ids(self) -> list[str]:
@@ -154,17 +157,39 @@ class Keyring:
 
     def shred(self, tenant: str) -> int:
         """Destroy tenant's current key: its generation goes up, persisted before this returns
-        (so a crash right after still never derives the old key). The new generation."""
+        (so a crash right after still never derives the old key), and shared with the other
+        replicas when a shared list is set (its error is raised, the local shred stands).
+        The new generation."""
+        if self.shared is not None:
+            self.shared.pull()  # another replica may have shredded it meanwhile
+        gen = self.generation(tenant) + 1
+        self._adopt({tenant: gen})
+        log.warning("tenant %r: its data key was destroyed (crypto-shredded)", tenant)
+        if self.shared is not None:
+            self._adopt({tenant: self.shared.publish(tenant, gen)})
+        return self.generation(tenant)
+
+    def merge_generations(self, seen: dict[str, int]) -> list[str]:
+        """Adopt the higher of each tenant's generations (another replica's shreds); the
+        tenants whose key changed."""
+        changed = {t: g for t, g in seen.items() if g > self.generation(t)}
+        if changed:
+            self._adopt(changed)
+        return sorted(changed)
+
+    def _adopt(self, generations: dict[str, int]) -> None:
+        """Raise these tenants' generations: written to the shred file, then used."""
         with self._lock:
-            gen = self._generations.get(tenant, 0) + 1
-            generations = {**self._generations, tenant: gen}
+            merged = dict(self._generations)
+            for tenant, gen in generations.items():
+                merged[tenant] = max(gen, merged.get(tenant, 0))
+            if merged == self._generations:
+                return
             if self.shred_file is not None:
                 self.shred_file.parent.mkdir(parents=True, exist_ok=True)
-                write_private(self.shred_file, json.dumps({"generations": generations}))
-            self._generations = generations
-            self._cache = {k: v for k, v in self._cache.items() if k[1] != tenant}
-        log.warning("tenant %r: its data key was destroyed (crypto-shredded)", tenant)
-        return gen
+                write_private(self.shred_file, json.dumps({"generations": merged}))
+            self._generations = merged
+            self._cache = {k: v for k, v in self._cache.items() if k[1] not in generations}
 
 
 def load_keyring(data_dir: Path, secret_key: str = "", secret_key_file: str = "") -> Keyring:
