@@ -13,6 +13,10 @@ Each record holds its whole conversation, so continuing from any response reads 
 whatever happened to its session since (continued by another response, deleted, expired) and
 whether or not the responses before it were deleted. Records expire with the session TTL, like
 sessions. Reads and writes block on the records store: call them from a worker thread.
+
+At rest a response is sealed like any record (records.py), under the key of the tenant it
+belongs to (sealing/sealer.py `owner_tenant` reads the tenant out of the namespace), so
+crypto-shredding a tenant makes its stored responses unreadable with its sessions.
 """
 
 from __future__ import annotations
