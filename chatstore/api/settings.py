@@ -97,7 +97,8 @@ class ServerSettings:
             if hasattr(config, name):
                 values[name] = getattr(config, name)
             raw = env.get(f"CHATSTORE_{name.upper()}")
-            if raw is not None and name not in ("host", "port"):  # Config already read those
+            # host, port: Config read them already; key_file is built here, never given
+            if raw is not None and name not in ("host", "port", "key_file"):
                 values[name] = raw
         if "api_keys" in values:
             values["api_keys"] = parse_api_keys(values["api_keys"])
