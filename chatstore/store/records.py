@@ -112,7 +112,7 @@ class RecordStore(ABC):
         raw = record.to_json()
         if self.sealer is None:
             return raw
-        return self.sealer.seal(RECORD_PURPOSE, tenant, name, raw)
+        return bytes(self.sealer.seal(RECORD_PURPOSE, tenant, name, raw))
 
     def _decode(self, tenant: str, name: bytes, raw: bytes | None) -> SessionRecord | None:
         """The record stored as raw under name (None when absent or when it fails to open)."""
@@ -142,7 +142,7 @@ class RecordStore(ABC):
             SessionRecord.from_json(plain)
         except (ValueError, TypeError):
             return None
-        return self.sealer.seal(RECORD_PURPOSE, tenant, name, plain)
+        return bytes(self.sealer.seal(RECORD_PURPOSE, tenant, name, plain))
 
     def ttl_of(self, record: SessionRecord) -> int:
         """The record's idle TTL in seconds (0: never expires)."""

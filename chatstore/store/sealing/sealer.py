@@ -75,14 +75,21 @@ class Sealer:
     def sealing_id(self) -> str:
         return self.keyring.sealing_id
 
-    def seal(self, purpose: bytes, tenant: str, key: bytes, plaintext: bytes | bytearray) -> bytes:
+    def seal(
+        self, purpose: bytes, tenant: str, key: bytes, plaintext: bytes | bytearray
+    ) -> bytearray:
         key_id = self.keyring.sealing_id
         cipher = self.keyring.cipher(key_id, owner_tenant(tenant))
         assert cipher is not None  # the sealing secret is always in the keyring
         nonce = os.urandom(NONCE_BYTES)
         kid = key_id.encode()
-        sealed = cipher.encrypt(nonce, plaintext, associated_data(purpose, tenant, key))
-        return b"".join((bytes((VERSION, len(kid))), kid, nonce, sealed))
+        head = bytes((VERSION, len(kid))) + kid + nonce
+        # Encrypted straight into the value's buffer: a chunk (MBs) is not copied again.
+        out = bytearray(len(head) + len(plaintext) + TAG_BYTES)
+        out[: len(head)] = head
+        aad = associated_data(purpose, tenant, key)
+        cipher.encrypt_into(nonce, plaintext, aad, memoryview(out)[len(head) :])
+        return out
 
     def open(self, purpose: bytes, tenant: str, key: bytes, blob: bytes | memoryview) -> bytes:
         """The plaintext; OpenError when blob is not a value sealed for (purpose, tenant, key)
