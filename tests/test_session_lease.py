@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from chatstore.store.records import LmdbRecordStore, RecordStoreUnavailable, RedisRecordStore
+from chatstore.store.sealing import Keyring, Sealer
+from chatstore.store.sealing.keyring import new_secret_line, parse_secrets
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.session_lease import (
     LocalLeases,
@@ -159,6 +161,10 @@ def test_lmdb_records_get_local_no_op_leases(tmp_path):
 LONG = {"max_tokens": 64, "ignore_eos": True, "temperature": 0}
 
 
+# The replicas share one secret, as replicas must (encryption at rest: README, Security).
+REPLICA_SECRET = new_secret_line()
+
+
 @pytest.fixture(scope="module")
 def two_replicas(default_model, tmp_path_factory, redis_server):
     from chatstore.api.launcher import local_server
@@ -174,6 +180,7 @@ def two_replicas(default_model, tmp_path_factory, redis_server):
             redis_bytes=64 << 20,
             session_lease_s=2.0,
             replica_id=f"replica{i}",
+            secret_key=REPLICA_SECRET,
         )
         for i in range(2)
     ]
@@ -264,7 +271,8 @@ def test_a_turn_whose_session_changed_meanwhile_is_refused_not_overwritten(
     that read the older version gets 409 session_conflict instead of replacing it."""
     a = httpx.Client(base_url=two_replicas[0].url, timeout=120)
     sid = a.post("/v1/sessions", json={}).json()["id"]
-    other = RedisRecordStore(redis_server.url)
+    sealer = Sealer(Keyring(parse_secrets(REPLICA_SECRET, "test")))  # a third replica's view
+    other = RedisRecordStore(redis_server.url, sealer=sealer)
     key = SessionKey("local", sid)
     body = {"content": "mine", "stream": True, **LONG}
     with a.stream("POST", f"/v1/sessions/{sid}/messages", json=body) as response:
