@@ -73,7 +73,19 @@ start_redis() {
     REDIS_URL="redis+cluster://$(IFS=,; echo "${nodes[*]}")"
 }
 
+shared_secret() {
+    # Encryption at rest: every replica seals and opens with one secret (README, Security).
+    # CHATSTORE_SECRET_KEY from the caller wins; else one key file made once for the cluster.
+    [[ -n "${CHATSTORE_SECRET_KEY:-}" ]] && return
+    local file="$DIR/secret.key"
+    if [[ ! -s "$file" ]]; then
+        (umask 077 && echo "k1:$(head -c 32 /dev/urandom | base64 -w0)" >"$file")
+    fi
+    export CHATSTORE_SECRET_KEY_FILE="$file"
+}
+
 start_replicas() {
+    shared_secret
     for ((i = 0; i < REPLICAS; i++)); do
         local port=$((REPLICA_BASE_PORT + i)) dir="$DIR/replica-$i"
         mkdir -p "$dir/data"
