@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", dest="data_dir", help="where sessions and KV are kept on disk")
     serve.add_argument("--kv-store", dest="kv_store", choices=["on", "off"], help="off = recompute")
     serve.add_argument(
+        "--kv-storage-dtype",
+        dest="kv_storage_dtype",
+        help="stored KV: auto (the compute dtype) | float32 | float16 | bfloat16 | int8",
+    )
+    serve.add_argument(
         "--redis-url", dest="redis_url", help="remote KV tier, e.g. redis://host:6379/0"
     )
     _common_flags(serve)
@@ -100,6 +105,7 @@ def _config_from(args: argparse.Namespace):
     keys = (
         "model", "dtype", "device", "block_size", "kv_cache_bytes", "attention", "kv_layout",
         "host", "port", "log_level", "data_dir", "kv_store", "redis_url",
+        "kv_storage_dtype",
     )  # fmt: skip
     return load_config(args.config, {k: getattr(args, k, None) for k in keys})
 
