@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import base64
+import bisect
 import json
 import logging
 import math
@@ -476,6 +477,7 @@ class RedisRecordStore(RecordStore):
 
         super().__init__(ttl_s, sealer)
         self.breaker = breaker
+        self._reseal_order: list[bytes] | None = None  # record names, while a rotation runs
         self._errors = outage_errors()
         if isinstance(url_or_client, str):
             self.client = connect_redis(url_or_client, timeout_s)
@@ -607,31 +609,34 @@ class RedisRecordStore(RecordStore):
         return int(self._call(drop))
 
     def reseal_all(self, after: bytes = b"", batch: int = 64) -> tuple[int, bytes | None]:
-        """Re-seal the records (key rotation), `batch` names after `after` (in name order:
-        SCAN has no stable cursor across a resharding); (rewritten, the cursor; None: done).
-        A record changed meanwhile is left as its writer sealed it (WATCH)."""
-        from redis.exceptions import WatchError
+        """Re-seal the records (key rotation), `batch` names after `after`, in name order (SCAN
+        has no cursor that survives a restart); (rewritten, the cursor; None: done). The
+        names are listed once per job (a first call, or one resuming), not per batch. A record
+        changed meanwhile is read again (WATCH, as every update here)."""
 
         def run() -> tuple[int, bytes | None]:
-            names = sorted(n for n in self._names(None) if n.encode() > after)[:batch]
-            done = 0
-            for name in names:
-                with self.client.pipeline() as pipe:
-                    try:
-                        pipe.watch(name)
-                        raw = pipe.get(name)
-                        sealed = raw and self.reseal(self._tenant_of(name), name.encode(), raw)
-                        if not sealed:
-                            continue
-                        pipe.multi()
-                        pipe.set(name, sealed, keepttl=True)
-                        pipe.execute()
-                        done += 1
-                    except WatchError:
-                        continue
-            return done, names[-1].encode() if names else None
+            if not after or self._reseal_order is None:
+                self._reseal_order = sorted(n.encode() for n in self._names(None))
+            order = self._reseal_order
+            names = order[bisect.bisect_right(order, after) :][:batch]
+            done = sum(self._reseal_one(name.decode()) for name in names)
+            if not names:
+                self._reseal_order = None
+            return done, names[-1] if names else None
 
         return self._call(run)
+
+    def _reseal_one(self, name: str) -> bool:
+        def attempt(pipe: Any) -> bool:  # retried by redis-py if `name` changes meanwhile
+            raw = pipe.get(name)
+            sealed = raw and self.reseal(self._tenant_of(name), name.encode(), raw)
+            if not sealed:
+                return False
+            pipe.multi()
+            pipe.set(name, sealed, keepttl=True)
+            return True
+
+        return bool(self.client.transaction(attempt, name, value_from_callable=True))
 
     def _all(self, tenant: str | None = None) -> list[SessionRecord]:
         names = self._names(tenant)
