@@ -61,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"{reply['responses']} stored responses purged"
             )
             return 0
-        progress = _checked(http.post("/admin/keys/rotate"))
+        progress = _checked(http.post("/admin/keys/rotate", json={}))
         while True:
             print(_progress_line(progress), flush=True)
             if progress["done"] or args.no_wait:

@@ -33,7 +33,7 @@ from chatstore.store.chunks import ChunkKey
 from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
 from chatstore.store.sealing import Keyring, KeyringError, OpenError, Sealer, load_keyring
 from chatstore.store.sealing import reseal as reseal_module
-from chatstore.store.sealing.keyring import Secret, parse_secrets
+from chatstore.store.sealing.keyring import Secret, new_secret_line, parse_secrets
 from chatstore.store.sealing.reseal import Resealer
 from chatstore.store.sealing.sealer import read_header
 from chatstore.store.sealing.shared_shreds import SharedShreds
@@ -352,6 +352,35 @@ def test_shredded_tenant_is_absent_after_restart_and_its_backup_no_longer_opens(
         assert failures["records"] >= 1 and "ssd" in failures
         metrics = c.get("/metrics", headers=admin).text
         assert 'chatstore_store_open_failures_total{tier="records"}' in metrics
+
+
+@pytest.mark.model
+def test_rotate_keys_command_reseals_a_live_servers_data(default_model, tmp_path, capsys):
+    """`chatstore admin rotate-keys` against a server restarted with a new key in front: it
+    reports done, and every record and chunk on disk is sealed under the new key id."""
+    from chatstore.cli import main
+
+    data = tmp_path / "data"
+    k1, k2 = new_secret_line("k1"), new_secret_line("k2")
+    with _server(data, default_model, secret_key=k1, persist="write_through") as srv:
+        sid = _converse(srv.url, "rotate-me")
+    with _server(data, default_model, secret_key=f"{k2},{k1}") as srv:
+        assert main(["admin", "--url", srv.url, "rotate-keys"]) == 1  # no admin key: refused
+        assert "HTTP 401" in capsys.readouterr().err
+        assert main(["admin", "--url", srv.url, "--admin-key", ADMIN, "rotate-keys"]) == 0
+        assert "done:" in capsys.readouterr().out
+        headers = {"Authorization": "Bearer key-alice"}
+        with httpx.Client(base_url=srv.url, headers=headers, trust_env=False) as c:
+            assert c.get(f"/v1/sessions/{sid}").status_code == 200
+    keyring = Keyring(parse_secrets(k2, "test"))  # k1 dropped
+    records = LmdbRecordStore(data / "records.lmdb", sealer=Sealer(keyring))
+    assert [r.session_id for r in records.list_sessions("alice")] == [sid]
+    assert records.open_failures == 0
+    records.close()
+    tier = LmdbTier(data / "kv.lmdb", 1 << 30, default_model.fingerprint, sealer=Sealer(keyring))
+    chunks = list(tier.keys())
+    assert chunks and all(read_header(tier.raw_value(k)).key_id == "k2" for k in chunks)
+    tier.close()
 
 
 # -- KV restored from sealed LMDB gives the recompute's tokens ------------------------------------
