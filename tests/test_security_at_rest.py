@@ -365,13 +365,20 @@ def test_rotate_keys_command_reseals_a_live_servers_data(default_model, tmp_path
     with _server(data, default_model, secret_key=k1, persist="write_through") as srv:
         sid = _converse(srv.url, "rotate-me")
     with _server(data, default_model, secret_key=f"{k2},{k1}") as srv:
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        idle = httpx.get(f"{srv.url}/admin/keys/rotation", headers=admin, trust_env=False)
+        assert idle.json()["phase"] == "idle"
         assert main(["admin", "--url", srv.url, "rotate-keys"]) == 1  # no admin key: refused
         assert "HTTP 401" in capsys.readouterr().err
         assert main(["admin", "--url", srv.url, "--admin-key", ADMIN, "rotate-keys"]) == 0
         assert "done:" in capsys.readouterr().out
-        headers = {"Authorization": "Bearer key-alice"}
-        with httpx.Client(base_url=srv.url, headers=headers, trust_env=False) as c:
-            assert c.get(f"/v1/sessions/{sid}").status_code == 200
+        with httpx.Client(base_url=srv.url, trust_env=False) as c:
+            alice = {"Authorization": "Bearer key-alice"}
+            assert c.get(f"/v1/sessions/{sid}", headers=alice).status_code == 200
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            progress = c.get("/admin/keys/rotation", headers=admin).json()
+            assert progress["done"] and progress["sealing_id"] == "k2"
+            assert progress["resealed"] >= 2  # the session's record and its chunks
     keyring = Keyring(parse_secrets(k2, "test"))  # k1 dropped
     records = LmdbRecordStore(data / "records.lmdb", sealer=Sealer(keyring))
     assert [r.session_id for r in records.list_sessions("alice")] == [sid]

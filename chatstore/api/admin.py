@@ -204,7 +204,7 @@ def rotate_keys(request: Request, _: Admin) -> dict[str, Any]:
 def rotation(request: Request, _: Admin) -> dict[str, Any]:
     progress = request.app.state.service.store.rotation_progress()
     if progress is None:
-        raise APIError(404, "no key rotation started since the server started", code="not_found")
+        raise APIError(409, "encryption at rest is off: there are no keys to rotate")
     return progress
 
 

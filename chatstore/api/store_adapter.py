@@ -275,6 +275,22 @@ class StoreAdapter:
     def rotate_keys(self) -> dict[str, Any] | None:
         """Start (or resume, or report) re-sealing every stored value under the newest key in
         the background (sealing/reseal.py); its progress. None: encryption at rest is off."""
+        resealer = self._get_resealer()
+        if resealer is None:
+            return None
+        resealer.start()
+        return self.rotation_progress()
+
+    def rotation_progress(self) -> dict[str, Any] | None:
+        """The key rotation's progress, as saved by the last job if none ran in this process
+        (phase "idle": none yet under the current key); None: encryption at rest is off."""
+        resealer = self._get_resealer()
+        if resealer is None:
+            return None
+        progress = resealer.progress
+        return {**dataclasses.asdict(progress), "done": progress.done}
+
+    def _get_resealer(self) -> Any:
         from chatstore.store.sealing.reseal import Resealer
 
         sealer = getattr(self.records, "sealer", None)
@@ -287,16 +303,7 @@ class StoreAdapter:
                 else:
                     tiers, data_dir = [], Path(self.records.path).parent
                 self._resealer = Resealer(sealer.sealing_id, self.records, tiers, data_dir)
-            resealer = self._resealer
-        resealer.start()
-        return self.rotation_progress()
-
-    def rotation_progress(self) -> dict[str, Any] | None:
-        """The key rotation's progress (None: none started since this process began)."""
-        if self._resealer is None:
-            return None
-        progress = self._resealer.progress
-        return {**dataclasses.asdict(progress), "done": progress.done}
+            return self._resealer
 
     def shred_tenant(self, tenant: str) -> dict[str, int]:
         """Crypto-shred tenant: destroy its key (all its sealed data stops opening at once),

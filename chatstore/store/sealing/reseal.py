@@ -32,7 +32,7 @@ BATCH = 64
 @dataclass
 class ResealProgress:
     sealing_id: str
-    phase: str = "records"  # records -> each KV tier by name -> done
+    phase: str = "records"  # (idle: none yet) records -> each KV tier by name -> done
     cursor: str = ""  # the last name or chunk looked at in this phase
     resealed: int = 0  # values rewritten under the sealing key
     scanned_chunks: int = 0  # chunks looked at in the KV phases
