@@ -10,16 +10,24 @@ import time
 from collections.abc import Sequence
 
 from chatstore.admin_cli import add_admin_parser, cmd_admin
-from chatstore.config import DTYPE_CHOICES, load_config
+from chatstore.config import DTYPE_CHOICES, WEIGHTS_CHOICES, load_config
 from chatstore.keys_cli import add_keys_parser, cmd_keys
 from chatstore.model.errors import ModelLoadError
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (defaults: config/default.toml)")
-    p.add_argument("--model", help="'default' (embedded SmolLM2-135M-Instruct) or a HF model dir")
+    p.add_argument(
+        "--model",
+        help="'default' (embedded SmolLM2-135M-Instruct), a HF model dir or a .gguf file",
+    )
     p.add_argument(
         "--dtype", choices=DTYPE_CHOICES, help="compute dtype (auto: bf16 where it is fast)"
+    )
+    p.add_argument(
+        "--weights",
+        choices=WEIGHTS_CHOICES,
+        help="projection weights (auto: a GGUF's 4-bit tensors as they are, on CPU)",
     )
     p.add_argument("--device", help="cpu, cuda or cuda:N")
     p.add_argument("--block-size", type=int, dest="block_size")
@@ -103,8 +111,8 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
 
 def _config_from(args: argparse.Namespace):
     keys = (
-        "model", "dtype", "device", "block_size", "kv_cache_bytes", "attention", "kv_layout",
-        "host", "port", "log_level", "data_dir", "kv_store", "redis_url",
+        "model", "dtype", "weights", "device", "block_size", "kv_cache_bytes", "attention",
+        "kv_layout", "host", "port", "log_level", "data_dir", "kv_store", "redis_url",
         "kv_storage_dtype",
     )  # fmt: skip
     return load_config(args.config, {k: getattr(args, k, None) for k in keys})

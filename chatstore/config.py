@@ -17,6 +17,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ("auto", *DTYPES)
 # The store may also keep KV as int8 with a scale per token and head (chatstore/store/kv_quant.py).
 KV_STORAGE_CHOICES = (*DTYPE_CHOICES, "int8")
+# Weights the projections compute with (chatstore/engine/weight_plan.py); bf16 / fp32 name the
+# dense weights' dtype, which the compute dtype follows under dtype = auto.
+WEIGHTS_CHOICES = ("auto", "bf16", "fp32", "int8", "int4")
+_DENSE_WEIGHTS = {"bf16": "bfloat16", "fp32": "float32"}
 # CPU features with native bf16 arithmetic. Without them oneDNN emulates bf16 through fp32 and
 # a bf16 GEMM runs ~5x slower than fp32 (measured on an AVX512 Xeon without AVX512-BF16).
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -61,6 +65,7 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
 class Config:
     model: str = "default"
     dtype: str = "auto"
+    weights: str = "auto"  # auto | bf16 | fp32 | int8 | int4 (see WEIGHTS_CHOICES)
     device: str = "cpu"
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -133,7 +138,10 @@ class Config:
 
     @property
     def resolved_dtype(self) -> str:
-        """The compute dtype this config runs in ("auto" resolved for this machine)."""
+        """The compute dtype this config runs in ("auto" resolved for this machine, or the
+        dtype `weights = bf16 | fp32` names)."""
+        if self.dtype == "auto" and self.weights in _DENSE_WEIGHTS:
+            return _DENSE_WEIGHTS[self.weights]
         return resolve_dtype(self.dtype, self.device)
 
     @property
@@ -168,6 +176,13 @@ class Config:
     def validate(self) -> Config:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS_CHOICES:
+            raise ValueError(
+                f"weights must be one of {list(WEIGHTS_CHOICES)}, got {self.weights!r}"
+            )
+        dense = _DENSE_WEIGHTS.get(self.weights)
+        if dense is not None and self.dtype not in ("auto", dense):
+            raise ValueError(f"weights = {self.weights} needs dtype = {dense} (or auto)")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_bytes <= 0:

@@ -32,6 +32,7 @@ from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.linear import Linear, packing_available
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.engine.vattention.attention import SlotPlan, make_slot_plan, slot_attention
+from chatstore.engine.weight_plan import Projection, ProjectionFactory
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
 from chatstore.kernels.paged_attention import attend, paged_attention_reference
 from chatstore.kernels.paged_decode import paged_decode
@@ -50,17 +51,24 @@ ATTENTION_BACKENDS = ("auto", "reference")
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: Linear  # [H] -> [(Hq + 2 Hkv) D], fused q/k/v (with Qwen2's bias)
-    o_proj: Linear  # [Hq D] -> [H]
+    qkv: Projection  # [H] -> [(Hq + 2 Hkv) D], fused q/k/v (with Qwen2's bias)
+    o_proj: Projection  # [Hq D] -> [H]
     post_norm: torch.Tensor  # [H]
-    gate_up: Linear  # [H] -> [2 I], fused gate/up
-    down: Linear  # [I] -> [H]
+    gate_up: Projection  # [H] -> [2 I], fused gate/up
+    down: Projection  # [I] -> [H]
 
 
 class ModelRunner:
     def __init__(
-        self, hf_model: Any, spec: ModelSpec, kv_cache: PagedKVCache, attention: str = "auto"
+        self,
+        hf_model: Any,
+        spec: ModelSpec,
+        kv_cache: PagedKVCache,
+        attention: str = "auto",
+        projections: ProjectionFactory | None = None,
     ) -> None:
+        """`projections` builds each projection (`weight_plan.Projections`: int8 / int4
+        weights); by default every one is a `Linear` in the model's dtype."""
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         self.spec = spec
@@ -82,8 +90,12 @@ class ModelRunner:
         self.ops: NativeOps | type[TorchOps] = TorchOps
         if fast and NativeOps.applies(self.dtype, self.device, spec.head_dim):
             self.ops = NativeOps()
-        self.lm_head = Linear(hf_model.lm_head.weight, None, pack)
-        self.layers = [self._layer_weights(layer, pack) for layer in inner.layers]
+        if projections is None:
+            projections = _dense_projections(pack)
+        self.lm_head = projections("lm_head", None, hf_model.lm_head.weight.detach(), None)
+        self.layers = [
+            self._layer_weights(layer, i, projections) for i, layer in enumerate(inner.layers)
+        ]
         self.rope = RotaryEmbedding(hf_model.config, spec.head_dim, self.device)
         self.scale = spec.head_dim**-0.5
         self._native_prefill = fast and native_prefill_supported(
@@ -91,7 +103,7 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _layer_weights(layer: Any, pack: bool) -> LayerWeights:
+    def _layer_weights(layer: Any, index: int, make: ProjectionFactory) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
         bias = None
@@ -100,11 +112,11 @@ class ModelRunner:
         gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=Linear(qkv, bias, pack),
-            o_proj=Linear(attn.o_proj.weight, None, pack),
+            qkv=make("qkv", index, qkv, bias),
+            o_proj=make("o_proj", index, attn.o_proj.weight.detach(), None),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=Linear(gate_up, None, pack),
-            down=Linear(mlp.down_proj.weight, None, pack),
+            gate_up=make("gate_up", index, gate_up, None),
+            down=make("down", index, mlp.down_proj.weight.detach(), None),
         )
 
     @torch.inference_mode()
@@ -206,3 +218,7 @@ class ModelRunner:
             batch.context_lens,
             self.scale,
         )
+
+
+def _dense_projections(pack: bool) -> ProjectionFactory:
+    return lambda role, layer, weight, bias: Linear(weight, bias, pack)

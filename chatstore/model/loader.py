@@ -1,4 +1,6 @@
-"""Load a Llama-family model from a local Hugging Face directory; errors say what is wrong."""
+"""Load a Llama-family model from a local Hugging Face directory or GGUF file; errors say what
+is wrong. A GGUF (the embedded default is one) is converted once for transformers and stays the
+model's `gguf`: the source `weights = auto | int4` repacks the quantized tensors from."""
 
 from __future__ import annotations
 
@@ -6,11 +8,11 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from chatstore.model.default_model import default_model_dir
+from chatstore.model.default_model import default_model_dir, gguf_model_dir, gguf_path
 from chatstore.model.errors import ModelLoadError
 from chatstore.model.spec import ModelSpec
 
@@ -26,20 +28,42 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     fingerprint: str
+    gguf: Path | None = None  # the GGUF file the weights came from, if they did
+
+
+class ModelSource(NamedTuple):
+    path: Path  # the Hugging Face directory transformers loads
+    gguf: Path | None  # the GGUF file it was converted from
 
 
 def resolve_model_dir(name_or_path: str | None) -> Path:
-    """The local directory for `--model`: the embedded default, or a Hugging Face directory."""
+    """The local directory for `--model`: the embedded default, a HF directory or a GGUF file."""
+    return resolve_model_source(name_or_path).path
+
+
+def resolve_model_source(name_or_path: str | None) -> ModelSource:
     if name_or_path is None or name_or_path in DEFAULT_MODEL_ALIASES:
-        return default_model_dir()
+        return ModelSource(default_model_dir(), _default_gguf())
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(gguf_model_dir(path), path)
     if not path.is_dir():
-        raise ModelLoadError(f"model path {path} is not a directory (expected a HF model dir)")
+        raise ModelLoadError(
+            f"model path {path} is not a directory (expected a HF model dir or a .gguf file)"
+        )
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
-    return path
+    return ModelSource(path, None)
+
+
+def _default_gguf() -> Path | None:
+    """The embedded GGUF, or None where only its converted copy is left (the package gone)."""
+    try:
+        return gguf_path()
+    except ModelLoadError:
+        return None
 
 
 def read_spec(path: Path) -> ModelSpec:
@@ -61,7 +85,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> LoadedModel:
-    path = resolve_model_dir(name_or_path)
+    path, gguf = resolve_model_source(name_or_path)
     spec = read_spec(path)
     weight_files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
     if not weight_files:
@@ -83,7 +107,7 @@ def load_model(
     model.eval().to(device)
     digest = _weights_digest(weight_files)
     fingerprint = spec.fingerprint(digest, str(dtype).removeprefix("torch."))
-    return LoadedModel(model, tokenizer, spec, path, dtype, fingerprint)
+    return LoadedModel(model, tokenizer, spec, path, dtype, fingerprint, gguf)
 
 
 def _weights_digest(files: list[Path]) -> str:

@@ -1,0 +1,104 @@
+"""Weight-only quantized weights in the layouts torch's CPU kernels read, and their references.
+
+    int8 (W8A16)   w[n, k] = q[n, k] * scale[n]                      q int8, one scale a row
+    int4 (W4A16)   w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]   q in 0..15, g = k // group
+
+The int4 convention is `_weight_int4pack_mm_for_cpu`'s (its scales_and_zeros [K/group, N, 2]):
+checked against a float matmul in tests/test_quant_weights.py. An asymmetric code with min m and
+step d (w = d q + m, GGUF's Q4_1, or a min/max quantizer) is that form with scale = d and
+zero = m + 8 d; a symmetric one (w = d (q - 8), Q4_0) has zero = 0.
+
+These are plain tensors (what a quantizer or the GGUF repacker produces); `quant_linear.py`
+packs them for the kernels. `dequantize()` is the float reference the tests compare with.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+INT4_GROUPS = (32, 64)  # group sizes the int4 path accepts (GGUF's blocks are 32)
+
+
+class Int8Weight(NamedTuple):
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N] float32
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]  # [N, K] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+
+class Int4Weight(NamedTuple):
+    q: torch.Tensor  # [N, K] uint8, values 0..15
+    scale: torch.Tensor  # [N, K / group] float32
+    zero: torch.Tensor  # [N, K / group] float32: the value q = 8 stands for
+    group: int
+    # > 1: the input is read this many times over (x -> [x, x]) and the K / input_repeat wide
+    # slices of the weight add up: how an 8-bit GGUF code rides on two 4-bit ones (gguf_repack)
+    input_repeat: int = 1
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the product computes with: [N, K / input_repeat] float32."""
+        s = self.scale.repeat_interleave(self.group, dim=1)
+        z = self.zero.repeat_interleave(self.group, dim=1)
+        full = (self.q.float() - 8) * s + z  # [N, K]
+        n, k = full.shape
+        return full.reshape(n, self.input_repeat, k // self.input_repeat).sum(dim=1)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[N, K] of the matrix it stands for (the input's width)."""
+        n, k = self.q.shape
+        return n, k // self.input_repeat
+
+
+QuantWeight = Int8Weight | Int4Weight
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8 of `w` [N, K] (computed in fp32)."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(q, scale)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
+    """Asymmetric group-wise int4 of `w` [N, K]: each group's min..max in 16 steps."""
+    if group not in INT4_GROUPS:
+        raise ValueError(f"int4 group must be one of {INT4_GROUPS}, got {group}")
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    return Int4Weight(q.reshape(n, k), scale, lo + 8 * scale, group)
+
+
+def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Stack weights of one kind along N (fused q/k/v, gate/up): the same rows, one matrix."""
+    first = parts[0]
+    if isinstance(first, Int8Weight):
+        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    layout = (first.group, first.input_repeat)
+    if any(not isinstance(p, Int4Weight) or (p.group, p.input_repeat) != layout for p in parts):
+        raise ValueError("cannot fuse int4 weights of different layouts, or with int8 ones")
+    return Int4Weight(
+        torch.cat([p.q for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        torch.cat([p.zero for p in parts]),
+        first.group,
+        first.input_repeat,
+    )
+
+
+def permute_rows(w: QuantWeight, order: torch.Tensor) -> QuantWeight:
+    """Rows of `w` taken in `order` (GGUF keeps Llama's q/k rows in another order than HF)."""
+    if isinstance(w, Int8Weight):
+        return Int8Weight(w.q[order], w.scale[order])
+    return w._replace(q=w.q[order], scale=w.scale[order], zero=w.zero[order])

@@ -1,0 +1,213 @@
+"""Which weights each projection computes with: `weights = auto | bf16 | fp32 | int8 | int4`.
+
+    format   what the runner builds                                    from
+    dense    linear.Linear in the compute dtype (prepacked where faster) the HF weights
+    int8     Int8Linear, per-output-channel W8A16                        the HF weights
+    int4     Int4Linear, group 32 W4A16                                  the GGUF's blocks where
+                                                                         it has them, else HF's
+    gguf     the GGUF's own quantized tensors as int4 (Q4_0/Q4_1/Q4_K; Q8_0 exactly on two int4
+             halves, `gguf_repack`), every other tensor dense: the model as published
+
+`auto` is `gguf` on a CPU when the model came from a GGUF file (the embedded default does) and
+the compute dtype is left to `dtype = auto`; anything else serves dense weights, so an explicit
+`dtype` (the tests' servers run `CHATSTORE_DTYPE=float32`) or a model handed in already loaded
+keeps today's exact 16/32-bit path. `bf16` / `fp32` are dense weights in that dtype (the compute
+dtype follows them under `dtype = auto`). Embeddings stay dense in every format: a step gathers
+T rows of the table, ~1 KB a token, against the ~70-270 MB of projections it reads.
+
+Token counts at which the prepacked 16-bit GEMM beats the quantized kernels take the 16-bit copy
+(`DENSE_FROM`, per projection; `quant_linear.py` holds both). Measured with
+`bench/quant_shapes.py` on the AVX512-BF16 EPYC (bf16 activations, 2 threads, a layer's
+projection over 30 distinct weights so they stream from DRAM as in a step; ms per call, the
+fastest pass of two runs). The machine was shared with other sessions (load 5-9 on 2 cores):
+cells far off their row (gate_up int4-g64, down 16-bit at 1 token, lm_head 16-bit at 1) are
+scheduler stalls, so the choice rests on what every row shows; rerun it idle for numbers.
+
+    shape        T    16-bit     int8 int4-g32 int4-g64 Q8_0 2x4
+    qkv          1     0.092    0.023    0.020    0.019        -
+    qkv          8     0.067    0.088    0.057    0.057        -
+    qkv         32     0.126    0.301    0.216    0.479        -
+    qkv       2000     5.495   15.356   20.555   27.301        -
+    o_proj       1     0.053    0.013    0.014    0.014        -
+    o_proj       8     0.038    0.041    0.036    0.036        -
+    o_proj      32     0.080    0.292    0.269    0.178        -
+    o_proj    2000     7.755   20.325   20.667   17.466        -
+    gate_up      1     0.512    0.201    0.058   11.469        -
+    gate_up      8     0.304    0.858    0.327   11.047        -
+    gate_up     32     0.631    2.698    3.408   10.322        -
+    gate_up   2000    40.216  116.646  115.637  108.704        -
+    down         1     1.018    0.060    0.033    0.032        -
+    down         8     0.095    0.823    0.097    0.093        -
+    down        32     1.107    3.161    4.728    1.102        -
+    down      2000    31.611  100.740  108.484   67.309        -
+    lm_head      1    11.900    2.056    4.321    3.911    1.937
+    lm_head      8     2.493   29.967   12.000    7.767    8.124
+    lm_head     32    23.845  104.851   56.854   24.273   44.239
+
+What it chose, per shape:
+- qkv, o_proj, gate_up, down: the quantized weight below 16 tokens, the 16-bit copy from 16 on.
+  At 1 token (decode at batch 1) int4 is 3-30x faster: the step reads a quarter of the bytes.
+  At 8 they tie (int4 within 10% either way). From 32 tokens on, and at a 2,000-token prefill by
+  2.5-4x, oneDNN's blocked 16-bit GEMM wins: torch's int4/int8 kernels dequantise and dot row by
+  row, compute-bound once the weight is amortised over many tokens. So prefill stays 16-bit.
+- int4 group 32 over 64: equal where the measurement is clean (qkv, o_proj, down at 1-8 tokens),
+  and 32 is GGUF's own block, so a repacked and a quantized weight share one layout.
+- int8 (W8A16): the 8-bit kernel is as fast as int4 at 1 token and slower from 8 on; it reads
+  twice int4's bytes, so it is offered (`weights = int8`, ~lossless) but never chosen by auto.
+- lm_head (49152 x 576, tied to the embeddings, Q8_0 in the embedded GGUF): it sees one row per
+  sequence, never a prompt. At 1 row the GGUF's Q8_0 on two int4 halves (exact) runs 1.9 ms
+  against 11.9 for the 16-bit GEMV (int8 2.1, int4 3.9-4.3); at 8 rows the 16-bit GEMM wins 3x.
+  So the quantized head serves single-row steps only (DENSE_FROM 2).
+- Embeddings: dense in every format (a step gathers T rows of the table, ~1 KB a token).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from chatstore.config import WEIGHTS_CHOICES
+from chatstore.engine.linear import Linear, packing_available
+from chatstore.engine.quant_linear import NEVER, Int4Linear, Int8Linear, int4_supported
+from chatstore.engine.quant_weights import (
+    Int4Weight,
+    QuantWeight,
+    cat_rows,
+    quantize_int4,
+    quantize_int8,
+)
+from chatstore.model.gguf_weights import GGUFWeights
+from chatstore.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = WEIGHTS_CHOICES
+INT4_GROUP = 32  # GGUF's block: a repacked and a quantized weight share one layout
+# First token count each projection hands to its prepacked 16-bit copy (the table above).
+DENSE_FROM = {"qkv": 16, "o_proj": 16, "gate_up": 16, "down": 16, "lm_head": 2}
+
+Projection = Linear | Int8Linear | Int4Linear
+# (role, layer or None for lm_head, weight [N, K] in the compute dtype, bias) -> projection
+ProjectionFactory = Callable[[str, "int | None", torch.Tensor, "torch.Tensor | None"], Projection]
+
+
+def resolve_format(
+    weights: str, dtype_setting: str, device: str, from_gguf: bool, model_given: bool
+) -> str:
+    """dense | int8 | int4 | gguf for a `weights` setting (see the module doc for `auto`)."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {weights!r}")
+    cpu = device == "cpu"
+    if weights in ("int8", "int4") and not cpu:
+        raise ValueError(f"weights = {weights} runs on CPU only (torch's CPU kernels)")
+    if weights == "auto":
+        shipped = cpu and from_gguf and dtype_setting == "auto" and not model_given
+        return "gguf" if shipped else "dense"
+    return weights if weights in ("int8", "int4") else "dense"
+
+
+def plan_projections(
+    weights: str,
+    dtype_setting: str,
+    model: LoadedModel,
+    attention: str,
+    device: str,
+    model_given: bool,
+) -> Projections | None:
+    """The runner's projection builder for these settings; None for dense weights (the
+    runner's default). `dtype_setting` is `dtype` as configured ("auto" or a name)."""
+    fmt = resolve_format(weights, dtype_setting, device, model.gguf is not None, model_given)
+    if fmt == "dense":
+        return None
+    gguf = GGUFWeights(model.gguf, model.spec) if model.gguf and fmt != "int8" else None
+    pack = attention == "auto" and packing_available(torch.device(device), model.dtype)
+    return Projections(fmt, model.dtype, pack, gguf)
+
+
+def weights_fingerprint(model_fingerprint: str, fmt: str) -> str:
+    """The store's model fingerprint for KV computed with `fmt` weights: KV of quantized
+    weights differs from dense KV, so the two never share stored chunks."""
+    if fmt == "dense":
+        return model_fingerprint
+    return hashlib.sha256(f"{model_fingerprint}:{fmt}".encode()).hexdigest()[:16]
+
+
+class Projections:
+    """Builds the runner's projections in one format and counts what it built."""
+
+    def __init__(
+        self,
+        fmt: str,
+        dtype: torch.dtype,
+        pack: bool,
+        gguf: GGUFWeights | None = None,
+        dense_from: dict[str, int] | None = None,
+    ) -> None:
+        """`dense_from` overrides DENSE_FROM (per role; tests use it to run the quantized
+        kernels at every token count)."""
+        self.fmt, self.dtype, self.pack, self.gguf = fmt, dtype, pack, gguf
+        self.dense_from = DENSE_FROM if dense_from is None else dense_from
+        self.built: Counter[str] = Counter()
+
+    def __call__(
+        self, role: str, layer: int | None, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> Projection:
+        quant = None if self.fmt == "dense" else self._quantized(role, layer, weight)
+        if quant is None:
+            self.built[f"{role}: {str(self.dtype).removeprefix('torch.')}"] += 1
+            return Linear(weight, bias, self.pack)
+        weight_q, label = quant
+        self.built[f"{role}: {label}"] += 1
+        dense_from = self.dense_from[role]
+        # the 16-bit copy for the token counts where it is faster (prefill), where there are any
+        dense = Linear(weight, bias, self.pack) if dense_from < NEVER else None
+        if isinstance(weight_q, Int4Weight):
+            return Int4Linear(weight_q, bias, dense, dense_from)
+        return Int8Linear(weight_q, bias, dense, dense_from)
+
+    def describe(self) -> str:
+        """One line for the log: what each projection computes with."""
+        parts = [f"{label} x{count}" for label, count in sorted(self.built.items())]
+        return f"weights = {self.fmt}: " + ", ".join(parts)
+
+    def _quantized(
+        self, role: str, layer: int | None, weight: torch.Tensor
+    ) -> tuple[QuantWeight, str] | None:
+        if self.fmt == "int8":
+            return quantize_int8(weight), "int8"
+        if self.gguf is not None:
+            found = self._from_gguf(role, layer, weight)
+            if found is not None or self.fmt == "gguf":
+                return found
+        n, k = weight.shape
+        if not int4_supported(n, k, INT4_GROUP):
+            log.warning("%s %dx%d: no int4 layout for this shape, kept dense", role, n, k)
+            return None
+        return quantize_int4(weight, INT4_GROUP), "int4 (quantized)"
+
+    def _from_gguf(
+        self, role: str, layer: int | None, weight: torch.Tensor
+    ) -> tuple[QuantWeight, str] | None:
+        """The GGUF's own blocks; with `int4`, parts it cannot repack (or that do not fuse with
+        the rest) are quantized from the float weight, with `gguf` the projection stays dense."""
+        assert self.gguf is not None
+        parts = self.gguf.parts(role, layer)
+        weights = [p.weight for p in parts]
+        types = "+".join(sorted({p.type_name for p in parts}))
+        layouts = {(w.group, w.input_repeat) for w in weights if isinstance(w, Int4Weight)}
+        if None not in weights and len(layouts) == 1:
+            fused = cat_rows(weights)  # type: ignore[arg-type]
+            if int4_supported(fused.q.shape[0], fused.q.shape[1], fused.group):
+                return fused, f"int4 from GGUF {types}"
+        if self.fmt != "int4":
+            return None
+        rows = torch.split(weight, [p.rows for p in parts])
+        mixed = [
+            w if isinstance(w, Int4Weight) and w.input_repeat == 1 else quantize_int4(r, INT4_GROUP)
+            for w, r in zip(weights, rows, strict=True)
+        ]
+        return cat_rows(mixed), f"int4 from GGUF {types} (part quantized)"

@@ -1,0 +1,85 @@
+"""A GGUF file's projection tensors, by the runner's names, repacked where their type allows.
+
+The runner fuses q/k/v and gate/up (`engine/runner.py`); a GGUF keeps them apart:
+
+    qkv      blk.{i}.attn_q, attn_k, attn_v       (rows stacked in that order)
+    o_proj   blk.{i}.attn_output
+    gate_up  blk.{i}.ffn_gate, ffn_up
+    down     blk.{i}.ffn_down
+    lm_head  output, or token_embd where the embeddings are tied
+
+For the `llama` architecture (Llama and Mistral GGUFs) llama.cpp's converter stored attn_q and
+attn_k with each head's rows interleaved (the rotary halves as pairs); transformers undoes that
+when it loads the file (`LlamaTensorProcessor._reverse_permute_weights`) and so do we here, by
+taking the same rows in the same order, so the repacked weight matches the runner's layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from chatstore.engine.quant_weights import QuantWeight, permute_rows
+from chatstore.model.gguf_repack import REPACKABLE, repack
+from chatstore.model.spec import ModelSpec
+
+PARTS = {
+    "qkv": ("attn_q", "attn_k", "attn_v"),
+    "o_proj": ("attn_output",),
+    "gate_up": ("ffn_gate", "ffn_up"),
+    "down": ("ffn_down",),
+}
+
+
+class GGUFPart(NamedTuple):
+    name: str  # the GGUF tensor's name
+    type_name: str  # its ggml type (Q4_1, Q8_0, F16, ...)
+    rows: int  # N: output features
+    weight: QuantWeight | None  # repacked, or None where the type has no repacking
+
+
+class GGUFWeights:
+    def __init__(self, path: Path, spec: ModelSpec) -> None:
+        from gguf import GGUFReader
+
+        self.path = path
+        self.spec = spec
+        reader = GGUFReader(str(path))
+        self.tensors = {t.name: t for t in reader.tensors}
+        arch = reader.fields.get("general.architecture")
+        self.architecture = "" if arch is None else bytes(arch.parts[arch.data[0]]).decode()
+
+    def type_counts(self) -> dict[str, int]:
+        """How many tensors of each ggml type the file holds (for the log)."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        return counts
+
+    def parts(self, role: str, layer: int | None) -> list[GGUFPart]:
+        """The GGUF tensors making up projection `role` of `layer` (None for lm_head)."""
+        if role == "lm_head":
+            name = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+            return [self._part(name, None)]
+        return [self._part(f"blk.{layer}.{p}.weight", p) for p in PARTS[role]]
+
+    def _part(self, name: str, kind: str | None) -> GGUFPart:
+        t = self.tensors[name]
+        k, n = (int(x) for x in t.shape[:2])  # GGUF lists dims innermost first: [K, N]
+        type_name = t.tensor_type.name
+        if type_name not in REPACKABLE:
+            return GGUFPart(name, type_name, n, None)
+        weight = repack(type_name, t.data, n, k)
+        if self.architecture == "llama" and kind in ("attn_q", "attn_k"):
+            heads = self.spec.num_heads if kind == "attn_q" else self.spec.num_kv_heads
+            weight = permute_rows(weight, _unpermute_order(n, heads))
+        return GGUFPart(name, type_name, n, weight)
+
+
+def _unpermute_order(rows: int, heads: int) -> torch.Tensor:
+    """Row order turning llama.cpp's q/k layout back into HF's: transformers'
+    `_reverse_permute_weights` applied to the row indices."""
+    half = rows // heads // 2
+    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
