@@ -105,8 +105,9 @@ def test_native_bf16_matches_reference():
     out = paged_decode_native(q, k_cache, v_cache, plan, 0.35)
     ref = _reference(q, k_cache, v_cache, tables, contexts, 0.35)
     assert out.dtype == torch.bfloat16
-    # The native kernel computes in fp32 and rounds once: within bf16's resolution of fp32.
-    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    # fp32 accumulation, the output rounded once (and, on an AVX512-BF16 CPU, where this runs the
+    # bf16 dot-product path, P rounded to bf16 before PV): a few 2^-9 of the output's scale.
+    torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=2**-7)
 
 
 def test_native_reads_only_the_sequence_blocks():

@@ -86,7 +86,9 @@ def test_bf16_matches_reference_within_bf16_resolution():
     out = paged_prefill(q, k_cache, v_cache, plan, 0.125)
     assert out.dtype == torch.bfloat16
     ref = _reference(q, k_cache, v_cache, tables, MIXED, 0.125)
-    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    # fp32 accumulation, the output rounded once (and, on an AVX512-BF16 CPU, where this runs the
+    # bf16 dot-product path, P rounded to bf16 before PV): a few 2^-9 of the output's scale.
+    torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=2**-7)
 
 
 def test_head_dim_not_multiple_of_16_takes_the_reference_path():
