@@ -151,7 +151,19 @@ def native_library() -> ctypes.CDLL | None:
         return None
     if os.environ.get("CHATSTORE_BF16_DOT", "1").lower() in _OFF:
         return fallback_library()
-    return load_library()
+    return _this_cpu_library()
+
+
+@functools.cache
+def _this_cpu_library() -> ctypes.CDLL | None:
+    """The -march=native build, unless it has the bf16 dot-product path and the OS does not report
+    AVX512-BF16 (gcc asks CPUID, the kernel may mask a feature it does not support): then the
+    fallback, so that an instruction the OS would fault on is never run."""
+    lib = load_library()
+    if lib is not None and kernel_features(lib).bf16_dot and not cpu_has_avx512_bf16():
+        log.warning("the kernels were built with AVX512-BF16 the OS does not report: fp32 path")
+        return fallback_library()
+    return lib
 
 
 def fallback_library() -> ctypes.CDLL | None:

@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 
+from chatstore.kernels import native
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
 from chatstore.kernels.native import (
     cpu_has_avx512_bf16,
@@ -51,6 +52,23 @@ def test_this_cpu_computes_bf16_with_dot_products():
 
 def test_fallback_build_has_no_bf16_dot_path():
     assert not kernel_features(_lib("fallback")).bf16_dot
+
+
+def test_bf16_dot_env_off_serves_the_fallback(monkeypatch):
+    _lib("fallback")
+    monkeypatch.setenv("CHATSTORE_BF16_DOT", "0")
+    assert not kernel_features(native_library()).bf16_dot
+
+
+def test_dot_path_is_not_served_where_the_os_does_not_report_avx512_bf16(monkeypatch):
+    if not kernel_features(native.load_library()).bf16_dot:
+        pytest.skip("this CPU's build has no dot-product path to rule out")
+    monkeypatch.setattr(native, "cpu_has_avx512_bf16", lambda: False)
+    native._this_cpu_library.cache_clear()
+    try:
+        assert not kernel_features(native_library()).bf16_dot
+    finally:
+        native._this_cpu_library.cache_clear()  # the next caller sees the real CPU flags again
 
 
 def _paged(seqs, hkv, head_dim, block, seed):
