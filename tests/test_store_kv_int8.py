@@ -35,6 +35,7 @@ from chatstore.store.tiers.dram import DramTier, KVLayout
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier
 from chatstore.transfer import StoreConnector
+from chatstore.transfer.layer_saver import LayerSaver
 from tests.conftest import chat_ids
 from tests.test_runner_exact import PROMPTS
 
@@ -106,6 +107,14 @@ def test_chunk_keys_differ_by_storage_dtype():
     int8 = ChunkHasher("fp", torch.int8, CHUNK).chain("t", ids)
     bf16 = ChunkHasher("fp", torch.bfloat16, CHUNK).chain("t", ids)
     assert not set(int8) & set(bf16)
+
+
+def test_turn_rows_wait_in_the_compute_dtype():
+    """int8 is quantised per chunk when it is built: the layer saver's rows stay float."""
+    assert kv_quant.staging_dtype(torch.int8, torch.bfloat16) == torch.bfloat16
+    assert kv_quant.staging_dtype(torch.float16, torch.float32) == torch.float16
+    with pytest.raises(ValueError, match="float rows"):
+        LayerSaver(2, torch.int8, torch.device("cpu"))
 
 
 # -- codec and tiers --------------------------------------------------------------------------

@@ -73,13 +73,14 @@ def scales(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 [..., D + 2] -> [..., D] in dtype: q * s in fp32, rounded once into dtype.
+    """int8 [..., D + 2] -> [..., D] in dtype: q * s in fp32 (exact: 8 x 11 significant bits),
+    rounded once into dtype.
 
-    One pass: torch computes int8 x fp32 in fp32 and rounds on the store into `out`; the
-    spelled-out q.float() * s then .to(dtype) made three (98 vs 60 us a layer of 1K tokens)."""
-    q = packed[..., : head_dim_of(packed)]
-    out = torch.empty(q.shape, dtype=dtype, device=packed.device)
-    return torch.mul(q, scales(packed).float(), out=out)
+    Widen, scale in place, narrow: 65 us for one layer's K of 1K tokens (3 heads, D = 64, one
+    thread), 70 us with a fresh product instead of the in-place one; one mixed-dtype torch.mul
+    (int8 x fp32 into a bf16 `out`) measured anywhere from 73 to 750 us."""
+    q = packed[..., : head_dim_of(packed)].float()
+    return q.mul_(scales(packed).float()).to(dtype)
 
 
 def convert(

@@ -176,9 +176,14 @@ class TurnRows:
 
 
 class LayerSaver:
-    def __init__(self, num_layers: int, storage_dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, num_layers: int, row_dtype: torch.dtype, device: torch.device) -> None:
+        """row_dtype: what the rows wait in until their chunks are built: the store's dtype, or
+        the compute dtype when the store keeps int8 (kv_quant.staging_dtype: a chunk is
+        quantised as a whole when it is built, never row by row in a forward)."""
+        if not row_dtype.is_floating_point:
+            raise ValueError(f"the layer saver keeps float rows, not {row_dtype}")
         self.num_layers = num_layers
-        self.storage_dtype = storage_dtype
+        self.row_dtype = row_dtype
         self.device = torch.device(device)
         self.rows_saved = 0  # token rows copied (all layers counted once)
         self._lock = threading.Lock()  # allocator: free list, segments, page lists
@@ -260,8 +265,8 @@ class LayerSaver:
                 continue
             if both is None:
                 both = torch.stack((k, v), dim=1)  # [T, 2, Hkv, D]
-                if both.dtype != self.storage_dtype:
-                    both = both.to(self.storage_dtype)
+                if both.dtype != self.row_dtype:
+                    both = both.to(self.row_dtype)
             src = both if part.batch_rows is None else both.index_select(0, part.batch_rows)
             part.segment.kv[layer].index_copy_(0, part.dest, src)
 
@@ -337,13 +342,13 @@ class LayerSaver:
         """CUDA: the kept rows -> pinned host memory on the side stream, after the compute
         stream produced them; landed in the arena once the event fired (_apply_pending)."""
         assert self._stream is not None
-        host = torch.empty((step.count, 2, *k.shape[1:]), dtype=self.storage_dtype, pin_memory=True)
+        host = torch.empty((step.count, 2, *k.shape[1:]), dtype=self.row_dtype, pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             both = torch.stack((k, v), dim=1)
             if step.kept is not None:
                 both = both.index_select(0, step.kept)
-            host.copy_(both.to(self.storage_dtype), non_blocking=True)
+            host.copy_(both.to(self.row_dtype), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         k.record_stream(self._stream)
@@ -378,7 +383,7 @@ class LayerSaver:
     def _ensure_arena(self, row_shape: tuple[int, ...]) -> None:
         if self._row_shape is None:
             self._row_shape = row_shape
-            itemsize = torch.empty(0, dtype=self.storage_dtype).element_size()
+            itemsize = torch.empty(0, dtype=self.row_dtype).element_size()
             per_row = self.num_layers * 2 * itemsize
             for d in row_shape:
                 per_row *= d
@@ -394,7 +399,7 @@ class LayerSaver:
         total = sum(s.pages for s in self._segments)
         size = max(min(max(total, FIRST_SEGMENT_PAGES), MAX_SEGMENT_PAGES), pages - len(self._free))
         assert self._row_shape is not None
-        seg = _Segment(total, size, self.num_layers, self._row_shape, self.storage_dtype)
+        seg = _Segment(total, size, self.num_layers, self._row_shape, self.row_dtype)
         self._segments.append(seg)
         self._first_pages.append(seg.first_page)
         for page in range(total, total + size):
