@@ -37,8 +37,8 @@
 /* One chunk of n keys (rows kr + o * stride, vr + o * stride) against the item's lanes:
  * qt [D][NV][16], ot [D][NV][16], pos / m / l one vector per lane group. */
 INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_t stride,
-                       int64_t n, int64_t t0, const i16* pos, v16* m, v16* l, float* ot,
-                       const int64_t D) {
+                       int64_t n, int64_t t0, int64_t min_pos, const i16* pos, v16* m, v16* l,
+                       float* ot, const int64_t D) {
     v16 s[CHUNK][NV];
     int64_t o = 0;
     for (; o + QK_KEYS <= n; o += QK_KEYS) {
@@ -65,11 +65,14 @@ INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_
         for (int g = 0; g < NV; g++) s[o][g] = acc[g];
     }
     v16 corr[NV];
-    online_softmax(s, n, t0, pos, m, l, corr);
+    const int rescale = online_softmax(s, n, t0, min_pos, pos, m, l, corr);
     for (int64_t d = 0; d < D; d += PV_DIMS) {
         v16 a[PV_DIMS][NV];
         for (int j = 0; j < PV_DIMS; j++)
-            for (int g = 0; g < NV; g++) a[j][g] = *(v16*)(ot + ((d + j) * NV + g) * 16) * corr[g];
+            for (int g = 0; g < NV; g++) {
+                a[j][g] = *(v16*)(ot + ((d + j) * NV + g) * 16);
+                if (rescale) a[j][g] *= corr[g];
+            }
         for (o = 0; o < n; o++) {
             const float* vo = vr + o * stride + d;
             for (int j = 0; j < PV_DIMS; j++) {
@@ -83,14 +86,14 @@ INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_
 }
 
 static void chunk_step_any(const float* qt, const float* kr, const float* vr, int64_t stride,
-                           int64_t n, int64_t t0, const i16* pos, v16* m, v16* l, float* ot,
-                           int64_t D) {
+                           int64_t n, int64_t t0, int64_t min_pos, const i16* pos, v16* m,
+                           v16* l, float* ot, int64_t D) {
     if (D == 64)
-        chunk_step(qt, kr, vr, stride, n, t0, pos, m, l, ot, 64);
+        chunk_step(qt, kr, vr, stride, n, t0, min_pos, pos, m, l, ot, 64);
     else if (D == 128)
-        chunk_step(qt, kr, vr, stride, n, t0, pos, m, l, ot, 128);
+        chunk_step(qt, kr, vr, stride, n, t0, min_pos, pos, m, l, ot, 128);
     else
-        chunk_step(qt, kr, vr, stride, n, t0, pos, m, l, ot, D);
+        chunk_step(qt, kr, vr, stride, n, t0, min_pos, pos, m, l, ot, D);
 }
 
 /* D must be a multiple of 16 (checked by the caller). Returns 0, or -1 when scratch memory
@@ -168,6 +171,7 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
                 l[g] = (v16){0};
             }
             const int64_t* table = tables + s * table_width;
+            const int64_t min_pos = first_pos + r0 / G; /* lane 0's: rows go up in position */
             for (int64_t t0 = 0, n; t0 <= last_pos; t0 += n) {
                 const int64_t o0 = t0 % B;
                 n = last_pos + 1 - t0;
@@ -190,7 +194,7 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
                     vr = vb;
                     stride = D;
                 }
-                chunk_step_any(qt, kr, vr, stride, n, t0, pos, m, l, ot, D);
+                chunk_step_any(qt, kr, vr, stride, n, t0, min_pos, pos, m, l, ot, D);
             }
             for (int lane = 0; lane < rows; lane++) {
                 const int64_t r = r0 + lane, i = r / G, g = r % G;

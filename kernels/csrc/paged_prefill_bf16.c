@@ -40,8 +40,8 @@ INLINE __m512i pair_lanes(v16 a, v16 b) {
 
 /* One chunk of n keys (K, V rows kr + o * stride, vr + o * stride) against the item's lanes. */
 INLINE void chunk_bf16(const uint32_t* qt2, const uint16_t* kr, const uint16_t* vr,
-                       int64_t stride, int64_t n, int64_t t0, const i16* pos, v16* m, v16* l,
-                       float* ot, uint32_t* vi, float scale, const int64_t D) {
+                       int64_t stride, int64_t n, int64_t t0, int64_t min_pos, const i16* pos,
+                       v16* m, v16* l, float* ot, uint32_t* vi, float scale, const int64_t D) {
     v16 s[CHUNK][NV];
     const __m512 sc = _mm512_set1_ps(scale);
     int64_t o = 0;
@@ -71,7 +71,7 @@ INLINE void chunk_bf16(const uint32_t* qt2, const uint16_t* kr, const uint16_t* 
         for (int g = 0; g < NV; g++) s[o][g] = (v16)_mm512_mul_ps(acc[g], sc);
     }
     v16 corr[NV];
-    online_softmax(s, n, t0, pos, m, l, corr);
+    const int rescale = online_softmax(s, n, t0, min_pos, pos, m, l, corr);
     /* Pairs of keys (2p, 2p + 1); an odd chunk's last key pairs with a zero key (P = 0, V = 0:
      * the row past the chunk is never read). */
     const int64_t pairs = (n + 1) / 2;
@@ -86,9 +86,10 @@ INLINE void chunk_bf16(const uint32_t* qt2, const uint16_t* kr, const uint16_t* 
     for (int64_t d = 0; d < D; d += PV_DIMS) {
         __m512 a[PV_DIMS][NV];
         for (int j = 0; j < PV_DIMS; j++)
-            for (int g = 0; g < NV; g++)
-                a[j][g] = _mm512_mul_ps(_mm512_load_ps(ot + ((d + j) * NV + g) * 16),
-                                        (__m512)corr[g]);
+            for (int g = 0; g < NV; g++) {
+                a[j][g] = _mm512_load_ps(ot + ((d + j) * NV + g) * 16);
+                if (rescale) a[j][g] = _mm512_mul_ps(a[j][g], (__m512)corr[g]);
+            }
         for (int64_t p = 0; p < pairs; p++)
             for (int j = 0; j < PV_DIMS; j++) {
                 const __m512i vp = _mm512_set1_epi32((int32_t)vi[p * D + d + j]);
@@ -100,14 +101,15 @@ INLINE void chunk_bf16(const uint32_t* qt2, const uint16_t* kr, const uint16_t* 
 }
 
 static void chunk_bf16_any(const uint32_t* qt2, const uint16_t* kr, const uint16_t* vr,
-                           int64_t stride, int64_t n, int64_t t0, const i16* pos, v16* m, v16* l,
-                           float* ot, uint32_t* vi, float scale, int64_t D) {
+                           int64_t stride, int64_t n, int64_t t0, int64_t min_pos,
+                           const i16* pos, v16* m, v16* l, float* ot, uint32_t* vi, float scale,
+                           int64_t D) {
     if (D == 64)
-        chunk_bf16(qt2, kr, vr, stride, n, t0, pos, m, l, ot, vi, scale, 64);
+        chunk_bf16(qt2, kr, vr, stride, n, t0, min_pos, pos, m, l, ot, vi, scale, 64);
     else if (D == 128)
-        chunk_bf16(qt2, kr, vr, stride, n, t0, pos, m, l, ot, vi, scale, 128);
+        chunk_bf16(qt2, kr, vr, stride, n, t0, min_pos, pos, m, l, ot, vi, scale, 128);
     else
-        chunk_bf16(qt2, kr, vr, stride, n, t0, pos, m, l, ot, vi, scale, D);
+        chunk_bf16(qt2, kr, vr, stride, n, t0, min_pos, pos, m, l, ot, vi, scale, D);
 }
 
 void prefill_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t q_row0, int64_t h,
@@ -133,13 +135,15 @@ void prefill_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t q_r
         m[g] = splat(-INFINITY);
         l[g] = (v16){0};
     }
+    const int64_t min_pos = first_pos + r0 / G; /* lane 0's: rows go up in position */
     for (int64_t t0 = 0, n; t0 <= last_pos; t0 += n) {
         const int64_t o0 = t0 % B;
         n = last_pos + 1 - t0;
         n = n < CHUNK ? n : CHUNK;
         n = n < B - o0 ? n : B - o0; /* a chunk never crosses a block */
         const int64_t at = ((table[t0 / B] * B + o0) * Hkv + h) * D;
-        chunk_bf16_any(qt2, A->k + at, A->v + at, Hkv * D, n, t0, pos, m, l, ot, vi, A->scale, D);
+        chunk_bf16_any(qt2, A->k + at, A->v + at, Hkv * D, n, t0, min_pos, pos, m, l, ot, vi,
+                       A->scale, D);
     }
     for (int lane = 0; lane < rows; lane++) {
         const int64_t r = r0 + lane, i = r / G, g = r % G;

@@ -31,13 +31,18 @@ INLINE v16 exp_v16(v16 x) {
 
 /* Flash attention's online softmax, lane-wise, over the scores s[o][g] of a chunk of n keys
  * starting at position t0: keys past a lane's position are masked, s becomes exp(s - new max),
- * m and l are updated, and corr[g] is the factor the lane's running output must be scaled by. */
-INLINE void online_softmax(v16 s[CHUNK][NV], int64_t n, int64_t t0, const i16* pos, v16* m,
-                           v16* l, v16* corr) {
+ * m and l are updated, and corr[g] is the factor the lane's running output must be scaled by.
+ * min_pos: the smallest position of the item's rows; a chunk at or below it needs no mask (most
+ * chunks of a long prompt). Returns whether any corr differs from 1 (a new max in some lane). */
+INLINE int online_softmax(v16 s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_pos,
+                          const i16* pos, v16* m, v16* l, v16* corr) {
+    const int masked = t0 + n - 1 > min_pos;
+    i16 rescale = {0};
     for (int g = 0; g < NV; g++) {
         v16 mx = m[g];
         for (int64_t o = 0; o < n; o++) {
-            s[o][g] = select_v(pos[g] >= (int32_t)(t0 + o), s[o][g], splat(-INFINITY));
+            if (masked)
+                s[o][g] = select_v(pos[g] >= (int32_t)(t0 + o), s[o][g], splat(-INFINITY));
             mx = select_v(s[o][g] > mx, s[o][g], mx);
         }
         /* Lanes that have seen no key yet keep m = -inf: subtract 0 there (no inf - inf). */
@@ -50,7 +55,11 @@ INLINE void online_softmax(v16 s[CHUNK][NV], int64_t n, int64_t t0, const i16* p
         }
         l[g] = l[g] * corr[g] + sum;
         m[g] = mx;
+        rescale |= corr[g] != 1.f;
     }
+    int any = 0;
+    for (int i = 0; i < 16; i++) any |= rescale[i];
+    return any;
 }
 
 #endif
