@@ -16,6 +16,9 @@ against bf16 storage, with the default model in the compute dtype this machine s
                               truncation test's text (tests/data/declaration_and_lincoln.txt),
                               windows of --ppl-history + --ppl-cont tokens, pooled
 
+The model computes with dense weights in the compute dtype (`weights = bf16`, or `fp32` where
+the CPU serves fp32), so only the KV storage differs between the cases.
+
 Driven without the engine, through StoreConnector and ModelRunner.forward as the engine calls
 them (turn 1's prefill saves through the connector's save_layer; turn 2 loads with start_load /
 wait_for_layer / finish_loads). Cases are interleaved per rep; medians count.
@@ -35,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import progress  # noqa: E402
-from chatstore.config import load_config  # noqa: E402
+from chatstore.config import Config, load_config  # noqa: E402
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from chatstore.engine.request import Request  # noqa: E402
 from chatstore.engine.runtime import Runtime, create_runtime  # noqa: E402
@@ -229,7 +232,12 @@ def measure_kv(quick: bool = False) -> dict:
     """kv_bytes_ratio_int8, restore_ttft_ratio_int8kv, ppl_int8kv_pct and what they come from."""
     sizes = QUICK if quick else FULL
     data = Path(tempfile.mkdtemp(prefix="chatstore-bench-quant-kv-"))
-    config = load_config(overrides={"data_dir": str(data), "enable_prefix_cache": False})
+    overrides = {"data_dir": str(data), "enable_prefix_cache": False}
+    config = load_config(overrides=overrides)
+    if "weights" in {f.name for f in fields(Config)}:  # dense weights: only the KV differs
+        dense = {"bfloat16": "bf16", "float32": "fp32"}.get(config.resolved_dtype)
+        if dense is not None:
+            config = load_config(overrides={**overrides, "weights": dense})
     runtime = create_runtime(config)
     rig = Rig(runtime, data)
     try:
