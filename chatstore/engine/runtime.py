@@ -53,7 +53,8 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
     runner = ModelRunner(model.hf_model, model.spec, kv_cache, config.attention, projections)
     if projections is not None:  # stored KV of these weights is not dense weights' KV
         model = replace(model, fingerprint=weights_fingerprint(model.fingerprint, projections.fmt))
-    log.info("%s", "weights = dense" if projections is None else projections.describe())
+    dense = f"weights = dense ({str(dtype).removeprefix('torch.')}, weights = {config.weights})"
+    log.info("%s", dense if projections is None else projections.describe())
     return Runtime(model, kv_cache, pool, runner)
 
 
