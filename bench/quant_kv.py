@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import sys
 import tempfile
@@ -256,6 +257,7 @@ def measure_kv(quick: bool = False) -> dict:
             result.update(measure_ppl(rig, ids, sizes))
     finally:
         rig.close()
+        shutil.rmtree(data, ignore_errors=True)  # the LMDB files of every case
     return result
 
 
