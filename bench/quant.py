@@ -70,7 +70,7 @@ QUICK = {"batches": (1, 8), "steps": 2, "prefill": 64, "reps": 1, "served_tokens
 def in_process(model: LoadedModel, fmt: str, sizes: dict) -> dict[str, float]:
     ours = Ours(model, DECODE_CONTEXT * 33 + sizes["prefill"])
     if fmt != "dense":
-        gguf = GGUFWeights(model.gguf, model.spec) if fmt == "gguf" else None
+        gguf = GGUFWeights(model.gguf, model.spec)
         pack = packing_available(torch.device("cpu"), model.dtype)
         projections = Projections(fmt, model.dtype, pack, gguf)
         ours.runner = ModelRunner(model.hf_model, model.spec, ours.kv, "auto", projections)

@@ -61,7 +61,7 @@ def make_runner(model: LoadedModel, fmt: str, served: bool, tokens: int) -> Mode
     kv = PagedKVCache(model.spec, tokens // 16 + 8, 16, model.dtype, "cpu")
     projections = None
     if fmt != "dense":
-        gguf = GGUFWeights(model.gguf, model.spec) if fmt == "gguf" else None
+        gguf = GGUFWeights(model.gguf, model.spec)
         pack = packing_available(torch.device("cpu"), model.dtype)
         projections = Projections(fmt, model.dtype, pack, gguf, None if served else ALWAYS_QUANT)
     return ModelRunner(model.hf_model, model.spec, kv, "auto", projections)

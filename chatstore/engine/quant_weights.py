@@ -60,12 +60,36 @@ class Int4Weight(NamedTuple):
 QuantWeight = Int8Weight | Int4Weight
 
 
+# Kernels read scales (and zeros) in bf16 (`quant_linear.KERNEL_DTYPE`): a quantizer rounds them
+# to bf16 first and codes against the rounded values. Coding against fp32 scales and rounding
+# afterwards scaled every output channel by its scale's rounding error (up to 2^-9), a gain error
+# the whole row shares: on the embedded model that alone cost +0.3% perplexity with int8.
+_SCALE_DTYPE = torch.bfloat16
+# Per-row int8 scale: max|w| / 127 shrunk by the factor, of these, with the least squared error
+# (a clipped outlier costs less than a coarser step for the whole row): -0.1% perplexity.
+_INT8_CLIP = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
     """Symmetric per-output-channel int8 of `w` [N, K] (computed in fp32)."""
     w = w.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(q, scale)
+    amax = w.abs().amax(dim=1).clamp_min(1e-12)
+    best_scale, best_err = None, None
+    for clip in _INT8_CLIP:
+        scale = (clip * amax / 127.0).to(_SCALE_DTYPE).float()
+        err = _int8_codes(w, scale).float().mul_(scale[:, None]).sub_(w).square_().sum(dim=1)
+        if best_scale is None or best_err is None:
+            best_scale, best_err = scale, err
+        else:
+            better = err < best_err
+            best_scale = torch.where(better, scale, best_scale)
+            best_err = torch.minimum(err, best_err)
+    assert best_scale is not None
+    return Int8Weight(_int8_codes(w, best_scale), best_scale)
+
+
+def _int8_codes(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
@@ -75,9 +99,10 @@ def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
     n, k = w.shape
     g = w.detach().float().reshape(n, k // group, group)
     lo, hi = g.amin(dim=2), g.amax(dim=2)
-    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
-    return Int4Weight(q.reshape(n, k), scale, lo + 8 * scale, group)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12).to(_SCALE_DTYPE).float()
+    zero = (lo + 8 * scale).to(_SCALE_DTYPE).float()
+    q = torch.round((g - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15).to(torch.uint8)
+    return Int4Weight(q.reshape(n, k), scale, zero, group)
 
 
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:

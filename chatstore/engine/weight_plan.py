@@ -2,7 +2,8 @@
 
     format   what the runner builds                                    from
     dense    linear.Linear in the compute dtype (prepacked where faster) the HF weights
-    int8     Int8Linear, per-output-channel W8A16                        the HF weights
+    int8     Int8Linear, per-output-channel W8A16                        the HF weights (a
+                                                                         GGUF's Q8_0 as it is)
     int4     Int4Linear, group 32 W4A16                                  the GGUF's blocks where
                                                                          it has them, else HF's
     gguf     the GGUF's own quantized tensors as int4 (Q4_0/Q4_1/Q4_K; Q8_0 exactly on two int4
@@ -53,7 +54,10 @@ What it chose, per shape:
 - int4 group 32 over 64: equal where the measurement is clean (qkv, o_proj, down at 1-8 tokens),
   and 32 is GGUF's own block, so a repacked and a quantized weight share one layout.
 - int8 (W8A16): the 8-bit kernel is as fast as int4 at 1 token and slower from 8 on; it reads
-  twice int4's bytes, so it is offered (`weights = int8`, ~lossless) but never chosen by auto.
+  twice int4's bytes, so it is offered (`weights = int8`) but never chosen by auto. On the
+  embedded model (bench/quant_accuracy.py) it costs +0.88% perplexity against bf16, where the
+  GGUF's own int4 codes cost nothing (-0.001%): per-channel int8 re-quantizes Q4_1's per-32
+  grid. A GGUF's Q8_0 tensors (the head) stay as they are under int8 too.
 - lm_head (49152 x 576, tied to the embeddings, Q8_0 in the embedded GGUF): it sees one row per
   sequence, never a prompt. At 1 row the GGUF's Q8_0 on two int4 halves (exact) runs 1.9 ms
   against 11.9 for the 16-bit GEMV (int8 2.1, int4 3.9-4.3); at 8 rows the 16-bit GEMM wins 3x.
@@ -123,7 +127,7 @@ def plan_projections(
     fmt = resolve_format(weights, dtype_setting, device, model.gguf is not None, model_given)
     if fmt == "dense":
         return None
-    gguf = GGUFWeights(model.gguf, model.spec) if model.gguf and fmt != "int8" else None
+    gguf = GGUFWeights(model.gguf, model.spec) if model.gguf else None
     pack = attention == "auto" and packing_available(torch.device(device), model.dtype)
     return Projections(fmt, model.dtype, pack, gguf)
 
@@ -177,8 +181,9 @@ class Projections:
     def _quantized(
         self, role: str, layer: int | None, weight: torch.Tensor
     ) -> tuple[QuantWeight, str] | None:
-        if self.fmt == "int8":
-            return quantize_int8(weight), "int8"
+        if self.fmt == "int8":  # a GGUF's own 8-bit (Q8_0) tensors as they are, else int8
+            exact = self._gguf_q8_0(role, layer)
+            return exact if exact is not None else (quantize_int8(weight), "int8")
         if self.gguf is not None:
             found = self._from_gguf(role, layer, weight)
             if found is not None or self.fmt == "gguf":
@@ -188,6 +193,14 @@ class Projections:
             log.warning("%s %dx%d: no int4 layout for this shape, kept dense", role, n, k)
             return None
         return quantize_int4(weight, INT4_GROUP), "int4 (quantized)"
+
+    def _gguf_q8_0(self, role: str, layer: int | None) -> tuple[QuantWeight, str] | None:
+        if self.gguf is None:
+            return None
+        parts = self.gguf.parts(role, layer)
+        if any(p.type_name != "Q8_0" for p in parts):
+            return None
+        return cat_rows([p.weight for p in parts]), "Q8_0 from GGUF on 2 x int4"  # type: ignore[misc]
 
     def _from_gguf(
         self, role: str, layer: int | None, weight: torch.Tensor
