@@ -20,48 +20,49 @@ Token counts at which the prepacked 16-bit GEMM beats the quantized kernels take
 (`DENSE_FROM`, per projection; `quant_linear.py` holds both). Measured with
 `bench/quant_shapes.py` on the AVX512-BF16 EPYC (bf16 activations, 2 threads, a layer's
 projection over 30 distinct weights so they stream from DRAM as in a step; ms per call, the
-fastest pass of two runs). The machine was shared with other sessions (load 5-9 on 2 cores):
-cells far off their row (gate_up int4-g64, down 16-bit at 1 token, lm_head 16-bit at 1) are
-scheduler stalls, so the choice rests on what every row shows; rerun it idle for numbers.
+fastest pass), 2026-11-25 at a quiet moment (load ~1.5 on the 2 cores; two earlier runs under
+load 5-9 showed the same crossovers with stalls in single cells):
 
     shape        T    16-bit     int8 int4-g32 int4-g64 Q8_0 2x4
-    qkv          1     0.092    0.023    0.020    0.019        -
-    qkv          8     0.067    0.088    0.057    0.057        -
-    qkv         32     0.126    0.301    0.216    0.479        -
-    qkv       2000     5.495   15.356   20.555   27.301        -
-    o_proj       1     0.053    0.013    0.014    0.014        -
-    o_proj       8     0.038    0.041    0.036    0.036        -
-    o_proj      32     0.080    0.292    0.269    0.178        -
-    o_proj    2000     7.755   20.325   20.667   17.466        -
-    gate_up      1     0.512    0.201    0.058   11.469        -
-    gate_up      8     0.304    0.858    0.327   11.047        -
-    gate_up     32     0.631    2.698    3.408   10.322        -
-    gate_up   2000    40.216  116.646  115.637  108.704        -
-    down         1     1.018    0.060    0.033    0.032        -
-    down         8     0.095    0.823    0.097    0.093        -
-    down        32     1.107    3.161    4.728    1.102        -
-    down      2000    31.611  100.740  108.484   67.309        -
-    lm_head      1    11.900    2.056    4.321    3.911    1.937
-    lm_head      8     2.493   29.967   12.000    7.767    8.124
-    lm_head     32    23.845  104.851   56.854   24.273   44.239
+    qkv          1     0.082    0.022    0.022    0.021        -
+    qkv          8     0.053    0.079    0.059    0.058        -
+    qkv         32     0.116    0.290    0.216    0.212        -
+    qkv       2000     5.211   14.756   13.138   12.929        -
+    o_proj       1     0.045    0.015    0.016    0.015        -
+    o_proj       8     0.038    0.044    0.038    0.037        -
+    o_proj      32     0.078    0.153    0.133    0.130        -
+    o_proj    2000     3.083    8.783    7.923    7.793        -
+    gate_up      1     0.229    0.133    0.058    0.055        -
+    gate_up      8     0.179    0.360    0.182    0.177        -
+    gate_up     32     0.347    0.942    0.689    0.672        -
+    gate_up   2000    16.448   48.753   42.241   41.473        -
+    down         1     0.106    0.052    0.033    0.032        -
+    down         8     0.088    0.142    0.092    0.090        -
+    down        32     0.188    0.416    0.347    0.338        -
+    down      2000     8.117   22.418   20.937   20.705        -
+    lm_head      1     3.316    1.856    0.770    0.728    1.680
+    lm_head      8     2.583    5.709    2.740    2.690    5.714
+    lm_head     32     5.580   23.038   10.917   10.705   22.384
 
 What it chose, per shape:
 - qkv, o_proj, gate_up, down: the quantized weight below 16 tokens, the 16-bit copy from 16 on.
-  At 1 token (decode at batch 1) int4 is 3-30x faster: the step reads a quarter of the bytes.
-  At 8 they tie (int4 within 10% either way). From 32 tokens on, and at a 2,000-token prefill by
-  2.5-4x, oneDNN's blocked 16-bit GEMM wins: torch's int4/int8 kernels dequantise and dot row by
-  row, compute-bound once the weight is amortised over many tokens. So prefill stays 16-bit.
-- int4 group 32 over 64: equal where the measurement is clean (qkv, o_proj, down at 1-8 tokens),
-  and 32 is GGUF's own block, so a repacked and a quantized weight share one layout.
-- int8 (W8A16): the 8-bit kernel is as fast as int4 at 1 token and slower from 8 on; it reads
-  twice int4's bytes, so it is offered (`weights = int8`) but never chosen by auto. On the
-  embedded model (bench/quant_accuracy.py) it costs +0.88% perplexity against bf16, where the
-  GGUF's own int4 codes cost nothing (-0.001%): per-channel int8 re-quantizes Q4_1's per-32
-  grid. A GGUF's Q8_0 tensors (the head) stay as they are under int8 too.
+  At 1 token (decode at batch 1) int4 is 2.8-4x faster: the step reads a quarter of the bytes.
+  At 8 they tie (within 11% either way). From 32 tokens on (1.7-2x), and at a 2,000-token
+  prefill by 2.5-2.6x, oneDNN's blocked 16-bit GEMM wins: torch's int4/int8 kernels are
+  compute-bound once the weight is amortised over many tokens. So prefill stays 16-bit.
+- int4 group 32 over 64: within 5% of each other everywhere, and 32 is GGUF's own block, so a
+  repacked and a quantized weight share one layout.
+- int8 (W8A16): as fast as int4 at 1 token on the small layers, 1.5-2.3x slower on gate_up and
+  the head and from 8 tokens on; it reads twice int4's bytes, so it is offered (`weights =
+  int8`) but never chosen by auto. On the embedded model (bench/quant_accuracy.py) it costs
+  +0.88% perplexity against bf16, where the GGUF's own int4 codes cost nothing (-0.001%):
+  per-channel int8 re-quantizes Q4_1's per-32 grid. A GGUF's Q8_0 tensors (the head) stay as
+  they are under int8 too.
 - lm_head (49152 x 576, tied to the embeddings, Q8_0 in the embedded GGUF): it sees one row per
-  sequence, never a prompt. At 1 row the GGUF's Q8_0 on two int4 halves (exact) runs 1.9 ms
-  against 11.9 for the 16-bit GEMV (int8 2.1, int4 3.9-4.3); at 8 rows the 16-bit GEMM wins 3x.
-  So the quantized head serves single-row steps only (DENSE_FROM 2).
+  sequence, never a prompt. At 1 row the GGUF's Q8_0 on two int4 halves (exact) runs 1.68 ms
+  against 3.32 for the 16-bit GEMV (int8 1.86; a lossy int4 re-quantization would run 0.77, not
+  taken: the head keeps the GGUF's 8 bits); at 8 rows the 16-bit GEMM wins 2.2x. So the
+  quantized head serves single-row steps only (DENSE_FROM 2).
 - Embeddings: dense in every format (a step gathers T rows of the table, ~1 KB a token).
 """
 
