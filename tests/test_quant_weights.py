@@ -279,3 +279,19 @@ def test_int8_keeps_a_gguf_q8_0_tensor_as_it_is(default_model, embedded_gguf) ->
     down = make("down", 0, layer.mlp.down_proj.weight.detach(), None)
     assert isinstance(head, Int4Linear) and isinstance(down, Int8Linear)
     assert set(make.built) == {"lm_head: Q8_0 from GGUF on 2 x int4", "down: int8"}
+
+
+def test_a_local_gguf_file_loads_with_its_tokenizer_and_template(default_model) -> None:
+    """`--model path/to/file.gguf`: converted once (cached under the chatstore home), the file
+    kept as the source of its quantized tensors; the embedded GGUF named by path is the default
+    model again."""
+    from chatstore.model import load_model
+    from chatstore.model.default_model import gguf_path
+
+    loaded = load_model(str(gguf_path()))
+    assert loaded.gguf == gguf_path() and loaded.spec == default_model.spec
+    assert loaded.tokenizer.chat_template == default_model.tokenizer.chat_template
+    ids = loaded.tokenizer.encode("The capital of France is")
+    assert ids == default_model.tokenizer.encode("The capital of France is")
+    hf, ref = loaded.hf_model.lm_head.weight, default_model.hf_model.lm_head.weight
+    assert torch.equal(hf.detach(), ref.detach())
