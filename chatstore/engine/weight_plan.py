@@ -64,6 +64,12 @@ What it chose, per shape:
   taken: the head keeps the GGUF's 8 bits); at 8 rows the 16-bit GEMM wins 2.2x. So the
   quantized head serves single-row steps only (DENSE_FROM 2).
 - Embeddings: dense in every format (a step gathers T rows of the table, ~1 KB a token).
+
+On a CPU without AVX512 torch runs its AVX2 kernels; forcing them here (ATEN_CPU_CAPABILITY=avx2,
+the 16-bit side still bf16 oneDNN) int4 stays 2.1-2.6x faster at 1 token, loses 1.4-1.7x at 8
+(so 16 is late there: 4 would fit), and the Q8_0 head is 1.1x slower than the 16-bit GEMV at 1
+row. Not tuned per CPU: on such a CPU `dtype = auto` computes in fp32, whose dense weights read
+twice the bytes, which moves every crossover toward the quantized side.
 """
 
 from __future__ import annotations
