@@ -219,3 +219,41 @@ def test_bf16_rounding_keeps_denormals_and_nan():
     assert torch.equal(h.isnan(), ref.isnan())  # NaN payloads differ within torch itself
     bits, ref_bits = h.view(torch.int16), ref.view(torch.int16)
     assert torch.equal(bits[~h.isnan()], ref_bits[~ref.isnan()])
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 4), (32, 4)])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("block", [16, 6, 5])
+def test_decode_and_prefill_bf16_agree_bitwise(hq, hkv, head_dim, block):
+    """A token's attention must not depend on the batch it runs in: continuous batching runs a
+    decode token in the decode kernel in one step and, in a mixed step, in the prefill kernel
+    (as the last new token of its sequence, or alone, in any lane of a work item). Both paths
+    of this CPU's build must give the same bits for the same query against the same context."""
+    contexts = [1, 2, 15, 16, 17, 33, 100, 37]
+    k_cache, v_cache, tables = _paged(contexts, hkv, head_dim, block, seed=head_dim + 7 * block)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(len(contexts), hq, head_dim, generator=gen).bfloat16()
+    scale = head_dim**-0.5
+    plan = make_decode_plan([t.tolist() for t in tables], contexts, block, torch.device("cpu"))
+    threads = torch.get_num_threads()
+    decoded = []
+    for items_threads in (1, 4):  # whole-sequence and per-head work items
+        torch.set_num_threads(items_threads)
+        try:
+            decoded.append(paged_decode_native(q, k_cache, v_cache, plan, scale, native_library()))
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(decoded[0], decoded[1])
+    # The same queries in prefill steps: alone (q_len 1) and as the last of q_len new tokens.
+    for extra in (0, 1, 3, 8):
+        query_lens = [min(c, 1 + extra) for c in contexts]
+        rows, last = [], []
+        for s, n in enumerate(query_lens):
+            rows.append(torch.randn(n - 1, hq, head_dim, generator=gen).bfloat16())
+            rows.append(q[s : s + 1])
+            last.append(sum(query_lens[: s + 1]) - 1)
+        plan_p = make_prefill_plan(tables, query_lens, contexts)
+        out = paged_prefill_native(
+            torch.cat(rows), k_cache, v_cache, plan_p, scale, native_library()
+        )
+        assert torch.equal(out[last], decoded[0]), f"{extra} extra new tokens per sequence"

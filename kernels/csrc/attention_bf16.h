@@ -32,12 +32,13 @@ size_t prefill_bf16_scratch_bytes(int64_t D);
 void prefill_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t q_row0, int64_t h,
                        int64_t r0, int64_t rows, int64_t first_pos, void* scratch);
 
-/* Scratch one thread needs for decode_item_bf16 (rows query heads, contexts up to max_ctx). */
-size_t decode_bf16_scratch_bytes(int64_t rows, int64_t max_ctx, int64_t D, int64_t B);
+/* Scratch one thread needs for decode_item_bf16, 64-byte aligned by the caller. */
+size_t decode_bf16_scratch_bytes(int64_t D);
 
-/* The KV heads h0 .. h0 + nh of one sequence (context ctx, q at row `seq`), B even. */
+/* The KV heads h0 .. h0 + nh of one sequence (context ctx, q at row `seq`): prefill_item_bf16
+ * on its one new token, so decode and prefill give the same bits for the same query. */
 void decode_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t seq, int64_t ctx,
-                      int64_t h0, int64_t nh, int64_t max_ctx, void* scratch);
+                      int64_t h0, int64_t nh, void* scratch);
 #endif
 
 #if CHATSTORE_BF16_DOT

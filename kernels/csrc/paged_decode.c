@@ -14,8 +14,9 @@
  *
  * Arithmetic is fp32 throughout; bf16 inputs are widened on load and the output rounded to
  * nearest even, as torch does. Where the CPU has AVX512-BF16 (CHATSTORE_BF16_DOT), bf16 items
- * take paged_decode_bf16.c instead: the same items and passes on bf16 dot products with fp32
- * accumulation, K and V read as stored. Plain C (no torch headers): it builds in seconds.
+ * take paged_decode_bf16.c instead: each runs as a one-token item of the bf16 prefill path (bf16
+ * dot products, fp32 accumulation, K and V read as stored), so a token gets the same bits whether
+ * a step decodes it here or runs it in paged_prefill. Plain C (no torch headers): it builds in seconds.
  */
 #include <math.h>
 #include <stdint.h>
@@ -142,9 +143,9 @@ int paged_decode(int dtype, const void* q, const void* k, const void* v, const i
     for (int64_t s = 0; s < S; s++) max_ctx = ctx_lens[s] > max_ctx ? ctx_lens[s] : max_ctx;
     size_t bytes = sizeof(float) * (size_t)(rows * max_ctx + 2 * rows * D + B * nh * D);
 #if CHATSTORE_BF16_DOT
-    const int bf16_dot = dtype == DTYPE_BF16 && B % 2 == 0 && D % 16 == 0;
+    const int bf16_dot = dtype == DTYPE_BF16 && D % 16 == 0; /* as paged_prefill's */
     const Bf16Attention A = {q, k, v, out, Hq, Hkv, L.G, D, B, scale};
-    if (bf16_dot) bytes = decode_bf16_scratch_bytes(rows, max_ctx, D, B);
+    if (bf16_dot) bytes = decode_bf16_scratch_bytes(D);
 #endif
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
@@ -159,7 +160,7 @@ int paged_decode(int dtype, const void* q, const void* k, const void* v, const i
             const int64_t* table = tables + s * table_width;
 #if CHATSTORE_BF16_DOT
             if (bf16_dot) {
-                decode_item_bf16(&A, table, s, ctx, h0, nh, max_ctx, scratch);
+                decode_item_bf16(&A, table, s, ctx, h0, nh, scratch);
                 continue;
             }
 #endif
