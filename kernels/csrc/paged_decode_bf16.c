@@ -1,16 +1,18 @@
-/* The AVX512-BF16 path of the paged-decode kernel (paged_decode.c): a decode token is run as a
- * one-token prefill item (paged_prefill_bf16.c), G query heads of a KV head in the lanes.
+/* The AVX512-BF16 path of the paged-decode kernel (paged_decode.c), with the arithmetic of the
+ * prefill item (paged_prefill_bf16.c) to the bit: continuous batching runs the same token in the
+ * decode kernel in one step and in the prefill kernel in another (a mixed step attends in place),
+ * so the two must give the same bits, or greedy tokens depend on the batch.
  *
- * Why not a decode-specific loop: continuous batching runs the same token in the decode kernel in
- * one step and in the prefill kernel in another (a mixed step attends in place), so the two must
- * give the same bits, or greedy tokens depend on the batch. A separate decode loop (dims in lanes
- * and a horizontal sum for QK^T, one softmax over the whole context, P normalised before its
- * rounding to bf16) rounded differently from the prefill item (a sequential pairwise sum per lane,
- * an online softmax over 16-key chunks aligned to key positions and blocks, P unnormalised).
- * Sharing the prefill item's arithmetic makes a token's output independent of its batch, of its
- * lane in an item and of the other rows there (tests/test_kernels_bf16.py pins it bitwise).
- * Built only where CHATSTORE_BF16_DOT is 1.
+ * Per query row and key, as the prefill item's lanes: the score is one fp32 accumulator over the
+ * D/2 pairs (VDPBF16PS, pairs in order) times scale; the same chunks of keys (16, never across a
+ * block, from position 0), the same lane-wise online softmax (vec16.h) with rows in lanes, P
+ * rounded to bf16 unnormalised (pair_lanes), PV pairs in order into fp32, the rescale by corr,
+ * and out = bf16(acc * (1 / l)). Only the layout is decode's: keys in lanes for QK^T (K pairs
+ * gathered once per chunk, shared by the G query heads) and dims in lanes for PV, so a query
+ * head costs D/32 dot products per key instead of a whole lane vector's D/2.
+ * tests/test_kernels_bf16.py pins decode == prefill bitwise. Built only where CHATSTORE_BF16_DOT.
  */
+#include <math.h>
 #include <stdint.h>
 
 #include "attention_bf16.h"
@@ -18,14 +20,158 @@
 
 #if CHATSTORE_BF16_DOT
 
-size_t decode_bf16_scratch_bytes(int64_t D) { return prefill_bf16_scratch_bytes(D); }
+size_t decode_bf16_scratch_bytes(int64_t D) {
+    /* KT [D/2][16] pairs, VI [CHUNK/2][D] pairs, acc [LANES][D], sc [LANES][16], PW [CHUNK/2][LANES] */
+    return (size_t)(D / 2 * 16 + CHUNK / 2 * D + LANES * D + LANES * 16 + CHUNK / 2 * LANES) * 4;
+}
+
+/* As paged_prefill_bf16.c: bf16(a[l]) and bf16(b[l]) side by side in 32-bit lane l. */
+INLINE __m512i pair_lanes_d(v16 a, v16 b) {
+    static const uint16_t order[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                       21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a); /* [a | b] */
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(order), halves);
+}
+
+#define QK_ROWS 4 /* query rows whose scores are accumulated together */
+
+/* Row i of q, or (i >= rows) row 0: a stand-in whose scores are dropped. */
+INLINE const uint16_t* qrow(const uint16_t* q, int64_t i, int64_t rows, int64_t D) {
+    return q + (i < rows ? i : 0) * D;
+}
+
+/* r[i][j] -> r[j][i]: a 16 x 16 transpose of 32-bit words in registers. */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        r[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        r[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        r[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int k = 0; k < 2; k++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * k + j] = _mm512_shuffle_i32x4(r[8 * k + j], r[8 * k + j + 4], 0x88);
+            t[8 * k + j + 4] = _mm512_shuffle_i32x4(r[8 * k + j], r[8 * k + j + 4], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
+    }
+}
+
+/* Query heads r0 .. r0 + rows (at most LANES) of KV head h of sequence seq. */
+INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t seq, int64_t ctx,
+                        int64_t h, int64_t r0, int64_t rows, void* scratch, const int64_t D) {
+    const int64_t G = A->G, B = A->B, Hkv = A->Hkv, stride = Hkv * D;
+    uint32_t* kt = scratch;
+    uint32_t* vi = kt + D / 2 * 16;
+    float* acc = (float*)(vi + CHUNK / 2 * D);
+    float* sc = acc + LANES * D;
+    uint32_t* pw = (uint32_t*)(sc + LANES * 16);
+    const uint16_t* q = A->q + (seq * A->Hq + h * G + r0) * D;
+    const int64_t last_pos = ctx - 1;
+    const int nv = rows > 16 ? 2 : 1; /* lane vectors holding rows */
+    i16 pos[NV];
+    v16 m[NV], l[NV];
+    for (int g = 0; g < NV; g++) {
+        for (int lane = 0; lane < 16; lane++)
+            pos[g][lane] = g * 16 + lane < rows ? (int32_t)last_pos : -1;
+        m[g] = splat(-INFINITY);
+        l[g] = (v16){0};
+    }
+    for (int64_t i = 0; i < rows * D; i++) acc[i] = 0.f;
+    for (int64_t i = 0; i < LANES * 16; i++) sc[i] = 0.f;
+    const __m512i key_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                                6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32((int32_t)(stride / 2)));
+    const __m512 scv = _mm512_set1_ps(A->scale);
+    for (int64_t t0 = 0, n; t0 <= last_pos; t0 += n) {
+        const int64_t o0 = t0 % B;
+        n = last_pos + 1 - t0;
+        n = n < CHUNK ? n : CHUNK;
+        n = n < B - o0 ? n : B - o0; /* a chunk never crosses a block */
+        const int64_t at = ((table[t0 / B] * B + o0) * Hkv + h) * D;
+        const uint16_t *kr = A->k + at, *vr = A->v + at;
+        const __mmask16 keys = (__mmask16)((1u << n) - 1u);
+        for (int64_t d0 = 0; d0 < D; d0 += 32) { /* KT[e][o]: key o's pair e */
+            __m512i r[16];
+            for (int64_t o = 0; o < 16; o++)
+                r[o] = o >= n         ? _mm512_setzero_si512()
+                       : D - d0 >= 32 ? _mm512_loadu_si512(kr + o * stride + d0)
+                                      : _mm512_maskz_loadu_epi16(0xFFFFu, kr + o * stride + d0);
+            transpose16(r);
+            for (int64_t j = 0; j < 16 && d0 / 2 + j < D / 2; j++)
+                _mm512_store_si512(kt + (d0 / 2 + j) * 16, r[j]);
+        }
+        for (int64_t i0 = 0; i0 < rows; i0 += QK_ROWS) { /* QK_ROWS independent chains */
+            __m512 s[QK_ROWS];
+            for (int j = 0; j < QK_ROWS; j++) s[j] = _mm512_setzero_ps();
+            for (int64_t e = 0; e < D / 2; e++) {
+                const __m512i k2 = _mm512_load_si512(kt + e * 16);
+                for (int j = 0; j < QK_ROWS; j++) /* rows past `rows`: scratch, never read */
+                    s[j] = dot_bf16(s[j], _mm512_set1_epi32(load_pair(qrow(q, i0 + j, rows, D) + 2 * e)), k2);
+            }
+            for (int j = 0; j < QK_ROWS && i0 + j < rows; j++)
+                _mm512_storeu_ps(sc + (i0 + j) * 16, _mm512_mul_ps(s[j], scv));
+        }
+        v16 s[CHUNK][NV]; /* rows in lanes, as the prefill item has them */
+        for (int g = 0; g < nv; g++) {
+            __m512i r[16];
+            for (int lane = 0; lane < 16; lane++)
+                r[lane] = _mm512_loadu_si512(sc + (g * 16 + lane) * 16);
+            transpose16(r);
+            for (int64_t o = 0; o < n; o++) s[o][g] = (v16)r[o];
+        }
+        v16 corr[NV];
+        const int rescale = online_softmax(s, n, t0, last_pos, pos, m, l, corr, nv);
+        const int64_t pairs = (n + 1) / 2;
+        for (int64_t p = 0; p < pairs; p++) {
+            const int has_odd = 2 * p + 1 < n;
+            for (int g = 0; g < nv; g++)
+                _mm512_storeu_si512(pw + p * LANES + g * 16,
+                                    pair_lanes_d(s[2 * p][g], has_odd ? s[2 * p + 1][g] : splat(0.f)));
+            interleave_rows(vr + 2 * p * stride, has_odd ? vr + (2 * p + 1) * stride : NULL,
+                            vi + p * D, D);
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            const __m512 cf = _mm512_set1_ps(corr[i / 16][i % 16]);
+            __m512 a[D / 16]; /* D / 16 independent chains */
+            for (int64_t c = 0; c < D / 16; c++) {
+                a[c] = _mm512_loadu_ps(acc + i * D + 16 * c);
+                if (rescale) a[c] = _mm512_mul_ps(a[c], cf);
+            }
+            for (int64_t p = 0; p < pairs; p++) {
+                const __m512i w = _mm512_set1_epi32((int32_t)pw[p * LANES + i]);
+                for (int64_t c = 0; c < D / 16; c++)
+                    a[c] = dot_bf16(a[c], w, _mm512_loadu_si512(vi + p * D + 16 * c));
+            }
+            for (int64_t c = 0; c < D / 16; c++) _mm512_storeu_ps(acc + i * D + 16 * c, a[c]);
+        }
+    }
+    uint16_t* out = A->out + (seq * A->Hq + h * G + r0) * D;
+    for (int64_t i = 0; i < rows; i++) {
+        const float inv = 1.f / l[i / 16][i % 16];
+        for (int64_t d = 0; d < D; d++) out[i * D + d] = f32_to_bf16(acc[i * D + d] * inv);
+    }
+}
 
 void decode_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t seq, int64_t ctx,
                       int64_t h0, int64_t nh, void* scratch) {
     for (int64_t h = h0; h < h0 + nh; h++)
         for (int64_t r0 = 0; r0 < A->G; r0 += LANES) {
             const int64_t rows = A->G - r0 < LANES ? A->G - r0 : LANES;
-            prefill_item_bf16(A, table, seq, h, r0, rows, ctx - 1, scratch);
+            if (A->D == 64)
+                decode_rows(A, table, seq, ctx, h, r0, rows, scratch, 64);
+            else if (A->D == 128)
+                decode_rows(A, table, seq, ctx, h, r0, rows, scratch, 128);
+            else
+                decode_rows(A, table, seq, ctx, h, r0, rows, scratch, A->D);
         }
 }
 

@@ -71,7 +71,7 @@ INLINE void chunk_bf16(const uint32_t* qt2, const uint16_t* kr, const uint16_t* 
         for (int g = 0; g < NV; g++) s[o][g] = (v16)_mm512_mul_ps(acc[g], sc);
     }
     v16 corr[NV];
-    const int rescale = online_softmax(s, n, t0, min_pos, pos, m, l, corr);
+    const int rescale = online_softmax(s, n, t0, min_pos, pos, m, l, corr, NV);
     /* Pairs of keys (2p, 2p + 1); an odd chunk's last key pairs with a zero key (P = 0, V = 0:
      * the row past the chunk is never read). */
     const int64_t pairs = (n + 1) / 2;

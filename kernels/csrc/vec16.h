@@ -33,12 +33,13 @@ INLINE v16 exp_v16(v16 x) {
  * starting at position t0: keys past a lane's position are masked, s becomes exp(s - new max),
  * m and l are updated, and corr[g] is the factor the lane's running output must be scaled by.
  * min_pos: the smallest position of the item's rows; a chunk at or below it needs no mask (most
- * chunks of a long prompt). Returns whether any corr differs from 1 (a new max in some lane). */
+ * chunks of a long prompt). nv: the lane vectors in use (NV; decode's fewer rows may use 1).
+ * Returns whether any corr differs from 1 (a new max in some lane). */
 INLINE int online_softmax(v16 s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_pos,
-                          const i16* pos, v16* m, v16* l, v16* corr) {
+                          const i16* pos, v16* m, v16* l, v16* corr, int nv) {
     const int masked = t0 + n - 1 > min_pos;
     i16 rescale = {0};
-    for (int g = 0; g < NV; g++) {
+    for (int g = 0; g < nv; g++) {
         v16 mx = m[g];
         for (int64_t o = 0; o < n; o++) {
             if (masked)
