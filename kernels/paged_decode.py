@@ -5,7 +5,9 @@ Two implementations of the same function:
 - native (CPU, fp32/bf16): `csrc/paged_decode.c`, one OpenMP work item per (sequence, KV head)
   that reads each K and V row of the sequence's blocks in place, once, for its whole GQA group.
   bf16 on a CPU with AVX512-BF16 runs `csrc/paged_decode_bf16.c` (bf16 dot products, fp32
-  accumulation); elsewhere bf16 is widened to fp32 on load (see native.py).
+  accumulation, the bf16 prefill kernel's arithmetic to the bit, so a token's output does not
+  depend on whether a step decodes it or runs it in paged prefill); elsewhere bf16 is widened to
+  fp32 on load (see native.py).
 - torch (any device, the fallback): all blocks the batch uses are taken as one flat list and
   attention runs per block, with a softmax segmented by owning sequence (flash-decoding's split-K,
   with one split per block):

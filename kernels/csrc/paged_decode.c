@@ -14,9 +14,9 @@
  *
  * Arithmetic is fp32 throughout; bf16 inputs are widened on load and the output rounded to
  * nearest even, as torch does. Where the CPU has AVX512-BF16 (CHATSTORE_BF16_DOT), bf16 items
- * take paged_decode_bf16.c instead: each runs as a one-token item of the bf16 prefill path (bf16
- * dot products, fp32 accumulation, K and V read as stored), so a token gets the same bits whether
- * a step decodes it here or runs it in paged_prefill. Plain C (no torch headers): it builds in seconds.
+ * take paged_decode_bf16.c instead: bf16 dot products, fp32 accumulation, K and V read as stored,
+ * with the bf16 prefill item's arithmetic to the bit, so a token gets the same bits whether a step
+ * decodes it here or runs it in paged_prefill. Plain C (no torch headers): it builds in seconds.
  */
 #include <math.h>
 #include <stdint.h>
