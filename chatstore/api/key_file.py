@@ -33,6 +33,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from chatstore.private_file import write_private
+
 KEY_PREFIX = "csk"
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 14, 8, 1
 SCRYPT_MAXMEM = 64 << 20
@@ -185,17 +187,4 @@ class KeyFile:
     def _write(self, records: list[KeyRecord]) -> None:
         doc = {"version": FILE_VERSION, "keys": [asdict(r) for r in records]}
         data = json.dumps(doc, indent=1).encode()
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask, and an old tmp file's mode
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a crash
-        finally:
-            os.close(dir_fd)
+        write_private(self.path, data)

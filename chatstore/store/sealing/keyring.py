@@ -19,7 +19,6 @@ import base64
 import binascii
 import json
 import logging
-import os
 import secrets
 import stat
 import threading
@@ -30,6 +29,8 @@ from typing import Any
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from chatstore.private_file import write_private
 
 log = logging.getLogger(__name__)
 
@@ -92,24 +93,6 @@ def read_key_file(path: Path) -> list[Secret]:
             f"(chmod 600 {path})"
         )
     return parse_secrets(path.read_text(), str(path))
-
-
-def write_private(path: Path, text: str) -> None:
-    """Atomically replace path with text, mode 0600, fsynced (file and directory)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 class Keyring:

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chatstore.private_file import write_private
 from chatstore.store.chunks import ChunkKey
-from chatstore.store.sealing.keyring import write_private
 
 log = logging.getLogger(__name__)
 
