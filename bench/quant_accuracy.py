@@ -9,7 +9,7 @@
               LICENSE.txt (English prose every install ships), pooled over both
     ppl_int8_pct       int8 vs bf16, in percent (bar: <= 1)
     ppl_int4_gguf_pct  int4_gguf vs bf16 (the bf16-dequantised GGUF: they should agree closely)
-    greedy    64 greedy tokens on the four prompts of tests/test_runner_exact.py, as served
+    greedy    64 greedy tokens on the four prompts of tests/engine/test_runner_exact.py, as served
               (prompt on the 16-bit copy, decode on the quantized weights): tokens before the
               first difference from bf16's, and positions equal, summed over the prompts
 
@@ -48,7 +48,7 @@ TEXTS = {
     "declaration_and_lincoln": ROOT / "tests" / "data" / "declaration_and_lincoln.txt",
     "cpython_license": Path(os.__file__).parent / "LICENSE.txt",
 }
-PROMPTS = (  # tests/test_runner_exact.py's, whose answers run past 64 tokens
+PROMPTS = (  # tests/engine/test_runner_exact.py's, whose answers run past 64 tokens
     "Write a short story about a robot who learns to paint.",
     "Explain how photosynthesis works, step by step.",
     "Describe the rules of chess for a beginner.",

@@ -1,7 +1,7 @@
 """What TLS to Redis costs: KV chunk put/get GB/s through our RedisTier, TLS vs plain.
 
 Two redis-servers on loopback, started here: one plain, one TLS-only with client certificates
-and the ACL user of deploy/redis-users.acl.template (tests/redis_tls_support.py makes its
+and the ACL user of deploy/redis-users.acl.template (tests/support/redis_tls.py makes its
 certificates). Each is driven the way the store drives Redis: RedisTier.put_many / get_many of
 chunk-sized values (one chunk of the default model: 256 tokens x 30 layers x K,V x 3 KV heads x
 64 dims in bf16, ~5.9 MB encoded), `batch` chunks per pipeline, fresh keys each round (the tier
@@ -46,7 +46,7 @@ from chatstore.store.session_kv import SessionKV  # noqa: E402
 from chatstore.store.tiers import codec  # noqa: E402
 from chatstore.store.tiers.redis import RedisTier, connect_redis  # noqa: E402
 from chatstore.store.tiers.redis_security import RedisSecurity  # noqa: E402
-from tests.redis_tls_support import make_tls_files, start_tls_redis  # noqa: E402
+from tests.support.redis_tls import make_tls_files, start_tls_redis  # noqa: E402
 
 # One KV chunk of the default model (SmolLM2-135M-Instruct) at chunk_tokens = 256, in bf16.
 LAYERS, KV_HEADS, HEAD_DIM, CHUNK_TOKENS = 30, 3, 64, 256

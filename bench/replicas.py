@@ -1,5 +1,5 @@
 """Replicas: the topology of deploy/cluster.sh (2 replicas, nginx, a 3-master Redis Cluster, all
-on loopback; tests/replicas_support.py), measured.
+on loopback; tests/support/replicas.py), measured.
 
   routing    a multi-turn workload through nginx, once hashed on the session (affine) and
              once round-robin, on the same replicas in the same run; sessions take turns
@@ -51,7 +51,7 @@ from chatstore.store.redis_server import start_local_redis  # noqa: E402
 from chatstore.store.tiers.redis import connect_redis  # noqa: E402
 from tests.chaos.clients import sse_events  # noqa: E402
 from tests.chaos.harness import ServerProcess, http_client  # noqa: E402
-from tests.replicas_support import AFFINE, ROUND_ROBIN, ReplicaCluster  # noqa: E402
+from tests.support.replicas import AFFINE, ROUND_ROBIN, ReplicaCluster  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer in two sentences."
 TOPICS = ["rivers", "volcanoes", "bridges", "comets", "forests", "deserts", "glaciers", "islands"]

@@ -14,7 +14,7 @@ import torch
 
 # Every server a test starts, in process or as a child process (`chatstore serve`, `chat
 # --local`, the chaos and replica harnesses), computes in float32, whatever `dtype = auto` picks
-# on this CPU: no test depends on the machine's CPU kind. tests/test_dtype_by_cpu.py runs auto
+# on this CPU: no test depends on the machine's CPU kind. tests/engine/test_dtype_by_cpu.py runs auto
 # under both /proc/cpuinfo answers; the bf16 tests ask for bf16 by name. A developer may still
 # run the suite's servers in bf16 with CHATSTORE_DTYPE=bfloat16.
 TEST_DTYPE = "float32"

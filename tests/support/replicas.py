@@ -1,0 +1,259 @@
+"""Several chatstore replicas behind nginx on a Redis Cluster, all on loopback: the topology of
+deploy/cluster.sh, in Python so that tests and bench/replicas.py need no bash parsing. Both
+render the same deploy/nginx.conf.template. Every wait is bounded.
+
+    with ReplicaCluster(tmp, replicas=2).start() as cluster:
+        httpx.post(cluster.proxy_url + "/v1/sessions", json={})
+        cluster.replicas[0].kill9()
+
+               ┌─► replica r0 ─┐
+    client ─► nginx (hash on session) ─► replica r1 ─┼─► Redis Cluster (3 masters)
+               └─► ...         ┘        records, KV chunks, leases
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from chatstore.store.sealing.keyring import new_secret_line
+from tests.chaos.harness import (
+    RedisProcess,
+    ServerProcess,
+    http_client,
+    terminate,
+    wait_until,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "deploy" / "nginx.conf.template"
+AFFINE = "hash $chatstore_session consistent;"
+ROUND_ROBIN = ""
+
+
+def cluster_port() -> int:
+    """A free loopback port whose cluster bus port (port + 10000) is free as well."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def render_nginx(listen: str, servers: list[str], balance: str = AFFINE) -> str:
+    upstream = " ".join(f"server {s} max_fails=1 fail_timeout=5s;" for s in servers)
+    text = TEMPLATE.read_text()
+    for key, value in (
+        ("@LISTEN@", listen),
+        ("@BALANCE@", balance),
+        ("@UPSTREAM_SERVERS@", upstream),
+    ):
+        text = text.replace(key, value)
+    return text
+
+
+class RedisClusterProcess:
+    """Three (or more) redis-server masters with --cluster-enabled, joined by redis-cli.
+    Append-only files: with the records in Redis, Redis persistence is what keeps them."""
+
+    def __init__(self, work: Path, masters: int = 3) -> None:
+        self.work = Path(work)
+        self.ports = [cluster_port() for _ in range(masters)]
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self, timeout_s: float = 30.0) -> RedisClusterProcess:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        for port in self.ports:
+            node_dir = self.work / f"redis-{port}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            args = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(node_dir)]
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            args += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+            log = open(node_dir / "redis.log", "ab")  # noqa: SIM115 (the child holds it)
+            self.procs.append(subprocess.Popen([binary, *args], stdout=log, stderr=log))
+        for port in self.ports:
+            wait_until(lambda p=port: self._cli(p, "ping") == "PONG", timeout_s, f"redis {port}")
+        nodes = [f"127.0.0.1:{p}" for p in self.ports]
+        create = ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0"]
+        subprocess.run([*create, "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        for port in self.ports:
+            wait_until(
+                lambda p=port: "cluster_state:ok" in self._cli(p, "cluster", "info"),
+                timeout_s,
+                f"cluster state ok on {port}",
+            )
+        return self
+
+    @staticmethod
+    def _cli(port: int, *cmd: str) -> str:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            out = subprocess.run(
+                ["redis-cli", "-p", str(port), *cmd], capture_output=True, timeout=5, text=True
+            )
+            return out.stdout.strip()
+        return ""
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def start_redis_cluster(work: Path, masters: int = 3) -> Any:
+    """The store's own cluster starter where it exists, else ours (same topology)."""
+    try:
+        from chatstore.store.redis_server import start_local_redis_cluster  # type: ignore[attr-defined]
+    except ImportError:
+        return RedisClusterProcess(work, masters).start()
+    return start_local_redis_cluster(masters=masters)
+
+
+class NginxProcess:
+    def __init__(self, work: Path, servers: list[str], balance: str = AFFINE) -> None:
+        self.dir = Path(work)
+        self.port = free_port()
+        self.servers = servers
+        self.balance = balance
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> NginxProcess:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        conf = self.dir / "nginx.conf"
+        conf.write_text(render_nginx(f"127.0.0.1:{self.port}", self.servers, self.balance))
+        binary = shutil.which("nginx") or "/usr/sbin/nginx"
+        globals_ = f"daemon off; pid {self.dir / 'nginx.pid'};"
+        cmd = [binary, "-e", "stderr", "-p", str(self.dir), "-c", str(conf), "-g", globals_]
+        log = open(self.dir / "nginx.log", "ab")  # noqa: SIM115 (the child holds it)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+
+        def listening() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"nginx exited:\n{(self.dir / 'nginx.log').read_text()}")
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), 0.5),
+            ):
+                return True
+            return False
+
+        wait_until(listening, timeout_s, f"nginx on {self.port}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            terminate(self.proc)
+
+
+# Small pools, and KV chunks of 64 tokens so that short test conversations complete chunks.
+REPLICA_ENV = {
+    "CHATSTORE_CHUNK_TOKENS": "64",
+    "CHATSTORE_KV_CACHE_BYTES": str(128 << 20),
+    "CHATSTORE_PERSIST_LAG_S": "0.2",
+}
+
+
+class ReplicaCluster:
+    """N `chatstore serve` replicas (own data dir, port, replica id) sharing one Redis Cluster,
+    and an nginx for each balance mode asked for (affine by default)."""
+
+    def __init__(
+        self,
+        work: Path,
+        replicas: int = 2,
+        env: dict[str, str] | None = None,
+        balances: tuple[str, ...] = (AFFINE,),
+        redis_cluster: bool = True,
+    ) -> None:
+        self.work = Path(work)
+        self.redis_cluster = redis_cluster
+        self.n = replicas
+        # Replicas share one server secret (encryption at rest): each would otherwise make its
+        # own in its data dir and could not open what the others sealed in Redis.
+        shared_secret = {"CHATSTORE_SECRET_KEY": new_secret_line("k1")}
+        self.env = {**REPLICA_ENV, **shared_secret, **(env or {})}
+        self.balances = balances
+        self.redis: Any = None
+        self.replicas: list[ServerProcess] = []
+        self.proxies: list[NginxProcess] = []
+
+    @property
+    def proxy_url(self) -> str:
+        return self.proxies[0].url
+
+    def start(self) -> ReplicaCluster:
+        try:
+            if self.redis_cluster:
+                self.redis = start_redis_cluster(self.work / "redis")
+            else:  # one Redis: the baseline bench/replicas.py compares the cluster with
+                self.redis = RedisProcess(self.work / "redis").start()
+            for i in range(self.n):
+                env = {
+                    **self.env,
+                    "CHATSTORE_REDIS_URL": self.redis.url,
+                    "CHATSTORE_REPLICA_ID": f"r{i}",
+                }
+                self.replicas.append(ServerProcess(self.work / f"r{i}" / "data", env))
+            for replica in self.replicas:  # one at a time: 2 cores
+                replica.start()
+            servers = [f"127.0.0.1:{r.port}" for r in self.replicas]
+            for j, balance in enumerate(self.balances):
+                self.proxies.append(NginxProcess(self.work / f"nginx{j}", servers, balance).start())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def replica_at(self, upstream: str) -> ServerProcess:
+        """The replica that served a response, from nginx's X-Upstream ("a, b": the last)."""
+        last = upstream.split(",")[-1].strip()
+        return next(r for r in self.replicas if last == f"127.0.0.1:{r.port}")
+
+    def stop(self) -> None:
+        for proxy in self.proxies:
+            proxy.stop()
+        for replica in self.replicas:
+            with contextlib.suppress(Exception):
+                replica.stop(30.0)
+        if self.redis is not None:
+            self.redis.stop()
+
+    def client(self, timeout_s: float = 60.0) -> Any:
+        return http_client(self.proxy_url, timeout_s)
+
+    def __enter__(self) -> ReplicaCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
