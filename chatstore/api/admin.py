@@ -58,7 +58,7 @@ def tier_body(t: Any) -> dict[str, Any]:
 
 def engine_body(service: ChatService) -> dict[str, Any]:
     raw = service.engine.stats()
-    stats = dataclasses.asdict(raw)
+    stats: dict[str, Any] = raw.as_dict()
     if raw.block_usage is not None:
         stats["block_usage"] = round(raw.block_usage, 4)
     # The resolved compute dtype: `dtype = "auto"` picks it per machine.

@@ -33,7 +33,6 @@ server protocol), labelled model_name as vLLM does:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,7 +61,7 @@ class StateCollector(Collector):
     def collect(self) -> Iterator[Any]:
         stats = self.engine_stats()
         if stats is not None:
-            for name, value in dataclasses.asdict(stats).items():
+            for name, value in stats.as_dict().items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     yield GaugeMetricFamily(f"chatstore_engine_{name}", f"engine {name}", value)
         tiers = self.tiers()

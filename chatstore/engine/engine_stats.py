@@ -1,13 +1,17 @@
 """What the engine reports: queue lengths, KV pool and device prefix cache, work done.
 
-Read by the admin endpoint and the metrics exporter (`dataclasses.asdict(engine.stats())`);
+Read by the admin endpoint and the metrics exporter as one flat map (`as_dict`, where the
+connector's load counters keep the names they have always been published under);
 the device prefix cache is the KV store's "device tier" (`device_tier` in the store adapter
 builds that tier's line from these numbers alone).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+
+from chatstore.engine.kv_connector import LoadStats
 
 
 @dataclass(frozen=True)
@@ -33,18 +37,22 @@ class EngineStats:
     requests_finished: int
     mean_batch_size: float  # sequences per forward step
     # Loading saved history KV into the pool (zeros without a KV store).
-    kv_loads: int = 0  # history loads (synchronous and layer-wise)
-    kv_layerwise_loads: int = 0  # of them, copied layer by layer during the forward
-    kv_load_wait_s: float = 0.0  # time the forward blocked on a layer not yet copied
-    kv_load_copy_s: float = 0.0  # loader-thread time spent copying into the pool
-    read_buffer_layers: int = 0  # layers staged ahead per queued session (0 = no read buffer)
-    read_buffer_staged: int = 0  # sessions staged before their job started
-    read_buffer_hits: int = 0  # loads that found their session staged
-    read_buffer_layers_used: int = 0  # layers copied from the buffer, not the tier
-    read_buffer_bytes: int = 0  # held by the read buffer now
+    load: LoadStats = field(default_factory=LoadStats)
     # The pool's blocks in bytes, and the device prefix cache seen as a tier of the KV store.
     block_bytes: int = 0  # KV bytes one block holds (K and V, every layer)
     cached_sessions: int = 0  # sessions whose history is in the prefix cache (BlockManager)
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Every number by name, in field order, `load`'s fields spliced in where it sits:
+        the /admin/cache `engine` object and the `chatstore_engine_*` gauges."""
+        out: dict[str, int | float] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, LoadStats):
+                out.update(dataclasses.asdict(value))
+            else:
+                out[f.name] = value
+        return out
 
     @property
     def block_usage(self) -> float | None:

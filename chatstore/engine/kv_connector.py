@@ -16,11 +16,29 @@ history); `chatstore.transfer.StoreConnector` overrides them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from chatstore.engine.forward_batch import ForwardBatch
 from chatstore.engine.request import Request
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What loading history KV into the pool did: `EngineStats.load`. All zeros without a
+    store. The field names are the keys /admin/cache's `engine` object and the
+    `chatstore_engine_*` gauges publish them under."""
+
+    kv_loads: int = 0  # history loads into the pool (synchronous and layer-wise)
+    kv_layerwise_loads: int = 0  # of them, copied layer by layer during the forward
+    kv_load_wait_s: float = 0.0  # time the forward blocked on a layer not yet copied
+    kv_load_copy_s: float = 0.0  # loader-thread time spent copying into the pool
+    read_buffer_layers: int = 0  # layers staged ahead per queued session (0 = no read buffer)
+    read_buffer_staged: int = 0  # sessions looked up and staged before their job started
+    read_buffer_hits: int = 0  # loads that found their session in the read buffer
+    read_buffer_layers_used: int = 0  # layers written from the buffer instead of the tier
+    read_buffer_bytes: int = 0  # held by the read buffer now
 
 
 class KVConnector(ABC):
@@ -82,9 +100,9 @@ class KVConnector(ABC):
         """Drop what is held for a request that will never finish normally."""
         return None
 
-    def load_stats(self) -> dict[str, float | int]:
-        """Counters of loading history KV (EngineStats' kv_* and read_buffer_* fields)."""
-        return {}
+    def load_stats(self) -> LoadStats:
+        """Counters of loading history KV (EngineStats.load); zeros when nothing is loaded."""
+        return LoadStats()
 
     def close(self) -> None:
         """Stop the connector's own threads (after the engine has stopped)."""

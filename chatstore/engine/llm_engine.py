@@ -102,13 +102,10 @@ class LLMEngine:
             tokens_generated=self.tokens_generated,
             requests_finished=self.requests_finished,
             mean_batch_size=self._seqs_stepped / self.steps if self.steps else 0.0,
-            **self._load_stats(),
+            load=self.connector.load_stats(),
             block_bytes=self.block_bytes,
             cached_sessions=cache.sessions,
         )
-
-    def _load_stats(self) -> dict[str, float | int]:
-        return self.connector.load_stats()
 
     # -- the model thread ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -54,7 +54,7 @@ import torch
 
 from chatstore.engine.forward_batch import ForwardBatch
 from chatstore.engine.kv_cache import PagedKVCache
-from chatstore.engine.kv_connector import KVConnector
+from chatstore.engine.kv_connector import KVConnector, LoadStats
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store import kv_quant
@@ -82,21 +82,6 @@ class _Pending:
     kv: ChunkedKV | None = None  # the chunks past the device hit, read at admission
     origins: dict[ChunkKey, str] = dataclasses.field(default_factory=dict)  # turn_origin.py
     hold: TurnHold | None = None  # the opened turn's chunks, kept readable until read
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """What loading history KV did; the names are EngineStats' (and /admin/cache's)."""
-
-    kv_loads: int  # history loads into the pool (sync and layer-wise)
-    kv_layerwise_loads: int
-    kv_load_wait_s: float  # time the forward blocked waiting for a layer's copy
-    kv_load_copy_s: float  # loader time spent copying into the pool
-    read_buffer_layers: int
-    read_buffer_staged: int  # sessions looked up and staged ahead of their job
-    read_buffer_hits: int  # loads that found their session in the read buffer
-    read_buffer_layers_used: int  # layers written from the buffer instead of the tier
-    read_buffer_bytes: int
 
 
 class StoreConnector(KVConnector):
@@ -151,9 +136,9 @@ class StoreConnector(KVConnector):
     def close(self) -> None:
         self.loader.close()
 
-    def load_stats(self) -> dict[str, float | int]:
+    def load_stats(self) -> LoadStats:
         buffer = self.read_buffer
-        stats = LoadStats(
+        return LoadStats(
             kv_loads=self.loads,
             kv_layerwise_loads=self.loads_started,
             kv_load_wait_s=round(self.load_wait_s, 6),
@@ -164,7 +149,6 @@ class StoreConnector(KVConnector):
             read_buffer_layers_used=self.staged_layers_used,
             read_buffer_bytes=buffer.used_bytes(),
         )
-        return dataclasses.asdict(stats)
 
     # -- before the prefill -------------------------------------------------------------------
 
