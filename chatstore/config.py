@@ -113,7 +113,8 @@ class Config:
     replica_id: str = ""  # this server's name in leases and KV events ("" = host:port:pid)
     kv_events_endpoint: str = ""  # ZMQ PUB endpoint for KV cache events, e.g. tcp://*:5557
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint replaying buffered events
-    kv_events_topic: str = ""  # topic frame of every published batch
+    kv_events_topic: str = ""  # topic frame of every batch ("" = kv@<pod>@<model>, llm-d's form)
+    kv_events_pod: str = ""  # <pod> in that topic ("" = $POD_IP:port, $POD_NAME or host name)
     redis_breaker_failures: int = 3  # consecutive failures that take Redis out
     redis_breaker_reset_s: float = 5.0  # then one probe after this long puts it back
     kv_storage_dtype: str = "auto"  # "auto" = the compute dtype; int8: half of bf16's bytes

@@ -70,19 +70,21 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
 
 
 def start_kv_events(config: Any, engine: Any, store: Any) -> Any:
-    """Publish the device prefix cache's and the store's changes; the publisher's close."""
+    """Publish the device prefix cache's and the store's changes, the store's at the device
+    block size (one chain for a router); the publisher's close."""
     from chatstore.kv_events import EngineSource, KVEventPublisher, StoreSource
+    from chatstore.kv_events.topic import pod_name, resolve_topic
 
+    pod = pod_name(config.kv_events_pod, config.port)
+    topic = resolve_topic(config.kv_events_topic, pod, _model_name(config.model))
     publisher = KVEventPublisher(
-        config.kv_events_endpoint,
-        config.kv_events_replay_endpoint or None,
-        config.kv_events_topic,
+        config.kv_events_endpoint, config.kv_events_replay_endpoint or None, topic
     )
     blocks = engine.engine.blocks
     EngineSource(publisher, blocks.block_size).attach(blocks)
     if store is not None:
-        StoreSource(publisher, store).attach()
-    log.info("KV events: publishing on %s", config.kv_events_endpoint)
+        StoreSource(publisher, store, blocks.block_size).attach()
+    log.info("KV events: publishing on %s, topic %r", config.kv_events_endpoint, topic)
     return publisher.close
 
 
