@@ -44,7 +44,7 @@ class KVEventPublisher:
         self._queue: queue.SimpleQueue[KVEvent | None] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket | None = None

@@ -9,24 +9,45 @@ Store chunks, one medium per tier:
     ssd  -> "DISK"     LMDB on local disk
     remote -> "REMOTE" Redis (shared; vLLM main names its shared offload tier "STORAGE")
 
-A chunk is published as one block of `chunk_tokens` tokens: its hash, its parent (the chunk
-before it in the chain) and its token ids, taken from the session index when the chunk
-reaches a tier. Only full chunks are published: a session's partial tail is re-keyed every
-turn, and routers expect whole blocks. A chunk the index no longer knows (freed while it
-moved) is not published, nor is its later removal: the subscriber's view stays consistent.
+Routers index blocks of the engine's block size and drop any other size (Dynamo does), so a
+stored chunk of `chunk_tokens` tokens is published as its chunk_tokens / block_size device
+blocks, one BlockStored each, named with the engine's own hash chain (`hash_block`: tenant
+salt, parent, tokens). The same tokens of one tenant thus have one hash on the device and in
+every tier, and the chain runs on from the last block of the chunk before: a router sees one
+chain whichever medium holds each part. A chunk that leaves a tier is one BlockRemoved with
+the same hashes.
+
+Token ids and the parent chunk come from the session index when the chunk reaches a tier.
+Only full chunks are published: a session's partial tail is re-keyed every turn. A chunk the
+index no longer knows (freed while it moved) is not published, nor is its later removal: the
+subscriber's view stays consistent.
 """
 
 from __future__ import annotations
 
 import threading
+from array import array
+from dataclasses import dataclass, field
 from typing import Any
 
+from chatstore.engine.block_manager import hash_block
 from chatstore.kv_events.publisher import KVEventPublisher
 from chatstore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 
 MEDIUM_GPU = "GPU"
 TIER_MEDIA = {"dram": "CPU", "ssd": "DISK", "remote": "REMOTE"}
 _ARRIVALS = frozenset({"stored", "promoted", "prefetched", "demoted"})
+
+
+def device_block_hashes(
+    parent: bytes | None, tenant: str, tokens: list[int], block_size: int
+) -> list[bytes]:
+    """The engine's hash chain over whole blocks of `tokens`, continuing from `parent`."""
+    out: list[bytes] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block(parent, tenant, tokens[start : start + block_size])
+        out.append(parent)
+    return out
 
 
 class EngineSource:
@@ -42,20 +63,36 @@ class EngineSource:
     def block_stored(self, block_hash: bytes, parent: bytes | None, tokens: list[int]) -> None:
         parent_hash = external_hash(parent) if parent is not None else None
         block = external_hash(block_hash)
-        self.publisher.put(BlockStored([block], parent_hash, tokens, self.block_size, MEDIUM_GPU))
+        self.publisher.put(
+            BlockStored([block], parent_hash, tokens, self.block_size, None, MEDIUM_GPU, None)
+        )
 
     def block_removed(self, block_hash: bytes) -> None:
         self.publisher.put(BlockRemoved([external_hash(block_hash)], MEDIUM_GPU))
 
 
+@dataclass(slots=True)
+class _Published:
+    """A chunk some medium holds as far as subscribers know."""
+
+    hashes: array  # its device blocks' external hashes ("Q": unsigned 64-bit), in order
+    tip: bytes  # the engine digest of its last block: the parent of the next chunk's first
+    media: set[str] = field(default_factory=set)
+
+
 class StoreSource:
     """A store event listener; keeps which media hold each published chunk."""
 
-    def __init__(self, publisher: KVEventPublisher, store: Any) -> None:
+    def __init__(
+        self, publisher: KVEventPublisher, store: Any, block_size: int | None = None
+    ) -> None:
         self.publisher = publisher
         self.store = store
         self.chunk_tokens: int = store.settings.chunk_tokens
-        self._media: dict[Any, set[str]] = {}  # published chunk -> media holding it
+        self.block_size: int = block_size or store.settings.block_size
+        if self.chunk_tokens % self.block_size:
+            raise ValueError("chunk_tokens must be a multiple of the device block size")
+        self._published: dict[Any, _Published] = {}
         self._lock = threading.Lock()  # store events come from several threads
 
     def attach(self) -> None:
@@ -66,8 +103,9 @@ class StoreSource:
             self.store.add_listener(self)
             for tier in self.store.tiers.tiers:
                 medium = TIER_MEDIA.get(tier.name)
-                for key in list(tier.keys()) if medium else ():
-                    self._arrived(key, medium)
+                if medium is not None:
+                    for key in list(tier.keys()):
+                        self._arrived(key, medium)
 
     def __call__(self, event: Any) -> None:
         kind, medium = event.kind, TIER_MEDIA.get(event.tier or "")
@@ -79,40 +117,66 @@ class StoreSource:
                 self._left(event.key, [medium])
         elif kind == "deleted":
             with self._lock:
-                self._left(event.key, sorted(self._media.get(event.key, ())))
+                held = self._published.get(event.key)
+                self._left(event.key, sorted(held.media) if held else [])
 
     def media(self) -> dict[Any, set[str]]:
+        """Published chunk -> the media holding it."""
         with self._lock:
-            return {k: set(v) for k, v in self._media.items()}
+            return {k: set(p.media) for k, p in self._published.items()}
 
     def _arrived(self, key: Any, medium: str) -> None:
-        held = self._media.get(key)
-        if held is not None and medium in held:
+        held = self._published.get(key)
+        if held is not None and medium in held.media:
             return
         found = self._describe(key)
         if found is None:
             return
-        tokens, parent = found
-        parent_hash = external_hash(bytes.fromhex(parent.digest)) if parent else None
-        block = external_hash(bytes.fromhex(key.digest))
-        self.publisher.put(BlockStored([block], parent_hash, tokens, self.chunk_tokens, medium))
-        self._media.setdefault(key, set()).add(medium)
+        chain, pos = found
+        C, B = self.chunk_tokens, self.block_size
+        parent = self._digest_before(key.tenant, chain, pos)
+        tokens = chain.token_ids[pos * C : (pos + 1) * C]
+        digests = device_block_hashes(parent, key.tenant, tokens, B)
+        hashes = [external_hash(d) for d in digests]
+        parent_hash = external_hash(parent) if parent is not None else None
+        for i, block in enumerate(hashes):
+            block_tokens = tokens[i * B : (i + 1) * B]
+            self.publisher.put(
+                BlockStored([block], parent_hash, block_tokens, B, None, medium, None)
+            )
+            parent_hash = block
+        if held is None:
+            held = self._published[key] = _Published(array("Q", hashes), digests[-1])
+        held.media.add(medium)
 
     def _left(self, key: Any, media: list[str]) -> None:
-        held = self._media.get(key)
+        held = self._published.get(key)
         if held is None:
             return
-        block = external_hash(bytes.fromhex(key.digest))
         for medium in media:
-            if medium in held:
-                held.discard(medium)
-                self.publisher.put(BlockRemoved([block], medium))
-        if not held:
-            del self._media[key]
+            if medium in held.media:
+                held.media.discard(medium)
+                self.publisher.put(BlockRemoved(list(held.hashes), medium))
+        if not held.media:
+            del self._published[key]
 
-    def _describe(self, key: Any) -> tuple[list[int], Any] | None:
-        """(token ids, parent chunk) of a full chunk some session holds; else None. Reads
-        the index without its lock: single dict reads of immutable chains."""
+    def _digest_before(self, tenant: str, chain: Any, pos: int) -> bytes | None:
+        """The engine digest of the block before chunk `pos` of `chain` (None for the first):
+        from the nearest published chunk before it, hashing the chunks in between."""
+        start, parent = 0, None
+        for j in range(pos - 1, -1, -1):
+            held = self._published.get(chain.chunks[j])
+            if held is not None:
+                start, parent = j + 1, held.tip
+                break
+        C = self.chunk_tokens
+        between = chain.token_ids[start * C : pos * C]
+        digests = device_block_hashes(parent, tenant, between, self.block_size)
+        return digests[-1] if digests else parent
+
+    def _describe(self, key: Any) -> tuple[Any, int] | None:
+        """(a session chain holding key as a full chunk, its position); else None. Reads the
+        index without its lock: single dict reads of immutable chains."""
         index, C = self.store.index, self.chunk_tokens
         pos = index.position_of(key)
         for owner in index.owners_of(key):
@@ -121,5 +185,5 @@ class StoreSource:
                 continue
             if (pos + 1) * C > len(chain.token_ids):
                 return None
-            return chain.token_ids[pos * C : (pos + 1) * C], chain.chunks[pos - 1] if pos else None
+            return chain, pos
         return None
