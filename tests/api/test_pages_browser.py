@@ -1,10 +1,10 @@
 """The browser pages in a real browser (Debian's chromium driven by Playwright) against real
-servers on the default model: the chat at `/` (sessions, replies streamed over the WebSocket,
-cached tokens, the page's own overhead) and the cache dashboard at `/admin/ui`, in local mode
-and with API keys.
+servers on the default model: the chat at `/` (open ready to type, sessions titled by their first
+message, replies streamed over the WebSocket, cached tokens, the page's own overhead) and the
+cache dashboard at `/admin/ui`, in local mode and with API keys.
 
 Screenshots go to the test's tmp dir, and also to $CHATSTORE_SCREENSHOTS_DIR when it is set
-(`CHATSTORE_SCREENSHOTS_DIR=docs/img` makes the README's images).
+(`CHATSTORE_SCREENSHOTS_DIR=docs/img` makes the images in README.md and docs/).
 """
 
 from __future__ import annotations
@@ -98,20 +98,29 @@ def screenshot(page, tmp_path: Path, name: str) -> None:
         shutil.copy(path, Path(target) / name)
 
 
-def create_session(page, system_prompt: str) -> str:
-    before = set(page.locator("#sessions li").evaluate_all("els => els.map(e => e.dataset.id)"))
+def new_chat(page, system_prompt: str) -> set[str]:
+    """Open a new chat with a system prompt (behind "New chat"); the sessions listed before it.
+    Its session is created by the first message: `started_session` finds it."""
+    page.click("#new-chat")
+    page.click("#draft-options summary")
     page.fill("#system-prompt", system_prompt)
-    page.click("#create-session")
-    page.wait_for_selector("#composer:not([hidden])")
+    return set(listed(page))
+
+
+def started_session(page, before: set[str]) -> str:
+    """The session the new chat's first message created: listed, and the socket connected."""
     page.wait_for_function(
         "n => document.querySelectorAll('#sessions li').length > n", arg=len(before)
     )
     page.wait_for_function(
         "() => document.querySelector('#status').textContent.endsWith(': connected')"
     )
-    ids = page.locator("#sessions li").evaluate_all("els => els.map(e => e.dataset.id)")
-    (new,) = set(ids) - before
+    (new,) = set(listed(page)) - before
     return new
+
+
+def title_of(page, session_id: str) -> str:
+    return page.locator(f"#sessions li[data-id='{session_id}'] .open").text_content()
 
 
 def watch_last_reply(page) -> None:
@@ -153,8 +162,9 @@ def test_chat_streams_replies_with_cached_history(local, open_page, tmp_path):
     page = open_page(local.url + "/")
     page.wait_for_selector("#no-sessions:not([hidden])")
     assert not page.locator("#key-dialog").evaluate("d => d.open")  # local mode: no key asked
-    sid = create_session(page, "You answer in one short sentence.")
+    before = new_chat(page, "You answer in one short sentence.")
     first = send(page, "Name a planet.")
+    sid = started_session(page, before)
     second = send(page, "Name another one.")
     third = send(page, "And a moon?")
     assert first["session_id"] == second["session_id"] == sid
@@ -195,6 +205,39 @@ def test_chat_streams_replies_with_cached_history(local, open_page, tmp_path):
     delete.click()  # the second click confirms
     page.wait_for_function(f"() => !document.querySelector(\"#sessions li[data-id='{sid}']\")")
     assert httpx.get(f"{local.url}/v1/sessions/{sid}", timeout=30).status_code == 404
+
+
+def test_chat_opens_ready_and_titles_sessions_by_first_message(local, open_page):
+    # A session started elsewhere (the API, the terminal client): its title comes from its
+    # messages, which the page reads once; a long first message is cut with an ellipsis.
+    long_first = "Please tell me, in a single short sentence, which planet is the largest one?"
+    http = httpx.Client(base_url=local.url, timeout=60)
+    elsewhere = http.post("/v1/sessions", json={"system_prompt": "Be brief."}).json()["id"]
+    turn = {"content": long_first, "max_tokens": 2, "temperature": 0}
+    assert http.post(f"/v1/sessions/{elsewhere}/messages", json=turn).status_code == 200
+    http.close()
+    page = open_page(local.url + "/")
+    # Ready at once: the message box has the focus, the system prompt is folded away.
+    page.wait_for_function("() => document.activeElement === document.querySelector('#input')")
+    assert page.locator("#system-prompt").is_hidden()
+    page.wait_for_selector(f"#sessions li[data-id='{elsewhere}']")
+    before = set(listed(page))
+    assert title_of(page, elsewhere) == long_first[:47] + "…"
+    page.keyboard.type("Name a colour.")  # into whatever has the focus: the message box
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => window.chatstoreTimings.length === 1", timeout=WAIT_MS)
+    assert page.locator(".msg.assistant .text").last.text_content().strip()
+    sid = started_session(page, before)
+    assert page.evaluate("() => window.chatstoreTimings[0].session_id") == sid
+    assert title_of(page, sid) == "Name a colour."
+    assert page.locator(f"#sessions li[data-id='{sid}']").get_attribute("class") == "active"
+    # "New chat" opens an empty one, ready to type into; the first stays listed by its title.
+    page.click("#new-chat")
+    assert page.locator("#messages .msg").count() == 0
+    assert page.evaluate("() => document.activeElement.id") == "input"
+    page.reload()
+    page.wait_for_selector(f"#sessions li[data-id='{sid}']")
+    assert title_of(page, sid) == "Name a colour."
 
 
 def dashboard_tiers(page) -> dict[str, dict[str, int]]:
@@ -266,8 +309,9 @@ def test_with_keys_each_tenant_sees_only_its_own(keyed, open_page):
     alice.fill("#key-dialog input[name=key]", ALICE)
     alice.click("#key-dialog button[type=submit]")
     alice.wait_for_selector("#no-sessions:not([hidden])")
-    sid = create_session(alice, "Be brief.")
+    before = new_chat(alice, "Be brief.")
     reply = send(alice, "Hi!", max_tokens=6)  # over the WebSocket, key in ?api_key=
+    sid = started_session(alice, before)
     assert reply["session_id"] == sid
     # Stop: the turn is cancelled in the engine, the page is ready for the next message.
     alice.fill("#max-tokens", "400")  # the pool holds ~700 tokens: no preemption

@@ -1,5 +1,9 @@
 // The chat page: the tenant's sessions, and one conversation streamed over its WebSocket.
 //
+// It opens on a new chat with the message box focused: the session is created by the first
+// message (with the system prompt, if one was set under "System prompt"), so opening the page
+// leaves no empty session behind. Sessions are listed under their first user message.
+//
 // Per reply it shows TTFT, decode tokens/s, cached prompt tokens and the tier they came from,
 // and records the page's own overhead: the server's clock on the first delta ("t", epoch ms)
 // against the moment that token is in the DOM (window.chatstoreTimings).
@@ -8,10 +12,13 @@ import { Api, ApiError, KeyDialog, ago, el } from "./api.js";
 import { dominantTier, messageItem, statsLine } from "./reply_view.js";
 
 const TYPING_HINT_MS = 3000; // at most one prefetch hint per session in this time
+const TITLE_CHARS = 48; // a session's title: its first user message, cut to this many characters
 const $ = (id) => document.getElementById(id);
 
 const api = new Api("chatstore.apiKey", new KeyDialog($("key-dialog")));
 const state = { sessionId: null, socket: null, reply: null, lastTyping: -Infinity };
+// Session id -> title. A session's first user message never changes, so it is fetched once.
+const titles = new Map();
 window.chatstoreTimings = [];
 window.chatstoreTypingHints = 0;
 
@@ -19,16 +26,38 @@ window.chatstoreTypingHints = 0;
 
 async function loadSessions() {
   const list = await api.request("GET", "/v1/sessions?limit=100");
+  await learnTitles(list.data);
   const items = list.data.map(sessionItem);
   $("sessions").replaceChildren(...items);
   $("no-sessions").hidden = items.length > 0;
   showKeyState();
 }
 
+// The list carries no messages: a session not seen before is read once for its first one.
+async function learnTitles(sessions) {
+  const unknown = sessions.filter((s) => !titles.has(s.id) && s.num_messages > 0);
+  const records = await Promise.all(
+    unknown.map((s) =>
+      api.request("GET", `/v1/sessions/${encodeURIComponent(s.id)}`).catch(() => null),
+    ),
+  );
+  for (const record of records) {
+    if (!record) continue; // deleted meanwhile: it is gone from the next list too
+    const first = record.messages.find((m) => m.role === "user");
+    if (first) titles.set(record.id, titleOf(first.content));
+  }
+}
+
+function titleOf(text) {
+  const line = text.replace(/\s+/g, " ").trim();
+  return line.length > TITLE_CHARS ? `${line.slice(0, TITLE_CHARS - 1).trimEnd()}…` : line;
+}
+
 function sessionItem(s) {
   const where = s.kv_location ? `KV in ${s.kv_location}` : "no KV";
   const meta = [`${s.num_messages} messages`, `${s.num_tokens} tokens`, where, ago(s.updated_at)];
-  const open = el("button", { type: "button", class: "open", text: s.id });
+  const title = titles.get(s.id) || "(no message yet)";
+  const open = el("button", { type: "button", class: "open", text: title, title: s.id });
   const remove = el("button", { type: "button", class: "delete", text: "Delete" });
   const info = el("div", { class: "meta", text: meta.join(" · ") });
   const item = el("li", { "data-id": s.id }, open, remove, info);
@@ -49,19 +78,31 @@ function armDelete(button, sessionId) {
   }, 4000);
 }
 
-async function createSession(event) {
-  event.preventDefault();
+// A new chat: nothing is created until its first message (startSession).
+function newChat() {
+  closeConversation();
+  $("system-prompt").value = "";
+  $("draft-options").open = false;
+  for (const li of $("sessions").children) li.classList.remove("active");
+  $("input").focus();
+}
+
+// The draft's first message creates its session, titled by that message.
+async function startSession(firstMessage) {
   const prompt = $("system-prompt").value.trim();
   const body = prompt ? { system_prompt: prompt } : {};
   const created = await api.request("POST", "/v1/sessions", body);
-  $("system-prompt").value = "";
-  await openSession(created.id);
-  await loadSessions();
+  titles.set(created.id, titleOf(firstMessage));
+  state.sessionId = created.id;
+  $("draft").hidden = true;
+  $("messages").replaceChildren(...created.messages.map((m) => messageItem(m.role, m.content)));
+  run(loadSessions());
+  return created.id;
 }
 
 async function deleteSession(sessionId) {
   await api.request("DELETE", `/v1/sessions/${encodeURIComponent(sessionId)}`);
-  if (sessionId === state.sessionId) closeConversation();
+  if (sessionId === state.sessionId) newChat();
   await loadSessions();
 }
 
@@ -70,8 +111,7 @@ async function openSession(sessionId) {
   const record = await api.request("GET", `/v1/sessions/${encodeURIComponent(sessionId)}`);
   state.sessionId = sessionId;
   $("messages").replaceChildren(...record.messages.map((m) => messageItem(m.role, m.content)));
-  $("empty").hidden = true;
-  $("composer").hidden = false;
+  $("draft").hidden = true;
   for (const li of $("sessions").children) {
     li.classList.toggle("active", li.dataset.id === sessionId);
   }
@@ -87,8 +127,7 @@ function closeConversation() {
   state.reply = null;
   state.lastTyping = -Infinity;
   $("messages").replaceChildren();
-  $("empty").hidden = false;
-  $("composer").hidden = true;
+  $("draft").hidden = false;
   setBusy(false);
   setStatus("");
 }
@@ -213,11 +252,12 @@ function finishReply(problem) {
 async function send(event) {
   event.preventDefault();
   const content = $("input").value.trim();
-  const sessionId = state.sessionId;
-  if (!content || !sessionId || state.reply) return;
+  if (!content || state.reply || $("send").disabled) return;
   setBusy(true);
   let socket;
+  let sessionId = state.sessionId;
   try {
+    if (!sessionId) sessionId = await startSession(content);
     socket = await socketFor(sessionId);
   } catch (error) {
     setBusy(false);
@@ -297,7 +337,7 @@ function run(promise) {
 
 // ---- wiring --------------------------------------------------------------------------------
 
-$("new-session").addEventListener("submit", (event) => run(createSession(event)));
+$("new-chat").addEventListener("click", newChat);
 $("composer").addEventListener("submit", (event) => run(send(event)));
 $("input").addEventListener("input", typingHint);
 $("input").addEventListener("keydown", (event) => {
@@ -309,8 +349,10 @@ $("input").addEventListener("keydown", (event) => {
 $("stop").addEventListener("click", stop);
 $("forget-key").addEventListener("click", () => {
   api.forget();
-  closeConversation();
+  titles.clear();
+  newChat();
   $("sessions").replaceChildren();
   run(loadSessions());
 });
+$("input").focus();
 run(loadSessions());
