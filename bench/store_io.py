@@ -243,21 +243,12 @@ def _conversation(args, mode: str, data_dir: str, overrides: dict) -> dict:
     cpu: list[float] = []
     meter = None
     if store is not None:  # the writer thread's CPU time per commit
-        commit = store.writer._commit
-
-        def timed(key, value):
-            t0 = time.thread_time()
-            try:
-                commit(key, value)
-            finally:
-                cpu.append(time.thread_time() - t0)
-
-        store.writer._commit = timed
+        store.add_commit_listener(lambda c: cpu.append(c.cpu_s) if c.background else None)
         meter = TierBytes(store, rig.backend.store.records, overrides.get("redis_url", ""))
     rig.open_session("conv", "You are a helpful assistant.")
     ratios, all_ratios, ttfts, saved_tokens = [], [], [], 0
     written = 0
-    per_token = store.layout.bytes_per_token if store is not None else 0
+    per_token = store.bytes_per_token if store is not None else 0
     per_turn: dict[str, list[int]] = {"written": [], "new": [], "history": []}  # bytes
     chunks_before: set = set()
     for t in progress.track(range(args.turns), f"conversation, store {mode}"):

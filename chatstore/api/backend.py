@@ -51,10 +51,10 @@ def build_backend(config: Any, runtime: Any = None) -> Backend:
     records = None if store is not None else _records_only(config)
     engine = AsyncEngine(runtime, EngineConfig.from_config(config), connector)
     if store is not None:
-        store.set_waiting_queue(lambda: waiting_keys(engine))
+        store.set_waiting_queue(engine)  # a WaitingQueue: its waiting_sessions()
     max_context = model.spec.max_context
     if store is not None:
-        max_context = min(max_context, store.settings.max_context_tokens)
+        max_context = min(max_context, store.max_context_tokens)
     on_shutdown = []
     if config.kv_events_endpoint:
         on_shutdown.append(start_kv_events(config, engine, store))
@@ -88,20 +88,9 @@ def start_kv_events(config: Any, engine: Any, store: Any) -> Any:
     return publisher.close
 
 
-def waiting_keys(engine: Any) -> list[Any]:
-    """The engine's waiting queue as store session keys, in admission order (thread-safe)."""
-    from chatstore.store.session_kv import SessionKey
-
-    return [
-        SessionKey(e.tenant, e.session_id)
-        for e in engine.waiting_sessions()
-        if e.session_id is not None
-    ]
-
-
 def _records_only(config: Any) -> Any:
     """kv_store = "off" (recompute every turn): session records still need a home."""
-    from chatstore.store.attention_store import default_data_dir
+    from chatstore.store import default_data_dir
     from chatstore.store.records import LmdbRecordStore
     from chatstore.store.sealing import sealer_for
 

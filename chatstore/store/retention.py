@@ -10,14 +10,12 @@
 
 Both live in the session record (records.py), so they survive restarts and are shared by
 replicas; the store keeps a copy per session (`RetentionTable`) for the placement policy and the
-expiry checks that run without reading records.
+expiry checks that run without reading records (sessions/retention_table.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from chatstore.store.session_kv import SessionKey
 
 PRIORITY_MIN = -10
 PRIORITY_MAX = 10
@@ -53,22 +51,3 @@ def check_retention(priority: int | None, ttl_s: int | None) -> None:
         raise RetentionError(
             "ttl_s", f"ttl_s must be in [0, {TTL_MAX_S}] (0: server default), not {ttl_s}"
         )
-
-
-class RetentionTable:
-    """session -> Retention, holding only sessions that differ from the default."""
-
-    def __init__(self) -> None:
-        self._of: dict[SessionKey, Retention] = {}
-
-    def get(self, key: SessionKey) -> Retention:
-        return self._of.get(key, DEFAULT)
-
-    def set(self, key: SessionKey, retention: Retention) -> None:
-        if retention == DEFAULT:
-            self._of.pop(key, None)
-        else:
-            self._of[key] = retention
-
-    def drop(self, key: SessionKey) -> None:
-        self._of.pop(key, None)

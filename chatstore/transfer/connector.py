@@ -20,7 +20,7 @@ Load, three ways (CachedAttention §3.2.1):
     their job starts (ReadBuffer); a job never waits for a lookup still running.
 
 Remote (Redis) chunks: the admission read runs on the engine thread, so it reads local tiers
-only (`ChunkTiers.foreground`). The API thread that opened the turn (`store.fetch_remote`) has
+only (`store.foreground_reads()`). The API thread that opened the turn (`store.fetch_remote`) has
 brought them up and holds them (turn_hold.py: pinned in DRAM, or kept beside it when DRAM cannot
 take them) until this read: the connector takes that hold when the request starts and releases
 it once the chunks are read (or the request ends). Where a chunk only Redis holds still cuts
@@ -44,7 +44,6 @@ calling `begin_step(request_ids)` before each forward. Rows of ids the connector
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -58,12 +57,8 @@ from chatstore.engine.kv_connector import KVConnector, LoadStats
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store import kv_quant
-from chatstore.store.attention_store import AttentionStore, StoredSession
-from chatstore.store.chunks import ChunkKey
+from chatstore.store.ports import ChunkDelta, ChunkKey, KVSource, StoredSession, TurnHold
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
-from chatstore.store.turn_hold import TurnHold
-from chatstore.store.turn_origin import tokens_by_tier
-from chatstore.store.turn_plan import ChunkDelta
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
 from chatstore.transfer.layer_loader import LayerLoader, LoadJob
 from chatstore.transfer.layer_saver import LayerSaver, TurnRows
@@ -80,7 +75,6 @@ class _Pending:
     reusable: int  # leading prompt tokens the stored chunks cover (LCP)
     staged: StagedKV | None = None  # read-buffer entry claimed for this request
     kv: ChunkedKV | None = None  # the chunks past the device hit, read at admission
-    origins: dict[ChunkKey, str] = dataclasses.field(default_factory=dict)  # turn_origin.py
     hold: TurnHold | None = None  # the opened turn's chunks, kept readable until read
 
 
@@ -90,7 +84,7 @@ class StoreConnector(KVConnector):
 
     def __init__(
         self,
-        store: AttentionStore,
+        store: KVSource,
         kv_cache: PagedKVCache,
         rope: RotaryEmbedding,
         layer_delay_s: float = 0.0,
@@ -115,7 +109,7 @@ class StoreConnector(KVConnector):
             kv_cache, rope, self._stage_lookup, self.read_buffer, layer_delay_s, loader_threads
         )
         # The dtype the turn's rows wait in until its chunks are built (int8: the compute's).
-        self.staging_dtype = kv_quant.staging_dtype(store.settings.storage_dtype, kv_cache.dtype)
+        self.staging_dtype = kv_quant.staging_dtype(store.storage_dtype, kv_cache.dtype)
         self.saver = LayerSaver(kv_cache.spec.num_layers, self.staging_dtype, kv_cache.device)
         self._jobs: list[LoadJob] = []  # loads started this step
         self.loads = 0
@@ -128,6 +122,8 @@ class StoreConnector(KVConnector):
         self.idle = threading.Event()  # clear while a forward with prompt tokens runs
         self.idle.set()
         store.yield_to(self.idle)
+        if self.read_buffer.enabled:  # a client's hint stages its session here
+            store.add_hint_listener(self.stage)
 
     @property
     def load_copy_s(self) -> float:
@@ -169,7 +165,7 @@ class StoreConnector(KVConnector):
         rather than make the step wait on the network."""
         stored = pending.saved
         assert stored is not None
-        with self.store.tiers.foreground():
+        with self.store.foreground_reads():
             parts, reached = self._read(stored, start, pending.reusable)
         self.store.release_hold(pending.hold)  # read: the parts own their rows now
         pending.hold = None
@@ -186,18 +182,10 @@ class StoreConnector(KVConnector):
         pending = self._pending.get(request.request_id)
         if pending is None or pending.saved is None or num_tokens <= 0:
             return {}
-        stored, origins = pending.saved, pending.origins
-        end = start + num_tokens
-        return tokens_by_tier(stored.chunks, stored.chunk_tokens, start, end, origins.__getitem__)
-
-    def _tier_now(self, chunk: ChunkKey) -> str:
-        # A chunk gone by now is loaded from the read buffer if at all: host memory.
-        return self.store.chunk_tier(chunk) or "dram"
+        return pending.saved.tokens_by_origin(start, start + num_tokens)
 
     def _only_remote(self, stored: StoredSession, position: int) -> bool:
-        tiers = self.store.tiers
-        where = tiers.where(stored.chunks[position // stored.chunk_tokens])
-        return any(t.remote and t.name == where for t in tiers.slow)
+        return self.store.remote_only(stored.chunks[position // stored.chunk_tokens])
 
     def _read(
         self, stored: StoredSession, start: int, end: int
@@ -221,7 +209,7 @@ class StoreConnector(KVConnector):
         if request.session_id is not None:
             key = SessionKey(request.tenant, request.session_id)
             staged = self.read_buffer.claim(key, self._version(key))  # published ones only
-            saved = self.store.find(key.tenant, key.session_id)
+            saved = self.store.admit(key.tenant, key.session_id)  # with its chunks' origins
         reusable = 0
         if saved is not None:
             # Keep at least one prompt token to compute: its logits give the first new token.
@@ -233,9 +221,6 @@ class StoreConnector(KVConnector):
         pending = _Pending(request, saved, reusable, staged)
         if request.session_id is not None:
             pending.hold = self.store.take_hold(request.tenant, request.session_id)
-        if saved is not None:  # before any read here promotes a chunk
-            noted = self.store.origins.take(saved.key)
-            pending.origins = {c: noted.get(c) or self._tier_now(c) for c in saved.chunks}
         self._pending[request.request_id] = pending
         if request.session_id is not None:
             self.saver.track(request.request_id)
@@ -431,7 +416,7 @@ class StoreConnector(KVConnector):
             wanted[a:b] = True
         missing = (wanted & ~have).nonzero().flatten()
         device_rows = self._copy_from_device(missing, block_table) if len(missing) else None
-        dtype, storage = self.staging_dtype, store.settings.storage_dtype
+        dtype, storage = self.staging_dtype, store.storage_dtype
 
         def build() -> dict[ChunkKey, SessionKV | ChunkDelta]:
             try:
@@ -455,7 +440,7 @@ class StoreConnector(KVConnector):
                 rows.release()
 
         new_tokens = sum(b - a - plan.bases.get(k, (None, 0))[1] for _, k, a, b in spans)
-        nbytes = new_tokens * store.layout.bytes_per_token + rows.nbytes()
+        nbytes = new_tokens * store.bytes_per_token + rows.nbytes()
         if not spans:
             rows.release()
         store.save_turn(
@@ -487,7 +472,7 @@ def _slots(block_table: list[int], positions: torch.Tensor, block_size: int) -> 
 
 
 def create_connector(
-    store: AttentionStore | None,
+    store: KVSource | None,
     kv_cache: PagedKVCache,
     rope: RotaryEmbedding,
     read_buffer_layers: int = 0,

@@ -1,7 +1,7 @@
 """Which session a full tier gives up: the hook through which an eviction policy plugs in.
 
 The hierarchy tells the chooser about every access and removal and asks it for a victim among a
-tier's sessions. The default is least-recently-used; `chatstore.store.policy` provides the
+tier's sessions. The default is least-recently-used; `placement.policies` provides the
 scheduler-aware and FIFO choosers behind the same three methods.
 """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from chatstore.store.policy.lru import LRUPolicy
+from chatstore.store.placement.policies.lru import LRUPolicy
 
 
 class FIFOPolicy(LRUPolicy):

@@ -78,3 +78,18 @@ class SessionIndex:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def describe(
+        self, chunk: ChunkKey, chunk_tokens: int
+    ) -> tuple[list[int], ChunkKey | None] | None:
+        """(token ids, parent chunk) of a full chunk some session holds; else None. Reads
+        without a lock: single dict reads of immutable chains."""
+        C, pos = chunk_tokens, self.position_of(chunk)
+        for owner in self.owners_of(chunk):
+            chain = self.get(owner)
+            if chain is None or pos >= len(chain.chunks) or chain.chunks[pos] != chunk:
+                continue
+            if (pos + 1) * C > len(chain.token_ids):
+                return None
+            return chain.token_ids[pos * C : (pos + 1) * C], chain.chunks[pos - 1] if pos else None
+        return None

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Generator, Hashable
 
-from chatstore.store.policy.base import EvictionPolicy
-from chatstore.store.policy.lookahead import Lookahead
-from chatstore.store.policy.order import StampOrder
+from chatstore.store.placement.policies.base import EvictionPolicy
+from chatstore.store.placement.policies.lookahead import Lookahead
+from chatstore.store.placement.policies.order import StampOrder
 
 
 class LRUPolicy(EvictionPolicy):

@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from collections.abc import Generator, Hashable, Sequence
 
-from chatstore.store.policy.lookahead import Lookahead
-from chatstore.store.policy.lru import LRUPolicy
+from chatstore.store.placement.policies.lookahead import Lookahead
+from chatstore.store.placement.policies.lru import LRUPolicy
 
 
 class AwarePolicy(LRUPolicy):

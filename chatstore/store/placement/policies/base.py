@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from chatstore.store.policy.lookahead import Lookahead
+from chatstore.store.placement.policies.lookahead import Lookahead
 
 
 class EvictionPolicy(ABC):

@@ -2,9 +2,10 @@
 
 The API opens a turn (`AttentionStore.fetch_remote`) before the engine queues it: at that
 moment the store notes which tier holds each of the session's chunks, then brings what only
-Redis holds up to DRAM. The connector takes the note at admission and counts the tokens it
-loads by it (`tokens_by_tier`), so a chunk that the turn-opening fetch (or the prefetch thread,
-while the turn waited) moved up still counts where the turn found it: `remote`, `ssd`.
+Redis holds up to DRAM. The store hands the note over at admission (`StoredSession.origins`)
+and the connector counts the tokens it loads by it (`tokens_by_origin`), so a chunk that the
+turn-opening fetch (or the prefetch thread, while the turn waited) moved up still counts where
+the turn found it: `remote`, `ssd`.
 
     chunks     | c0 (ssd)       | c1 (dram)      | c2 (dram) |
     tokens     0        start   C               2C    end
@@ -12,8 +13,6 @@ while the turn waited) moved up still counts where the turn found it: `remote`, 
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKey
@@ -39,23 +38,3 @@ class TurnOrigins:
 
     def drop(self, key: SessionKey) -> None:
         self._notes.pop(key, None)
-
-
-def tokens_by_tier(
-    chunks: list[ChunkKey],
-    chunk_tokens: int,
-    start: int,
-    end: int,
-    tier_of: Callable[[ChunkKey], str | None],
-) -> dict[str, int]:
-    """Tokens [start, end) of a chain of `chunk_tokens`-token chunks, counted by their chunk's
-    tier; the counts sum to end - start when `chunks` covers them and every chunk there has a
-    tier (a chunk whose tier is None, or past the end of `chunks`, is not counted)."""
-    out: dict[str, int] = {}
-    C = chunk_tokens
-    for i in range(start // C, min(len(chunks), -(-end // C))):
-        n = min(end, (i + 1) * C) - max(start, i * C)
-        tier = tier_of(chunks[i]) if n > 0 else None
-        if tier is not None:
-            out[tier] = out.get(tier, 0) + n
-    return out

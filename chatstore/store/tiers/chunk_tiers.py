@@ -38,6 +38,7 @@ import torch
 
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.events import EventLog, StoreCounters, StoreEvent
+from chatstore.store.placement.victims import LruChooser, VictimChooser
 from chatstore.store.sealing import OpenError
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers.background import BackgroundIO
@@ -49,7 +50,6 @@ from chatstore.store.tiers.base import (
     TierUnavailable,
 )
 from chatstore.store.tiers.codec import CorruptValueError
-from chatstore.store.victims import LruChooser, VictimChooser
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from chatstore.store.policy.base import EvictionPolicy
-from chatstore.store.policy.lookahead import Lookahead, QueueLookahead
+from chatstore.store.placement.policies.base import EvictionPolicy
+from chatstore.store.placement.policies.lookahead import Lookahead, QueueLookahead
 
 
 class PolicyChooser:

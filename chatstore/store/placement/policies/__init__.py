@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from chatstore.store.policy.aware import AwarePolicy
-from chatstore.store.policy.base import EvictionPolicy
-from chatstore.store.policy.belady import BeladyPolicy
-from chatstore.store.policy.chooser import PolicyChooser
-from chatstore.store.policy.fifo import FIFOPolicy
-from chatstore.store.policy.lookahead import Lookahead, QueueLookahead, SortedLookahead
-from chatstore.store.policy.lru import LRUPolicy
+from chatstore.store.placement.policies.aware import AwarePolicy
+from chatstore.store.placement.policies.base import EvictionPolicy
+from chatstore.store.placement.policies.belady import BeladyPolicy
+from chatstore.store.placement.policies.chooser import PolicyChooser
+from chatstore.store.placement.policies.fifo import FIFOPolicy
+from chatstore.store.placement.policies.lookahead import Lookahead, QueueLookahead, SortedLookahead
+from chatstore.store.placement.policies.lru import LRUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     p.name: p for p in (LRUPolicy, FIFOPolicy, AwarePolicy, BeladyPolicy)

@@ -18,63 +18,16 @@ row is copied or written again.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-from chatstore.store.chunks import ChunkHasher, ChunkKey, chunk_span
-from chatstore.store.session_index import SessionChain
-from chatstore.store.session_kv import SessionKey, SessionKV
-
-if TYPE_CHECKING:
-    from chatstore.store.attention_store import StoredSession
-
-
-@dataclass(frozen=True)
-class ChunkDelta:
-    """A new chunk given as the first `keep` rows of the stored chunk `base` + `rows`."""
-
-    base: ChunkKey
-    keep: int
-    rows: SessionKV  # the rows after the kept ones (token ids and KV)
-
-
-@dataclass(frozen=True)
-class TurnPlan:
-    token_ids: list[int]
-    chain: list[ChunkKey]
-    new_chunks: tuple[ChunkKey, ...]
-    chunk_tokens: int
-    bases: dict[ChunkKey, tuple[ChunkKey, int]] = field(default_factory=dict)
-
-    def span(self, index: int) -> tuple[int, int]:
-        return chunk_span(index, self.chunk_tokens, len(self.token_ids))
-
-    def new_spans(self) -> list[tuple[int, ChunkKey, int, int]]:
-        """(chain index, key, start, end) of every new chunk."""
-        new = set(self.new_chunks)
-        return [(i, k, *self.span(i)) for i, k in enumerate(self.chain) if k in new]
-
-
-@dataclass(frozen=True)
-class TurnWrite:
-    """A turn as the writer thread commits it."""
-
-    key: SessionKey
-    chain: SessionChain
-    new_chunks: list[ChunkKey]
-    freed: list[ChunkKey]
-    memo: Callable[[], dict[ChunkKey, SessionKV | ChunkDelta]]
-    bases: list[ChunkKey] = field(default_factory=list)  # chunks its deltas build on
-
-    def values(self) -> dict[ChunkKey, SessionKV | ChunkDelta]:
-        return self.memo()
+from chatstore.store.chunks.keys import ChunkHasher, ChunkKey
+from chatstore.store.ports import StoredSession, TurnPlan
 
 
 def plan_chain(
     hasher: ChunkHasher,
     tenant: str,
     token_ids: list[int],
-    stored: StoredSession | Any | None,
+    stored: StoredSession | None,
     reusable: int,
     has_chunk: Callable[[ChunkKey], bool],
 ) -> TurnPlan:

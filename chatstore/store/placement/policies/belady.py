@@ -13,8 +13,8 @@ import heapq
 import math
 from collections.abc import Generator, Hashable, Sequence
 
-from chatstore.store.policy.aware import AwarePolicy
-from chatstore.store.policy.lookahead import Lookahead
+from chatstore.store.placement.policies.aware import AwarePolicy
+from chatstore.store.placement.policies.lookahead import Lookahead
 
 
 class BeladyPolicy(AwarePolicy):

@@ -1,0 +1,6 @@
+"""A session's KV as a chain of immutable chunks: their keys (keys.py) and what a turn adds to
+a stored chain (plan.py)."""
+
+from chatstore.store.chunks.keys import ChunkHasher, ChunkKey, chunk_span
+
+__all__ = ["ChunkHasher", "ChunkKey", "chunk_span"]

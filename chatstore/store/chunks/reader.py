@@ -1,0 +1,115 @@
+"""Finding a session's stored chunks and reading them: from the write buffer (pending turns),
+the copies held for opened turns, or the fastest tier (moved up to DRAM)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from chatstore.store.chunks.keys import ChunkKey
+from chatstore.store.commit.turn_commit import Memo, TurnCommitter
+from chatstore.store.placement.session_placement import SessionPlacement
+from chatstore.store.ports import ChunkDelta, StoredSession
+from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.sessions.index import SessionChain
+from chatstore.store.sessions.remote_fetch import RemoteFetch
+from chatstore.store.sessions.retention_table import RetentionTable
+
+
+class ChunkReader:
+    """Thread-safe: the engine thread, the loader's lookup thread and API threads read."""
+
+    def __init__(
+        self,
+        committer: TurnCommitter,
+        fetch: RemoteFetch,
+        placement: SessionPlacement,
+        retention: RetentionTable,
+    ) -> None:
+        self.committer, self.fetch, self.placement = committer, fetch, placement
+        self.retention = retention
+        self.tiers, self.index, self.lock = committer.tiers, committer.index, committer.lock
+        self.settings = committer.settings
+
+    def find(self, key: SessionKey) -> StoredSession | None:
+        """The session's leading tokens whose chunks are all available (stored in a tier or
+        waiting in the write buffer). No KV is read. An expired session reads as absent (the
+        purge timer deletes it: not here, on the engine thread)."""
+        with self.lock:
+            chain = self.index.get(key)
+            if chain is None or self.expired(key, chain):
+                self.tiers.counters.misses += 1
+                return None
+            self.placement.tell("touch", key)
+        n = 0
+        for chunk in chain.chunks:
+            if not (self.committer.has_chunk(chunk) or chunk in self.fetch.held):
+                break
+            n += 1
+        C = self.settings.chunk_tokens
+        tokens = chain.token_ids[: min(len(chain.token_ids), n * C)]
+        return StoredSession(key, tokens, chain.chunks[:n], C)
+
+    def admit(self, key: SessionKey) -> StoredSession | None:
+        """find, with the tier each chunk was in when the turn opened (origins.py), or is in
+        now for a turn the API did not open (a chunk gone by now: host memory, the read
+        buffer's)."""
+        stored = self.find(key)
+        if stored is None:
+            return None
+        noted = self.fetch.origins.take(key)
+        origins = {c: noted.get(c) or self.fetch.chunk_tier(c) or "dram" for c in stored.chunks}
+        return StoredSession(key, stored.token_ids, stored.chunks, stored.chunk_tokens, origins)
+
+    def expired(self, key: SessionKey, chain: SessionChain) -> bool:
+        ttl = self.retention.get(key).ttl(self.settings.session_ttl_s)
+        return ttl > 0 and chain.updated_at + ttl < time.time()
+
+    def read(
+        self,
+        keys: list[ChunkKey],
+        count: bool = True,
+        rows: list[tuple[int, int] | None] | None = None,
+    ) -> list[SessionKV | None]:
+        """count: a load (hits and misses counted), not a re-read; rows: per chunk, only rows
+        [start, end) (None: all)."""
+        out: list[SessionKV | None] = []
+        for i, key in enumerate(keys):
+            span = rows[i] if rows is not None else None
+            memo = self.committer.pending.get(key)
+            value = self._pending_value(memo, key) if memo is not None else self.fetch.held.get(key)
+            if value is not None:
+                if count:
+                    self.tiers.count_pending_hit(key)
+                if span is not None:
+                    value = SessionKV(
+                        value.token_ids[span[0] : span[1]], value.kv[:, :, span[0] : span[1]]
+                    )
+                out.append(value)
+            else:
+                out.append(self.tiers.get(key, count=count, rows=span))
+        return out
+
+    def _pending_value(self, memo: Memo, key: ChunkKey) -> SessionKV | None:
+        """A chunk still in the write buffer, whole (a delta joined to its base); None if
+        its base is gone, which means the turn has just landed (read the tiers)."""
+        value = memo()[key]
+        if not isinstance(value, ChunkDelta):
+            return value
+        base = self.read([value.base], count=False)[0]
+        if base is None:
+            return None
+        kv = torch.cat([base.kv[:, :, : value.keep], value.rows.kv.to(base.dtype)], dim=2)
+        return SessionKV(base.token_ids[: value.keep] + value.rows.token_ids, kv)
+
+    def whole(self, key: SessionKey) -> SessionKV | None:
+        """The session's whole stored KV in one tensor (tools and tests)."""
+        stored = self.find(key)
+        if stored is None or not stored.chunks:
+            return None
+        values = self.read(stored.chunks)
+        if any(v is None for v in values):
+            return None
+        kv = torch.cat([v.kv for v in values if v is not None], dim=2)
+        return SessionKV(list(stored.token_ids), kv)

@@ -1,0 +1,174 @@
+"""Opening a turn: the session's chunks made readable by the engine's thread, which reads no
+remote tier, and kept so until it has read them (holds.py); where each chunk was noted first
+(origins.py). With records in Redis, a chain another replica saved after us is adopted first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from chatstore.store.chunks.keys import ChunkHasher, ChunkKey
+from chatstore.store.commit.turn_commit import TurnCommitter
+from chatstore.store.placement.session_placement import SessionPlacement
+from chatstore.store.records import RecordStore, SessionRecord
+from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.sessions.holds import ChunkPins, TurnHold, TurnHolds
+from chatstore.store.sessions.index import SessionChain
+from chatstore.store.sessions.origins import TurnOrigins
+from chatstore.store.sessions.versions import SessionVersions
+from chatstore.store.tiers.chunk_tiers import ChunkTiers
+
+log = logging.getLogger(__name__)
+
+
+class RemoteFetch:
+    """Pins, holds, held copies and origin notes of opened turns. Thread-safe: the API's
+    worker threads open turns, the engine thread takes and releases their holds."""
+
+    def __init__(
+        self,
+        committer: TurnCommitter,
+        placement: SessionPlacement,
+        records: RecordStore,
+        hasher: ChunkHasher,
+        versions: SessionVersions,
+        retain: Callable[[SessionRecord], None],
+        pins: ChunkPins,
+    ) -> None:
+        self.committer, self.placement, self.records = committer, placement, records
+        self.tiers: ChunkTiers = committer.tiers
+        self.index, self.lock = committer.index, committer.lock
+        self.hasher, self.versions, self._retain = hasher, versions, retain
+        self.origins = TurnOrigins()  # chunk tiers as each queued turn found them
+        self.pins = pins  # chunks opened turns hold: never a DRAM victim (holds.py)
+        self.holds = TurnHolds()  # opened turns' holds, until the connector takes them
+        self.held: dict[ChunkKey, SessionKV] = {}  # pinned chunks DRAM could not take
+        self.held_bytes = 0
+        self.remote = next((t for t in self.tiers.tiers if t.name == "remote"), None)
+
+    def fetch(self, key: SessionKey) -> int:
+        """In chain order, stopping at the first chunk that is gone or cannot be held (the
+        rest is recomputed): every chunk is pinned (no DRAM eviction picks it), and one only
+        Redis holds is promoted to DRAM, or kept beside it when DRAM cannot take it. The
+        connector takes the hold at admission and releases it once read; one never taken
+        lapses after HOLD_TTL_S. How many chunks came up from the remote tier."""
+        remote = self.remote is not None and self.tiers.top is not None
+        if remote:
+            self._adopt(key)
+        chain = self.index.get(key)
+        if chain is not None:  # this turn's cached tokens count where it found them
+            self.origins.note(key, {c: w for c in chain.chunks if (w := self.chunk_tier(c))})
+        else:
+            self.origins.drop(key)
+        if not remote:
+            return 0
+        hold = TurnHold(key)
+        moved = 0
+        try:
+            for chunk in chain.chunks if chain is not None else []:
+                self.pins.add(chunk)  # first: from now on no eviction takes it from DRAM
+                hold.chunks.append(chunk)
+                came_up = self._hold_chunk(chunk)
+                if came_up is None:
+                    self.release(TurnHold(key, [hold.chunks.pop()]))
+                    break
+                moved += came_up
+        finally:
+            for lapsed in self.holds.put(hold):
+                self.release(lapsed)
+        return moved
+
+    def _hold_chunk(self, chunk: ChunkKey) -> int | None:
+        """Make a pinned chunk readable without the remote tier: 1 when it came up from there,
+        0 when it was readable already, None when it is gone or cannot be held."""
+        top = self.tiers.top
+        assert top is not None
+        if chunk in self.committer.pending or chunk in self.held:
+            return 0  # the write buffer's (pinned: it stays in DRAM once it lands), or held
+        with self.tiers.lock:
+            if top.contains(chunk):
+                return 0  # pinned there now
+        where = self.tiers.where(chunk)
+        if where is None:
+            return None
+        if where != top.name and where != "remote":
+            return 0  # a local tier (SSD): the engine's thread reads it there
+        # Only Redis holds it, or it is on its way down from DRAM: brought up (the engine's
+        # read counts the hit), into DRAM if it makes room without evicting a pinned chunk.
+        value = self.tiers.get(chunk, promote=True, count=False)
+        if value is None:
+            return None
+        with self.tiers.lock:
+            in_dram = top.contains(chunk)
+        if not in_dram:
+            with self.lock:
+                if self.held_bytes + value.nbytes > self.committer.settings.write_buffer_bytes:
+                    return None
+                if chunk not in self.held:
+                    self.held[chunk] = value
+                    self.held_bytes += value.nbytes
+            if where == "remote":
+                with self.tiers.lock:
+                    self.tiers.counters.bytes_up += value.nbytes
+        return 1 if where == "remote" else 0
+
+    def take(self, key: SessionKey) -> TurnHold | None:
+        hold, lapsed = self.holds.take(key)
+        for old in lapsed:
+            self.release(old)
+        return hold
+
+    def release(self, hold: TurnHold | None) -> None:
+        """Unpin the hold's chunks; a held copy goes with its last pin."""
+        if hold is None:
+            return
+        chunks, hold.chunks = hold.chunks, []  # released once, whoever asks again
+        for chunk in chunks:
+            if self.pins.remove(chunk):
+                with self.lock:
+                    value = self.held.pop(chunk, None)
+                    if value is not None:
+                        self.held_bytes -= value.nbytes
+
+    def chunk_tier(self, chunk: ChunkKey) -> str | None:
+        """The fastest tier holding chunk; a chunk still in the write buffer, or held for an
+        opened turn beside DRAM, is in host memory ("dram"); None when it is gone."""
+        if chunk in self.committer.pending or chunk in self.held:
+            return "dram"
+        return self.tiers.where(chunk)
+
+    def _adopt(self, key: SessionKey) -> None:
+        """Take the session's chain from its shared record when another replica saved it
+        after us (records and chunks in Redis): the chunks it lists that Redis holds become
+        this session's history here. Skipped while a turn of ours is still being written."""
+        if self.committer.writer.is_pending(key):
+            return
+        try:
+            record = self.records.get(key)
+        except Exception as exc:  # RecordStoreUnavailable: keep what we know
+            log.debug("could not read %s's record: %s", key, exc)
+            return
+        if record is None:
+            return
+        self._retain(record)  # another replica may have changed it
+        if record.fingerprint != self.committer.fingerprint or not record.chunks:
+            return
+        current = self.index.get(key)
+        digests = [c.digest for c in current.chunks] if current is not None else []
+        if digests == record.chunks:
+            return
+        if self.hasher.num_chunks(len(record.token_ids)) != len(record.chunks):
+            return
+        keys = [ChunkKey(key.tenant, d) for d in record.chunks]
+        try:
+            self.remote.discover(keys)  # type: ignore[union-attr]
+        except Exception as exc:  # TierUnavailable
+            log.debug("could not look up %s's chunks: %s", key, exc)
+            return
+        chain = SessionChain(list(record.token_ids), keys, record.updated_at)
+        with self.lock:
+            freed = self.index.set(key, chain)
+            self.placement.tell("touch", key)
+        self.committer.free(freed)
+        self.versions.bump(key)
