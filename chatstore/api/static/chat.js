@@ -19,6 +19,8 @@ const api = new Api("chatstore.apiKey", new KeyDialog($("key-dialog")));
 const state = { sessionId: null, socket: null, reply: null, lastTyping: -Infinity };
 // Session id -> title. A session's first user message never changes, so it is fetched once.
 const titles = new Map();
+// Sessions read without a user message yet -> their message count then (read again once it grows).
+const untitled = new Map();
 window.chatstoreTimings = [];
 window.chatstoreTypingHints = 0;
 
@@ -35,7 +37,9 @@ async function loadSessions() {
 
 // The list carries no messages: a session not seen before is read once for its first one.
 async function learnTitles(sessions) {
-  const unknown = sessions.filter((s) => !titles.has(s.id) && s.num_messages > 0);
+  const unknown = sessions.filter(
+    (s) => !titles.has(s.id) && s.num_messages > (untitled.get(s.id) ?? 0),
+  );
   const records = await Promise.all(
     unknown.map((s) =>
       api.request("GET", `/v1/sessions/${encodeURIComponent(s.id)}`).catch(() => null),
@@ -45,6 +49,7 @@ async function learnTitles(sessions) {
     if (!record) continue; // deleted meanwhile: it is gone from the next list too
     const first = record.messages.find((m) => m.role === "user");
     if (first) titles.set(record.id, titleOf(first.content));
+    else untitled.set(record.id, record.messages.length);
   }
 }
 
@@ -350,6 +355,7 @@ $("stop").addEventListener("click", stop);
 $("forget-key").addEventListener("click", () => {
   api.forget();
   titles.clear();
+  untitled.clear();
   newChat();
   $("sessions").replaceChildren();
   run(loadSessions());
