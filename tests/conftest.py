@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny random-initialised models of each architecture, and the real default."""
+"""Fixtures shared by several test folders: the real default model, Redis servers (one shared,
+one a test may break), one compute thread, the default model's recomputed conversation. Helpers
+a test calls live in tests/support/; a fixture used by one folder only lives in its conftest."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ import torch
 
 # Every server a test starts, in process or as a child process (`chatstore serve`, `chat
 # --local`, the chaos and replica harnesses), computes in float32, whatever `dtype = auto` picks
-# on this CPU: no test depends on the machine's CPU kind. tests/engine/test_dtype_by_cpu.py runs auto
-# under both /proc/cpuinfo answers; the bf16 tests ask for bf16 by name. A developer may still
-# run the suite's servers in bf16 with CHATSTORE_DTYPE=bfloat16.
+# on this CPU: no test depends on the machine's CPU kind. tests/engine/test_dtype_by_cpu.py runs
+# auto under both /proc/cpuinfo answers; the bf16 tests ask for bf16 by name. A developer may
+# still run the suite's servers in bf16 with CHATSTORE_DTYPE=bfloat16.
 TEST_DTYPE = "float32"
 os.environ.setdefault("CHATSTORE_DTYPE", TEST_DTYPE)
 
@@ -35,68 +37,12 @@ def give_freed_memory_back() -> Iterator[None]:
             ctypes.CDLL(libc).malloc_trim(0)
 
 
-TINY_ARCHS = ("llama", "mistral", "qwen2")
-
-
-def tiny_hf_model(arch: str, seed: int = 0, **overrides):
-    """A random-initialised transformers model of `arch` with tiny shapes (GQA, 2 layers)."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    classes = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }
-    config_cls, model_cls = classes[arch]
-    kwargs = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        eos_token_id=1,
-        bos_token_id=0,
-        pad_token_id=0,
-    )
-    if arch == "mistral":
-        kwargs["sliding_window"] = None
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**kwargs)).eval()
-    if arch == "qwen2":
-        # Qwen2 initialises q/k/v biases to zero; random ones make the bias path matter.
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    model.config.architectures = [model_cls.__name__]
-    return model
-
-
 @pytest.fixture(scope="session")
 def default_model():
     """The real embedded SmolLM2-135M-Instruct (converted once into CHATSTORE_HOME)."""
     from chatstore.model import load_model
 
     return load_model()
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat rendered with the model's template, ready for the assistant's turn."""
-    out = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=True
-    )
-    return list(out["input_ids"])
 
 
 @pytest.fixture(scope="session")
@@ -124,3 +70,30 @@ def redis_client(redis_server):
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture
+def own_redis():
+    """A redis-server of the test's own, which it may hang or kill (support/redis_faults.py)."""
+    from tests.support.redis_faults import own_server
+
+    yield from own_server()
+
+
+@pytest.fixture
+def single_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread (and a busy machine makes 2 threads pathological).
+    Modules of tiny-engine tests ask for it with `pytestmark = pytest.mark.usefixtures(...)`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def reference(default_model):
+    """The default model's conversation with every turn recomputed from scratch (the RE
+    baseline of the multi-turn restore and encryption-at-rest tests)."""
+    from tests.support.multiturn import recompute_conversation
+
+    return recompute_conversation(default_model)

@@ -6,17 +6,20 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 from chatstore.engine import llm_engine
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.forward_batch import ForwardBatch
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
-from tests.support.engine import (  # single_thread: autouse fixture
+from tests.support.engine import (
     greedy,
     prompt,
-    single_thread,  # noqa: F401
     tiny_runtime,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "step_overhead.py"
 

@@ -17,14 +17,15 @@ from chatstore.engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from tests.support.engine import (  # single_thread: autouse fixture
+from tests.support.engine import (
     greedy,
     prompt,
     run_all,
-    single_thread,  # noqa: F401
     tiny_runtime,
     tokens_of,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def make_engine(**kw) -> AsyncEngine:

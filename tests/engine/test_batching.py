@@ -16,17 +16,18 @@ from chatstore.engine.request import (
     RequestOutput,
 )
 from chatstore.engine.scheduler import WaitingEntry
-from tests.support.engine import (  # single_thread: autouse fixture
+from tests.support.engine import (
     assert_pool_clean,
     finish_of,
     greedy,
     prompt,
     run_all,
     run_alone,
-    single_thread,  # noqa: F401
     tiny_runtime,
     tokens_of,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def make_requests(count: int, seed: int = 0) -> list[Request]:

@@ -11,7 +11,7 @@ from chatstore.engine.block_pool import BlockPool, BlockPoolExhausted
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
 from chatstore.model.spec import ModelSpec
-from tests.conftest import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 
 
 def test_allocate_free_exact_ids() -> None:

@@ -12,7 +12,7 @@ from chatstore.engine.async_engine import AsyncEngine
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.request import Request, RequestOutput, SamplingParams
 from chatstore.engine.runtime import create_runtime
-from tests.conftest import chat_ids
+from tests.support.tiny_models import chat_ids
 
 pytestmark = pytest.mark.model
 

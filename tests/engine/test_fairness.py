@@ -11,15 +11,16 @@ from chatstore.config import Config
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import EngineOverloadedError, Request
-from tests.support.engine import (  # single_thread: autouse fixture
+from tests.support.engine import (
     assert_pool_clean,
     greedy,
     prompt,
     run_alone,
-    single_thread,  # noqa: F401
     tiny_runtime,
     tokens_of,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def req(request_id: str, tenant: str, seed: int, max_tokens: int = 4) -> Request:

@@ -20,17 +20,18 @@ from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.kv_connector import NullConnector
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import EngineDeadError, Request, RequestOutput
-from tests.support.engine import (  # single_thread: autouse fixture
+from tests.support.engine import (
     assert_pool_clean,
     finish_of,
     greedy,
     prompt,
     run_all,
     run_alone,
-    single_thread,  # noqa: F401
     tiny_runtime,
     tokens_of,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 GOOD = [
     Request(f"good{i}", prompt(10 + i, 5 + 3 * i), greedy(10), tenant=f"t{i}") for i in range(3)

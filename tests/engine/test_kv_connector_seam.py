@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request, SamplingParams
-from tests.support.engine import (  # single_thread: autouse fixture
+from tests.support.engine import (
     assert_pool_clean,
     greedy,
     prompt,
     run_all,
-    single_thread,  # noqa: F401
     tiny_runtime,
     tokens_of,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 B = 4
 

@@ -13,7 +13,7 @@ import torch
 from chatstore.config import load_config
 from chatstore.model import ModelLoadError, load_model, resolve_model_dir
 from chatstore.model.default_model import default_model_dir
-from tests.conftest import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 
 
 def save_tiny(tmp_path: Path, arch: str = "llama") -> Path:

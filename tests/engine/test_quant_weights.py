@@ -29,8 +29,8 @@ from chatstore.engine.weight_plan import DENSE_FROM, Projections, resolve_format
 from chatstore.model.gguf_repack import repack
 from chatstore.model.gguf_weights import GGUFWeights
 from chatstore.model.spec import ModelSpec
-from tests.conftest import TINY_ARCHS, tiny_hf_model
 from tests.engine.test_runner_exact import full_logits
+from tests.support.tiny_models import TINY_ARCHS, tiny_hf_model
 
 ALWAYS_QUANT = dict.fromkeys(DENSE_FROM, NEVER)  # the quantized kernel at every token count
 

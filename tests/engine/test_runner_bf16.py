@@ -12,8 +12,8 @@ from chatstore.engine.generate import GenerateOptions, generate
 from chatstore.engine.kv_cache import PagedKVCache, bytes_per_block
 from chatstore.engine.runner import ModelRunner
 from chatstore.engine.vattention import create_virtual_kv
-from tests.conftest import chat_ids
 from tests.engine.test_runner_exact import PROMPTS
+from tests.support.tiny_models import chat_ids
 
 # bf16 keeps 8 bits of mantissa: one rounding of a logit near 20 moves it by 0.06. Our fused ops
 # round where torch's op-by-op arithmetic rounds, but GEMMs and attention sum in another order,

@@ -12,7 +12,7 @@ from chatstore.engine.kv_cache import PagedKVCache, bytes_per_block
 from chatstore.engine.runner import ModelRunner
 from chatstore.engine.vattention import create_virtual_kv
 from chatstore.model.spec import ModelSpec
-from tests.conftest import TINY_ARCHS, chat_ids, tiny_hf_model
+from tests.support.tiny_models import TINY_ARCHS, chat_ids, tiny_hf_model
 
 TOL = 1e-4
 # The fast path (prepacked oneDNN GEMMs, fused native kernels, paged attention) sums in another

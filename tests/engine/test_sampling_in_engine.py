@@ -7,16 +7,17 @@ import pytest
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import InvalidRequestError, Request, SamplingParams
-from tests.support.engine import (  # single_thread: autouse fixture
+from tests.support.engine import (
     assert_pool_clean,
     finish_of,
     greedy,
     prompt,
     run_all,
-    single_thread,  # noqa: F401
     tiny_runtime,
     tokens_of,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

@@ -11,14 +11,15 @@ from chatstore.engine.async_engine import AsyncEngine, merge_outputs
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request, RequestOutput, SampleDelta, Usage
-from tests.support.engine import (  # single_thread: autouse fixture
+from tests.support.engine import (
     greedy,
     prompt,
     run_all,
-    single_thread,  # noqa: F401
     tiny_runtime,
     tokens_of,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_merge_joins_each_samples_tokens_and_text_and_keeps_the_end() -> None:

@@ -22,14 +22,15 @@ from chatstore.engine.vattention import create_virtual_kv
 from chatstore.engine.vattention.slot_pool import SlotBlockPool
 from chatstore.engine.vattention.virtual_memory import BASE_PAGE, VirtualRegion
 from chatstore.model.spec import ModelSpec
-from tests.conftest import TINY_ARCHS, tiny_hf_model
-from tests.support.engine import (  # single_thread: autouse fixture
+from tests.support.engine import (
     assert_pool_clean,
     greedy,
     prompt,
-    single_thread,  # noqa: F401
     tiny_runtime,
 )
+from tests.support.tiny_models import TINY_ARCHS, tiny_hf_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 TOL = 1e-4
 

@@ -22,8 +22,8 @@ from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkHasher
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.turn_plan import ChunkDelta
-from tests.support.store import push_down
 from tests.store.test_attention_store import SPEC, TOKEN_BYTES
+from tests.support.store import push_down
 
 CHUNK = 8
 

@@ -36,8 +36,8 @@ from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier
 from chatstore.transfer import StoreConnector
 from chatstore.transfer.layer_saver import LayerSaver
-from tests.conftest import chat_ids
 from tests.engine.test_runner_exact import PROMPTS
+from tests.support.tiny_models import chat_ids
 
 BLOCK = 16
 CHUNK = 32

@@ -32,9 +32,9 @@ from chatstore.store import AttentionStore
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.persister import Persister
 from chatstore.store.tiers.lmdb import LmdbTier
-from tests.support.store import push_down
 from tests.store.test_attention_store import TOKEN_BYTES
 from tests.store.test_chunks import CHUNK, kv_of, make, turn
+from tests.support.store import push_down
 
 SMALL_MAP = 64 << 10  # LMDB's own pages and three chunks of CHUNK tokens
 

@@ -15,8 +15,8 @@ from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.events import StoreEvent
 from chatstore.store.policy import PolicyChooser
 from chatstore.store.session_kv import SessionKey
-from tests.support.store import push_down
 from tests.store.test_attention_store import SPEC, TOKEN_BYTES, value
+from tests.support.store import push_down
 
 BLOCK = 16 * TOKEN_BYTES  # one DRAM block = one 16-token session
 

@@ -24,18 +24,17 @@ from chatstore.store.tiers.dram import DramTier, KVLayout
 from chatstore.store.tiers.hierarchy import ChunkTiers
 from chatstore.store.tiers.redis import RedisTier
 from chatstore.transfer import StoreConnector
-from tests.support.engine import (  # noqa: F401 (single_thread is an autouse fixture)
+from tests.support.engine import (
     greedy,
     prompt,
     run_alone,
-    single_thread,
     tiny_runtime,
     tokens_of,
 )
-from tests.support.redis_faults import hung, kill, own_server, redis_sends
+from tests.support.redis_faults import hung, kill, redis_sends
 from tests.support.store import push_down
 
-own_redis = pytest.fixture(own_server)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 TIMEOUT_S = 0.2
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)

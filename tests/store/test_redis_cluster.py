@@ -16,10 +16,10 @@ from chatstore.store.session_kv import SessionKey
 from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.redis import RedisTier, cluster_startup_nodes, connect_redis
-from tests.support.redis_faults import redis_sends
 from tests.store.test_attention_store import TOKEN_BYTES, make, value
 from tests.store.test_tiers import K
 from tests.store.test_tiers import value as chunk
+from tests.support.redis_faults import redis_sends
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server")
 

@@ -22,8 +22,8 @@ from chatstore.store.session_lease import session_leases
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.redis import RedisTier, connect_redis
 from chatstore.store.tiers.redis_security import RedisSecurity
-from tests.support.redis_tls import TLSRedis, make_tls_files, start_tls_redis
 from tests.store.test_attention_store import SPEC, TOKEN_BYTES, value
+from tests.support.redis_tls import TLSRedis, make_tls_files, start_tls_redis
 
 pytestmark = [
     pytest.mark.timeout(120),

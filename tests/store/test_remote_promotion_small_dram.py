@@ -9,8 +9,8 @@ lowest, and its latest chunks go first), so the admission read found them back i
 and recomputed them: KV moved up for nothing. The turn now holds its chunks from its opening
 until the engine has read them: pinned in DRAM, or kept beside it when DRAM cannot take them.
 
-A tiny random model (tests/conftest.py) and the real Redis fixture; every reuse is checked
-against a full recompute.
+A tiny random model (tests/support/tiny_models.py) and the real Redis fixture; every reuse is
+checked against a full recompute.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from chatstore.model.spec import ModelSpec
 from chatstore.store import AttentionStore, StoreSettings, turn_hold
 from chatstore.store.session_kv import SessionKey
 from chatstore.transfer import StoreConnector
-from tests.conftest import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 
 BLOCK = 4  # tokens per device and DRAM block
 CHUNK = 8  # tokens per stored chunk

@@ -42,8 +42,8 @@ from chatstore.store.tiers.codec import CorruptValueError
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier
 from chatstore.transfer import StoreConnector
-from tests.conftest import chat_ids
-from tests.transfer.test_multiturn_restore import CHUNK, MiniEngine, make_store, reference  # noqa: F401
+from tests.support.multiturn import CHUNK, MiniEngine, make_store
+from tests.support.tiny_models import chat_ids
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -397,7 +397,7 @@ def test_rotate_keys_command_reseals_a_live_servers_data(default_model, tmp_path
 @pytest.mark.slow
 def test_later_turn_after_restart_restores_sealed_kv_with_identical_tokens(
     default_model,
-    reference,  # noqa: F811 (the fixture imported above)
+    reference,
     tmp_path,
 ):
     engine = MiniEngine(default_model)

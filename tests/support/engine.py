@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 
 from chatstore.engine.block_pool import BlockPool
@@ -18,18 +16,9 @@ from chatstore.engine.runtime import Runtime
 from chatstore.engine.vattention import create_virtual_kv
 from chatstore.model import LoadedModel
 from chatstore.model.spec import ModelSpec
-from tests.conftest import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 
 _MODELS: dict[str, object] = {}
-
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread (and a busy machine makes 2 threads pathological)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_runtime(

@@ -20,8 +20,8 @@ from chatstore.store.redis_server import LocalRedis, redis_server_binary, start_
 
 
 def own_server() -> Iterator[LocalRedis]:
-    """A redis-server for one test alone (the shared one must never be stopped); a test
-    module makes it a fixture: `own_redis = pytest.fixture(own_server)`."""
+    """A redis-server for one test alone (the shared one must never be stopped); the
+    `own_redis` fixture of tests/conftest.py."""
     if redis_server_binary() is None:
         pytest.skip("redis-server is not installed")
     server = start_local_redis()

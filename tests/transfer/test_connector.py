@@ -13,7 +13,7 @@ from chatstore.engine.runner import ModelRunner
 from chatstore.model.spec import ModelSpec
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.transfer import StoreConnector
-from tests.conftest import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 
 BLOCK = 4
 

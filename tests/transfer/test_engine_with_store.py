@@ -11,15 +11,16 @@ from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.transfer import StoreConnector
-from tests.support.engine import (  # noqa: F401 (single_thread is an autouse fixture)
+from tests.support.engine import (
     greedy,
     prompt,
     run_all,
     run_alone,
-    single_thread,
     tiny_runtime,
     tokens_of,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _engine(tmp_path, prefix_cache: bool, dtype=torch.float32, layout="paged", **store_kw):

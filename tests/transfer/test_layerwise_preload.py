@@ -12,16 +12,17 @@ from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.transfer import StoreConnector
-from tests.support.engine import (  # noqa: F401 (single_thread is an autouse fixture)
+from tests.support.engine import (
     assert_pool_clean,
     greedy,
     prompt,
     run_all,
     run_alone,
-    single_thread,
     tiny_runtime,
     tokens_of,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 DELAY_S = 0.02
 

@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 from chatstore.engine.engine_config import EngineConfig
@@ -21,16 +22,17 @@ from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.transfer import StoreConnector
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV
 from chatstore.transfer.read_buffer import ReadBuffer
-from tests.support.engine import (  # noqa: F401 (single_thread is an autouse fixture)
+from tests.support.engine import (
     assert_pool_clean,
     greedy,
     prompt,
     run_all,
     run_alone,
-    single_thread,
     tiny_runtime,
     tokens_of,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 DELAY_S = 0.05
 

@@ -16,19 +16,18 @@ from chatstore.engine.request import Request
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.transfer import StoreConnector
-from tests.support.engine import (  # noqa: F401 (single_thread is an autouse fixture)
+from tests.support.engine import (
     assert_pool_clean,
     greedy,
     prompt,
     run_alone,
-    single_thread,
     tiny_runtime,
     tokens_of,
 )
-from tests.support.redis_faults import hung, own_server
+from tests.support.redis_faults import hung
 from tests.support.store import push_down
 
-own_redis = pytest.fixture(own_server)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _connector(tmp_path, redis_url: str = "", buffer_bytes: int = 512 << 20, **store_kw):
