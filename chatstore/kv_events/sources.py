@@ -17,7 +17,8 @@ every tier, and the chain runs on from the last block of the chunk before: a rou
 chain whichever medium holds each part. A chunk that leaves a tier is one BlockRemoved with
 the same hashes.
 
-Token ids and the parent chunk come from the session index when the chunk reaches a tier.
+Token ids and the parent chunk come from the store (`ChunkCatalog.describe_chunk`) when the
+chunk reaches a tier.
 Only full chunks are published: a session's partial tail is re-keyed every turn. A chunk the
 index no longer knows (freed while it moved) is not published, nor is its later removal: the
 subscriber's view stays consistent.
@@ -33,6 +34,9 @@ from typing import Any
 from chatstore.engine.block_manager import hash_block
 from chatstore.kv_events.publisher import KVEventPublisher
 from chatstore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
+from chatstore.store.chunks.keys import ChunkKey
+from chatstore.store.events import StoreEvent
+from chatstore.store.ports import ChunkCatalog, ChunkText
 
 MEDIUM_GPU = "GPU"
 TIER_MEDIA = {"dram": "CPU", "ssd": "DISK", "remote": "REMOTE"}
@@ -80,19 +84,21 @@ class _Published:
     media: set[str] = field(default_factory=set)
 
 
+class _Gone(Exception):
+    """An ancestor of a chunk is no longer described: the chunk cannot be named."""
+
+
 class StoreSource:
     """A store event listener; keeps which media hold each published chunk."""
 
-    def __init__(
-        self, publisher: KVEventPublisher, store: Any, block_size: int | None = None
-    ) -> None:
+    def __init__(self, publisher: KVEventPublisher, store: ChunkCatalog, block_size: int) -> None:
         self.publisher = publisher
         self.store = store
-        self.chunk_tokens: int = store.settings.chunk_tokens
-        self.block_size: int = block_size or store.settings.block_size
-        if self.chunk_tokens % self.block_size:
+        self.chunk_tokens = store.chunk_tokens
+        self.block_size = block_size  # the engine's: what routers index
+        if self.chunk_tokens % block_size:
             raise ValueError("chunk_tokens must be a multiple of the device block size")
-        self._published: dict[Any, _Published] = {}
+        self._published: dict[ChunkKey, _Published] = {}
         self._lock = threading.Lock()  # store events come from several threads
 
     def attach(self) -> None:
@@ -101,55 +107,57 @@ class StoreSource:
         with self._lock:
             self.publisher.put(AllBlocksCleared())
             self.store.add_listener(self)
-            for tier in self.store.tiers.tiers:
-                medium = TIER_MEDIA.get(tier.name)
+            tips: dict[ChunkKey, bytes] = {}  # chunks walked through, for the ones after them
+            for tier, keys in self.store.chunks_by_tier().items():
+                medium = TIER_MEDIA.get(tier)
                 if medium is not None:
-                    for key in list(tier.keys()):
-                        self._arrived(key, medium)
+                    for key in keys:
+                        self._arrived(key, medium, tips)
 
-    def __call__(self, event: Any) -> None:
-        kind, medium = event.kind, TIER_MEDIA.get(event.tier or "")
+    def __call__(self, event: StoreEvent) -> None:
+        kind, medium, key = event.kind, TIER_MEDIA.get(event.tier or ""), event.key
+        if not isinstance(key, ChunkKey):
+            return
         if kind in _ARRIVALS and medium is not None:
             with self._lock:
-                self._arrived(event.key, medium)
+                self._arrived(key, medium, {})
         elif kind in ("evicted", "corrupt") and medium is not None:  # a corrupt copy is dropped
             with self._lock:
-                self._left(event.key, [medium])
+                self._left(key, [medium])
         elif kind == "deleted":
             with self._lock:
-                held = self._published.get(event.key)
-                self._left(event.key, sorted(held.media) if held else [])
+                held = self._published.get(key)
+                self._left(key, sorted(held.media) if held else [])
 
-    def media(self) -> dict[Any, set[str]]:
+    def media(self) -> dict[ChunkKey, set[str]]:
         """Published chunk -> the media holding it."""
         with self._lock:
             return {k: set(p.media) for k, p in self._published.items()}
 
-    def _arrived(self, key: Any, medium: str) -> None:
+    def _arrived(self, key: ChunkKey, medium: str, tips: dict[ChunkKey, bytes]) -> None:
         held = self._published.get(key)
         if held is not None and medium in held.media:
             return
-        found = self._describe(key)
-        if found is None:
+        text = self.store.describe_chunk(key)
+        if text is None:
             return
-        chain, pos = found
-        C, B = self.chunk_tokens, self.block_size
-        parent = self._digest_before(key.tenant, chain, pos)
-        tokens = chain.token_ids[pos * C : (pos + 1) * C]
-        digests = device_block_hashes(parent, key.tenant, tokens, B)
+        try:
+            parent = self._digest_before(key.tenant, text, tips)
+        except _Gone:
+            return
+        B = self.block_size
+        digests = device_block_hashes(parent, key.tenant, text.token_ids, B)
         hashes = [external_hash(d) for d in digests]
         parent_hash = external_hash(parent) if parent is not None else None
         for i, block in enumerate(hashes):
-            block_tokens = tokens[i * B : (i + 1) * B]
-            self.publisher.put(
-                BlockStored([block], parent_hash, block_tokens, B, None, medium, None)
-            )
+            tokens = text.token_ids[i * B : (i + 1) * B]
+            self.publisher.put(BlockStored([block], parent_hash, tokens, B, None, medium, None))
             parent_hash = block
         if held is None:
             held = self._published[key] = _Published(array("Q", hashes), digests[-1])
         held.media.add(medium)
 
-    def _left(self, key: Any, media: list[str]) -> None:
+    def _left(self, key: ChunkKey, media: list[str]) -> None:
         held = self._published.get(key)
         if held is None:
             return
@@ -160,30 +168,24 @@ class StoreSource:
         if not held.media:
             del self._published[key]
 
-    def _digest_before(self, tenant: str, chain: Any, pos: int) -> bytes | None:
-        """The engine digest of the block before chunk `pos` of `chain` (None for the first):
-        from the nearest published chunk before it, hashing the chunks in between."""
-        start, parent = 0, None
-        for j in range(pos - 1, -1, -1):
-            held = self._published.get(chain.chunks[j])
-            if held is not None:
-                start, parent = j + 1, held.tip
+    def _digest_before(
+        self, tenant: str, text: ChunkText, tips: dict[ChunkKey, bytes]
+    ) -> bytes | None:
+        """The engine digest of the block before the chunk `text` describes (None: it is the
+        first): back through its parents to one published (or walked) already or to the
+        first, then hashing forward; each chunk walked through is remembered in `tips`."""
+        walked: list[tuple[ChunkKey, list[int]]] = []
+        parent, tip = text.parent, None
+        while parent is not None:
+            held = self._published.get(parent)
+            tip = held.tip if held is not None else tips.get(parent)
+            if tip is not None:
                 break
-        C = self.chunk_tokens
-        between = chain.token_ids[start * C : pos * C]
-        digests = device_block_hashes(parent, tenant, between, self.block_size)
-        return digests[-1] if digests else parent
-
-    def _describe(self, key: Any) -> tuple[Any, int] | None:
-        """(a session chain holding key as a full chunk, its position); else None. Reads the
-        index without its lock: single dict reads of immutable chains."""
-        index, C = self.store.index, self.chunk_tokens
-        pos = index.position_of(key)
-        for owner in index.owners_of(key):
-            chain = index.get(owner)
-            if chain is None or pos >= len(chain.chunks) or chain.chunks[pos] != key:
-                continue
-            if (pos + 1) * C > len(chain.token_ids):
-                return None
-            return chain, pos
-        return None
+            above = self.store.describe_chunk(parent)
+            if above is None:
+                raise _Gone
+            walked.append((parent, above.token_ids))
+            parent = above.parent
+        for key, tokens in reversed(walked):
+            tip = tips[key] = device_block_hashes(tip, tenant, tokens, self.block_size)[-1]
+        return tip

@@ -310,7 +310,7 @@ def test_subscriber_rebuilds_the_store_tiers(channel, tmp_path) -> None:
     publisher, sub = channel
     store = make(tmp_path, async_save=False)
     try:
-        source = StoreSource(publisher, store)
+        source = StoreSource(publisher, store, 4)
         source.attach()
         history: dict[str, list[int]] = {}
         for step in range(14):  # more than DRAM holds: chunks go down to SSD
@@ -344,7 +344,7 @@ def test_a_restarted_store_announces_what_its_tiers_hold(channel, tmp_path) -> N
     first.close()
     store = make(tmp_path, async_save=False, dram_bytes=0)
     try:
-        StoreSource(publisher, store).attach()
+        StoreSource(publisher, store, 4).attach()
         media = rebuild(check_stream(sub, publisher))
         assert media == {"DISK": full_chunks(store, "ssd")}
         assert len(media["DISK"]) == 3 * CHUNK // 4  # 3 chunks of CHUNK // 4 device blocks
@@ -358,7 +358,7 @@ def test_store_chunks_go_out_as_device_blocks_on_one_parent_chain(channel, tmp_p
     publisher, sub = channel
     store = make(tmp_path, async_save=False)
     try:
-        StoreSource(publisher, store).attach()
+        StoreSource(publisher, store, 4).attach()
         tokens = prompt(5, 3 * CHUNK + 3)  # three full chunks and a partial tail
         turn(store, "t", "a", tokens)
         store.flush_writes(10)
@@ -383,7 +383,7 @@ def test_device_and_store_publish_the_same_hashes_for_the_same_tokens(channel, t
     EngineSource(publisher, 4).attach(engine.blocks)
     store = make(tmp_path, async_save=False)
     try:
-        StoreSource(publisher, store, block_size=4).attach()
+        StoreSource(publisher, store, 4).attach()
         tokens = prompt(7, 2 * CHUNK + 1)
         engine.add_request(Request("a", tokens, greedy(1), tenant="t"))
         run_all(engine)
