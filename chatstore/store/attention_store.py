@@ -252,7 +252,7 @@ class AttentionStore:
         self,
         keys: list[ChunkKey],
         count: bool = True,
-        rows: list[tuple[int, int] | None] | None = None,
+        rows: Sequence[tuple[int, int] | None] | None = None,
     ) -> list[SessionKV | None]:
         return self.reader.read(keys, count, rows)
 

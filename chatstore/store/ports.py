@@ -154,7 +154,7 @@ class KVSource(Protocol):
         self,
         keys: list[ChunkKey],
         count: bool = True,
-        rows: list[tuple[int, int] | None] | None = None,
+        rows: Sequence[tuple[int, int] | None] | None = None,
     ) -> list[SessionKV | None]:
         """The chunks' KV (None: gone); rows: per chunk, only rows [start, end)."""
 

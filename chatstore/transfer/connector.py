@@ -196,7 +196,7 @@ class StoreConnector(KVConnector):
         C = stored.chunk_tokens
         first, last = start // C, -(-end // C)
         spans = [(max(start - i * C, 0), min(end - i * C, C)) for i in range(first, last)]
-        parts = []
+        parts: list[tuple[SessionKV, int]] = []
         values = self.store.read_chunks(stored.chunks[first:last], rows=spans)
         for i, value in enumerate(values):
             if value is None:
@@ -443,6 +443,7 @@ class StoreConnector(KVConnector):
         nbytes = new_tokens * store.bytes_per_token + rows.nbytes()
         if not spans:
             rows.release()
+        assert request.session_id is not None  # request_finished saves sessions only
         store.save_turn(
             request.tenant, request.session_id, plan, build, nbytes, request.arrival_time
         )

@@ -4,6 +4,7 @@ the copies held for opened turns, or the fastest tier (moved up to DRAM)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -70,7 +71,7 @@ class ChunkReader:
         self,
         keys: list[ChunkKey],
         count: bool = True,
-        rows: list[tuple[int, int] | None] | None = None,
+        rows: Sequence[tuple[int, int] | None] | None = None,
     ) -> list[SessionKV | None]:
         """count: a load (hits and misses counted), not a re-read; rows: per chunk, only rows
         [start, end) (None: all)."""

@@ -36,9 +36,10 @@ class SessionPlacement:
         queue = self._queue
         if queue is None:
             return []
-        if not hasattr(queue, "waiting_sessions"):
+        waiting_sessions = getattr(queue, "waiting_sessions", None)
+        if waiting_sessions is None:
             return list(queue())  # type: ignore[operator]
-        waiting = queue.waiting_sessions()
+        waiting = waiting_sessions()
         return [SessionKey(e.tenant, e.session_id) for e in waiting if e.session_id is not None]
 
     def tell(self, what: str, key: Hashable, *args: Any) -> None:

@@ -10,19 +10,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from chatstore.store.session_kv import SessionKey
+from chatstore.store.chunks.keys import ChunkKey
 
 
 class VictimChooser(Protocol):
-    def touch(self, key: SessionKey) -> None:
+    def touch(self, key: ChunkKey) -> None:
         """key was stored or used."""
         ...
 
-    def forget(self, key: SessionKey) -> None:
+    def forget(self, key: ChunkKey) -> None:
         """key left the store."""
         ...
 
-    def choose_victim(self, tier: str, candidates: list[SessionKey]) -> SessionKey | None:
+    def choose_victim(self, tier: str, candidates: list[ChunkKey]) -> ChunkKey | None:
         """One of candidates to move out of tier, or None to refuse."""
         ...
 
@@ -32,23 +32,23 @@ class LruChooser:
     A key's priority (set_priority; retention.py) comes before recency: lower goes first."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[SessionKey, None] = OrderedDict()
-        self._priority: dict[SessionKey, int] = {}
+        self._order: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._priority: dict[ChunkKey, int] = {}
 
-    def set_priority(self, key: SessionKey, priority: int) -> None:
+    def set_priority(self, key: ChunkKey, priority: int) -> None:
         if priority:
             self._priority[key] = priority
         else:
             self._priority.pop(key, None)
 
-    def touch(self, key: SessionKey) -> None:
+    def touch(self, key: ChunkKey) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def forget(self, key: SessionKey) -> None:
+    def forget(self, key: ChunkKey) -> None:
         self._order.pop(key, None)
 
-    def choose_victim(self, tier: str, candidates: list[SessionKey]) -> SessionKey | None:
+    def choose_victim(self, tier: str, candidates: list[ChunkKey]) -> ChunkKey | None:
         if not candidates:
             return None
         if self._priority:
@@ -62,7 +62,7 @@ class LruChooser:
                 return key
         return candidates[0]
 
-    def rank(self, tier: str, candidates: list[SessionKey]) -> list[SessionKey]:
+    def rank(self, tier: str, candidates: list[ChunkKey]) -> list[ChunkKey]:
         """candidates, least recently used first (never touched ones lead)."""
         pending = set(candidates)
         unseen = [key for key in candidates if key not in self._order]

@@ -21,7 +21,8 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.chunks.keys import ChunkKey
+from chatstore.store.session_kv import SessionKV
 
 
 class TierFull(RuntimeError):
@@ -59,7 +60,7 @@ class FootprintIndex:
     `keys`, `contains` and `size_of` then cost no I/O and are safe from any thread."""
 
     def __init__(self) -> None:
-        self._sizes: dict[SessionKey, int] = {}
+        self._sizes: dict[ChunkKey, int] = {}
         self._total = 0
         self._lock = threading.Lock()
 
@@ -67,12 +68,12 @@ class FootprintIndex:
     def total(self) -> int:
         return self._total
 
-    def set(self, key: SessionKey, footprint: int) -> None:
+    def set(self, key: ChunkKey, footprint: int) -> None:
         with self._lock:
             self._total += footprint - self._sizes.get(key, 0)
             self._sizes[key] = footprint
 
-    def pop(self, key: SessionKey) -> bool:
+    def pop(self, key: ChunkKey) -> bool:
         """Forget key; whether it was there."""
         with self._lock:
             size = self._sizes.pop(key, None)
@@ -80,14 +81,14 @@ class FootprintIndex:
                 self._total -= size
             return size is not None
 
-    def size_of(self, key: SessionKey) -> int:
+    def size_of(self, key: ChunkKey) -> int:
         return self._sizes.get(key, 0)
 
-    def keys(self) -> list[SessionKey]:
+    def keys(self) -> list[ChunkKey]:
         with self._lock:
             return list(self._sizes)
 
-    def __contains__(self, key: SessionKey) -> bool:
+    def __contains__(self, key: ChunkKey) -> bool:
         return key in self._sizes
 
 
@@ -106,29 +107,29 @@ class StorageTier(ABC):
         """Bytes `value` would occupy here (what used_bytes grows by after put)."""
 
     @abstractmethod
-    def put(self, key: SessionKey, value: SessionKV) -> None:
+    def put(self, key: ChunkKey, value: SessionKV) -> None:
         """Store value under key (replacing any old one); TierFull if it does not fit."""
 
     @abstractmethod
-    def get(self, key: SessionKey) -> SessionKV | None: ...
+    def get(self, key: ChunkKey) -> SessionKV | None: ...
 
     @abstractmethod
-    def delete(self, key: SessionKey) -> bool: ...
+    def delete(self, key: ChunkKey) -> bool: ...
 
     @abstractmethod
-    def contains(self, key: SessionKey) -> bool: ...
+    def contains(self, key: ChunkKey) -> bool: ...
 
     @abstractmethod
     def used_bytes(self) -> int: ...
 
     @abstractmethod
-    def keys(self) -> list[SessionKey]: ...
+    def keys(self) -> list[ChunkKey]: ...
 
-    def size_of(self, key: SessionKey) -> int:
+    def size_of(self, key: ChunkKey) -> int:
         """Bytes key occupies here (0 when absent)."""
         return 0
 
-    def check_fits(self, key: SessionKey, value: SessionKV) -> int:
+    def check_fits(self, key: ChunkKey, value: SessionKV) -> int:
         """Bytes `value` needs here in place of key's current value; TierFull if over capacity."""
         need = self.footprint(value)
         if self.used_bytes() - self.size_of(key) + need > self.capacity:
@@ -172,14 +173,14 @@ class IndexedTier(StorageTier):
     def footprint(self, value: SessionKV) -> int:
         return encoded_footprint(value)
 
-    def contains(self, key: SessionKey) -> bool:
+    def contains(self, key: ChunkKey) -> bool:
         return key in self._index
 
     def used_bytes(self) -> int:
         return self._index.total
 
-    def keys(self) -> list[SessionKey]:
+    def keys(self) -> list[ChunkKey]:
         return self._index.keys()
 
-    def size_of(self, key: SessionKey) -> int:
+    def size_of(self, key: ChunkKey) -> int:
         return self._index.size_of(key)

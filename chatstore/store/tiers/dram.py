@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from chatstore.store import kv_quant
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.chunks.keys import ChunkKey
+from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers.base import StorageTier, TierFull
 
 
@@ -67,7 +68,7 @@ class DramTier(StorageTier):
         shape += (layout.num_kv_heads, layout.row_width)
         self.pool = torch.empty(shape, dtype=layout.dtype, pin_memory=pin)
         self._free: deque[int] = deque(range(self.num_blocks))
-        self._entries: dict[SessionKey, _Entry] = {}
+        self._entries: dict[ChunkKey, _Entry] = {}
 
     @property
     def capacity(self) -> int:
@@ -107,7 +108,7 @@ class DramTier(StorageTier):
         self._entries[key] = _Entry(blocks, entry.token_ids[:keep] + list(rows.token_ids))
         return True
 
-    def put(self, key: SessionKey, value: SessionKV) -> None:
+    def put(self, key: ChunkKey, value: SessionKV) -> None:
         n = self._blocks_for(value.num_tokens)
         old = self._entries.get(key)
         if n > len(self._free) + (len(old.blocks) if old else 0):
@@ -131,7 +132,7 @@ class DramTier(StorageTier):
             tail[:, :, rest:].zero_()
             tail[:, :, :rest] = kv[:, :, full * B :]
 
-    def get(self, key: SessionKey) -> SessionKV | None:
+    def get(self, key: ChunkKey) -> SessionKV | None:
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -169,27 +170,27 @@ class DramTier(StorageTier):
             out[:, :, full * B :].copy_(self.pool[blocks[full], :, :, :rest])
         return out
 
-    def delete(self, key: SessionKey) -> bool:
+    def delete(self, key: ChunkKey) -> bool:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
         self._free.extend(entry.blocks)
         return True
 
-    def contains(self, key: SessionKey) -> bool:
+    def contains(self, key: ChunkKey) -> bool:
         return key in self._entries
 
     def used_bytes(self) -> int:
         return (self.num_blocks - len(self._free)) * self.block_bytes
 
-    def keys(self) -> list[SessionKey]:
+    def keys(self) -> list[ChunkKey]:
         return list(self._entries)
 
-    def size_of(self, key: SessionKey) -> int:
+    def size_of(self, key: ChunkKey) -> int:
         entry = self._entries.get(key)
         return len(entry.blocks) * self.block_bytes if entry else 0
 
-    def token_ids(self, key: SessionKey) -> list[int] | None:
+    def token_ids(self, key: ChunkKey) -> list[int] | None:
         entry = self._entries.get(key)
         return list(entry.token_ids) if entry else None
 
