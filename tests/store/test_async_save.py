@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.commit.write_buffer import WriteBuffer
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.write_buffer import WriteBuffer
 from tests.store.test_attention_store import SPEC, TOKEN_BYTES, save_later, value
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkHasher
+from chatstore.store.ports import ChunkDelta
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.turn_plan import ChunkDelta
 from tests.store.test_attention_store import SPEC, TOKEN_BYTES
 from tests.support.store import push_down
 

@@ -25,12 +25,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-import chatstore.store.attention_store as attention_store
+import chatstore.store.store_parts as store_parts
 import chatstore.store.tiers.lmdb as lmdb_tier
 from chatstore.api.launcher import local_server
 from chatstore.store import AttentionStore
 from chatstore.store.chunks import ChunkKey
-from chatstore.store.persister import Persister
+from chatstore.store.commit.persister import Persister
 from chatstore.store.tiers.lmdb import LmdbTier
 from tests.store.test_attention_store import TOKEN_BYTES
 from tests.store.test_chunks import CHUNK, kv_of, make, turn
@@ -45,7 +45,7 @@ def kv_map(monkeypatch):
 
     def small(nbytes: int) -> None:
         small_tier = functools.partial(LmdbTier, map_bytes=nbytes)
-        monkeypatch.setattr(attention_store, "LmdbTier", small_tier)
+        monkeypatch.setattr(store_parts, "LmdbTier", small_tier)
 
     return small
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from chatstore.config import load_config
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.events import StoreEvent
-from chatstore.store.policy import PolicyChooser
+from chatstore.store.placement.policies import PolicyChooser
 from chatstore.store.session_kv import SessionKey
 from tests.store.test_attention_store import SPEC, TOKEN_BYTES, value
 from tests.support.store import push_down

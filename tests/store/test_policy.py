@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chatstore.store.policy import (
+from chatstore.store.placement.policies import (
     AwarePolicy,
     BeladyPolicy,
     EvictionPolicy,

@@ -20,8 +20,8 @@ from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
+from chatstore.store.tiers.chunk_tiers import ChunkTiers
 from chatstore.store.tiers.dram import DramTier, KVLayout
-from chatstore.store.tiers.hierarchy import ChunkTiers
 from chatstore.store.tiers.redis import RedisTier
 from chatstore.transfer import StoreConnector
 from tests.support.engine import (

@@ -8,7 +8,11 @@ import torch
 
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
 from chatstore.store.session_kv import SessionKV
-from chatstore.store.truncation import ContextOverflowError, TruncationPlan, plan_truncation
+from chatstore.store.sessions.truncation import (
+    ContextOverflowError,
+    TruncationPlan,
+    plan_truncation,
+)
 from chatstore.transfer.rerope import rope_at, unrope
 from tests.support.tiny_models import tiny_hf_model
 
