@@ -1,21 +1,15 @@
-"""Stored responses, kept in the session records store (LMDB, or Redis with replicas).
+"""Stored responses, kept in the records store's Responses namespace (LMDB, or Redis with
+replicas): chatstore/store/records/responses.py.
 
-A response is one record of its tenant's response namespace, named by the response id:
+A response is one `ResponseRecord` of its tenant, named by the response id: the response object
+as JSON, the session holding the conversation's KV, and the conversation through this
+response's reply, without instructions. Each holds its whole conversation, so continuing from
+any response reads one record, whatever happened to its session since (continued by another
+response, deleted, expired) and whether or not the responses before it were deleted. Records
+expire with the session TTL, like sessions. Reads and writes block on the records store: call
+them from a worker thread.
 
-    tenant    "\\x00responses:<tenant>"   (no configured tenant holds a NUL: the environment
-                                          cannot carry one, so no tenant can read these as its
-                                          sessions)
-    messages  the conversation through this response's reply, without instructions
-    metadata  {"response": <the response object as JSON>, "session_id": <the session holding
-               the conversation's KV>}
-
-Each record holds its whole conversation, so continuing from any response reads one record,
-whatever happened to its session since (continued by another response, deleted, expired) and
-whether or not the responses before it were deleted. Records expire with the session TTL, like
-sessions. Reads and writes block on the records store: call them from a worker thread.
-
-At rest a response is sealed like any record (records.py), under the key of the tenant it
-belongs to (sealing/sealer.py `owner_tenant` reads the tenant out of the namespace), so
+At rest a response is sealed like any record, under the key of the tenant it belongs to, so
 crypto-shredding a tenant makes its stored responses unreadable with its sessions.
 """
 
@@ -29,10 +23,8 @@ from typing import Any
 
 from chatstore.api.chat_template import Message
 from chatstore.api.errors import store_error
-from chatstore.api.store_port import INTERNAL_TENANT_PREFIX, SessionRecord, SessionStorePort
-from chatstore.store.records import RecordStoreError
-
-NAMESPACE = INTERNAL_TENANT_PREFIX + "responses:"
+from chatstore.api.store_port import SessionStorePort
+from chatstore.store.records import RecordStoreError, ResponseExists, ResponseRecord
 
 
 def new_response_id() -> str:
@@ -52,37 +44,33 @@ class StoredResponse:
 
 class ResponseStore:
     def __init__(self, store: SessionStorePort) -> None:
-        self.store = store
+        self.responses = store.responses
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         try:
-            record = self.store.get(NAMESPACE + tenant, response_id)
+            record = self.responses.get(tenant, response_id)
         except RecordStoreError as exc:
             raise store_error(exc) from None
-        if record is None or "response" not in record.metadata:
+        if record is None:
             return None
-        return StoredResponse(
-            body_json=record.metadata["response"],
-            session_id=record.metadata["session_id"],
-            items=[{"role": m["role"], "content": m["content"]} for m in record.messages],
-        )
+        return StoredResponse(record.body_json, record.session_id, list(record.items))
 
     def put(self, tenant: str, response_id: str, response: StoredResponse) -> None:
         """Keep the response durably (the records store's own guarantee); APIError 503/507
         when it cannot be kept."""
-        now = time.time()
-        metadata = {"response": response.body_json, "session_id": response.session_id}
-        items = list(response.items)
-        record = SessionRecord(NAMESPACE + tenant, response_id, items, [], metadata, now, now)
+        items = [{"role": m["role"], "content": m["content"]} for m in response.items]
+        record = ResponseRecord(
+            tenant, response_id, response.body_json, response.session_id, items, time.time()
+        )
         try:
-            created = self.store.create(record)
+            self.responses.create(record)
         except RecordStoreError as exc:
             raise store_error(exc) from None
-        if not created:  # a uuid4 collision, or a client-made id: never overwrite
-            raise RuntimeError(f"response {response_id} already exists")
+        except ResponseExists:  # a uuid4 collision, or a client-made id: never overwrite
+            raise RuntimeError(f"response {response_id} already exists") from None
 
     def delete(self, tenant: str, response_id: str) -> bool:
         try:
-            return self.store.delete(NAMESPACE + tenant, response_id)
+            return self.responses.delete(tenant, response_id)
         except RecordStoreError as exc:
             raise store_error(exc) from None

@@ -2,14 +2,16 @@
 
 The store owns durable records (tenant, messages, token ids whose KV is saved, timestamps) and
 the KV tiers; the engine's StoreConnector saves and loads KV. This adapter adds what the API
-needs on top: pagination, a per-tenant prefix index (for OpenAI clients that resend their
-history without a session id), the tier numbers in the admin shape (the device tier first, read
-from the engine's stats: also with kv_store = "off"), and the session leases that keep replicas
-sharing one Redis from running turns on one session at once.
+needs on top: pagination, the per-tenant session count, the tier numbers in the admin shape
+(the device tier first, read from the engine's stats: also with kv_store = "off"), and the
+session leases that keep replicas sharing one Redis from running turns on one session at once.
+Records are the store's own `SessionRecord`; which session a client that resends its history
+continues is the records' prefix index (chatstore/store/records/prefix_index.py).
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import threading
 from collections.abc import Callable
@@ -20,16 +22,20 @@ from chatstore.api.store_port import (
     DEVICE_TIER,
     INTERNAL_TENANT_PREFIX,
     SessionPlacement,
-    SessionRecord,
     TierStats,
 )
 from chatstore.engine.engine_stats import EngineStats
 from chatstore.engine.kv_connector import KVConnector
+from chatstore.store.records import (
+    RecordConflict,
+    RecordStore,
+    ResponseRecords,
+    SessionLease,
+    SessionRecord,
+    session_leases,
+)
 from chatstore.store.retention import Retention
-from chatstore.store.session_kv import SessionKey, common_prefix_len
-from chatstore.store.session_lease import SessionLease, session_leases
-
-PREFIX_SCAN_LIMIT = 512  # sessions compared token by token when no stored history is a prefix
+from chatstore.store.session_kv import SessionKey
 
 
 def device_tier(stats: EngineStats) -> TierStats:
@@ -75,10 +81,10 @@ class StoreAdapter:
         engine_stats: the engine's stats, whose block pool is the device tier (None: no line)."""
         self.store = store
         self._engine_stats = engine_stats
-        self.records = records if records is not None else store.records
+        self.records: RecordStore = records if records is not None else store.records
         self.leases = leases if leases is not None else self._leases(store, self.records)
         self._connector = connector
-        self._index: dict[str, dict[str, list[int]]] = {}  # tenant -> sid -> saved token ids
+        self._sessions: dict[str, set[str]] = {}  # tenant -> its session ids (counted)
         self._resealer: Any = None  # the key rotation job, once started (rotate_keys)
         self._lock = threading.Lock()
 
@@ -86,36 +92,26 @@ class StoreAdapter:
     def connector(self) -> KVConnector | None:
         return self._connector
 
+    @property
+    def responses(self) -> ResponseRecords:
+        return self.records.responses
+
     # -- records ----------------------------------------------------------------------------
 
     def get(self, tenant: str, session_id: str) -> SessionRecord | None:
         self._wait_saved(tenant, session_id)
-        raw = self.records.get(SessionKey(tenant, session_id))
-        return None if raw is None else self._to_port(raw)
+        record = self.records.get(SessionKey(tenant, session_id))
+        return None if record is None else self._own_model(record)
 
     def create(self, record: SessionRecord) -> bool:
         """Write a new session's record; False when the id is taken (maybe by another
         replica a moment ago)."""
-        from chatstore.store.records import RecordConflict
-        from chatstore.store.records import SessionRecord as StoreRecord
-
-        new = StoreRecord(
-            record.tenant,
-            record.session_id,
-            messages=list(record.messages),
-            created_at=record.created_at,
-            updated_at=record.updated_at,
-            metadata=dict(record.metadata),
-            ttl_s=record.ttl_s,
-            priority=record.priority,
-        )
         try:
-            saved = self.records.create(new)
+            self.records.create(record)
         except RecordConflict:
             return False
-        self._saved(record, saved)
-        self._retain(saved)
-        record.expires_at = self.records.expires_at(saved)
+        self._counted(record)
+        self._retain(record)
         return True
 
     def update(self, tenant: str, session_id: str, **changes: Any) -> SessionRecord | None:
@@ -126,9 +122,9 @@ class StoreAdapter:
         if saved is None:
             return None
         self._retain(saved)
-        return self._to_port(saved)
+        return self._own_model(saved)
 
-    def _retain(self, saved: Any) -> None:
+    def _retain(self, saved: SessionRecord) -> None:
         if self.store is not None:
             self.store.set_retention(
                 saved.tenant, saved.session_id, Retention(saved.priority, saved.ttl_s)
@@ -141,15 +137,27 @@ class StoreAdapter:
         return SessionPlacement(tokens, self.store.layout.bytes_per_token)
 
     def append_turn(
-        self, record: SessionRecord, new_messages: list[dict[str, Any]], keep: int | None = None
+        self,
+        record: SessionRecord,
+        new_messages: list[dict[str, Any]],
+        keep: int | None = None,
+        kv_tokens: int = 0,
+        last_token: int | None = None,
     ) -> None:
         """Append a turn to the stored messages if the record is still at `record.version`
         (what the turn read); RecordConflict otherwise. `record` becomes what was stored."""
         self._wait_saved(record.tenant, record.session_id)  # token_ids of the turn just ended
+        if kv_tokens == 0 and new_messages:  # a reply that carries them as keys (old callers)
+            kv_tokens = int(new_messages[-1].get("kv_tokens", 0))
+            last_token = new_messages[-1].get("last_token")
         key = SessionKey(record.tenant, record.session_id)
-        saved = self.records.append_turn(key, record.version, new_messages, keep)
-        record.messages = [dict(m) for m in saved.messages]
-        self._saved(record, saved)
+        saved = self.records.append_turn(
+            key, record.version, new_messages, keep, kv_tokens=kv_tokens, last_token=last_token
+        )
+        for f in dataclasses.fields(SessionRecord):
+            setattr(record, f.name, getattr(saved, f.name))
+        self._own_model(record)
+        self._counted(record)
 
     def acquire_lease(self, tenant: str, session_id: str) -> SessionLease | None:
         """The session's lease for one turn (or delete); None while another replica holds it."""
@@ -161,14 +169,14 @@ class StoreAdapter:
 
     def delete(self, tenant: str, session_id: str) -> bool:
         with self._lock:
-            self._index.get(tenant, {}).pop(session_id, None)
+            self._sessions.get(tenant, set()).discard(session_id)
         if self.store is None:
             return bool(self.records.delete(SessionKey(tenant, session_id)))
         return bool(self.store.delete_session(tenant, session_id))
 
     def count_sessions(self, tenant: str) -> int:
         with self._lock:
-            return len(self._tenant_index(tenant))
+            return len(self._tenant_sessions(tenant))
 
     def purge_expired(self) -> int:
         """Delete sessions idle past the TTL, records and KV; how many went."""
@@ -178,32 +186,25 @@ class StoreAdapter:
             gone = self.records.purge_expired()
         with self._lock:
             for key in gone:
-                self._index.get(key.tenant, {}).pop(key.session_id, None)
+                self._sessions.get(key.tenant, set()).discard(key.session_id)
         return len(gone)
 
-    def list(self, tenant: str | None, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
+    def list(
+        self, tenant: str | None, offset: int, limit: int
+    ) -> tuple[builtins.list[SessionRecord], int]:
         records = self.records.list_sessions(tenant)
         if tenant is None:  # all tenants: the users', not the server's own namespaces
             records = [r for r in records if not r.tenant.startswith(INTERNAL_TENANT_PREFIX)]
         records.sort(key=lambda r: (r.updated_at, r.session_id), reverse=True)
-        return [self._to_port(r) for r in records[offset : offset + limit]], len(records)
+        return [self._own_model(r) for r in records[offset : offset + limit]], len(records)
 
     # -- KV ---------------------------------------------------------------------------------
 
-    def match_prefix(self, tenant: str, token_ids: list[int]) -> str | None:
-        with self._lock:
-            index = dict(self._tenant_index(tenant))
-        best, best_len = None, 0
-        for sid, saved in index.items():  # a saved history that is a prefix wins outright
-            if saved and len(saved) > best_len and token_ids[: len(saved)] == saved:
-                best, best_len = sid, len(saved)
-        if best is not None:
-            return best
-        for sid, saved in list(index.items())[-PREFIX_SCAN_LIMIT:]:
-            n = common_prefix_len(saved, token_ids)
-            if n > best_len:
-                best, best_len = sid, n
-        return best
+    def match_prefix(self, tenant: str, token_ids: builtins.list[int]) -> str | None:
+        """The records' prefix index, for this model's saved ids (no store: none are saved)."""
+        if self.store is None:
+            return None
+        return self.records.match_prefix(tenant, token_ids, self.store.fingerprint)
 
     def kv_location(self, tenant: str, session_id: str) -> str | None:
         if self.store is None:
@@ -225,8 +226,14 @@ class StoreAdapter:
                 self.connector.stage(tenant, session_id)
 
     def fit_context(
-        self, tenant: str, session_id: str, prompt: list[int], head: int, tail: int, reserve: int
-    ) -> list[int]:
+        self,
+        tenant: str,
+        session_id: str,
+        prompt: builtins.list[int],
+        head: int,
+        tail: int,
+        reserve: int,
+    ) -> builtins.list[int]:
         if self.store is None:
             return prompt
         # The store sizes its cut by the prompt's length: `reserve` placeholder tokens at the
@@ -235,7 +242,7 @@ class StoreAdapter:
         cut = self.store.fit_context(tenant, session_id, padded, head, tail + reserve)
         return cut[: len(cut) - reserve] if reserve else cut
 
-    def tier_stats(self) -> list[TierStats]:
+    def tier_stats(self) -> builtins.list[TierStats]:
         """The device tier (from the engine), then the store's tiers, fastest first."""
         out = [] if self._engine_stats is None else [device_tier(self._engine_stats())]
         if self.store is None:
@@ -301,23 +308,21 @@ class StoreAdapter:
                 if self.store is not None:
                     tiers, data_dir = self.store.tiers.slow, self.store.settings.data_dir
                 else:
-                    tiers, data_dir = [], Path(self.records.path).parent
+                    tiers, data_dir = [], Path(getattr(self.records, "path", ".")).parent
                 self._resealer = Resealer(sealer.sealing_id, self.records, tiers, data_dir)
             return self._resealer
 
     def shred_tenant(self, tenant: str) -> dict[str, int]:
         """Crypto-shred tenant: destroy its key (all its sealed data stops opening at once),
         then delete its sessions, KV and stored Responses; how many of each went."""
-        from chatstore.api.responses_store import NAMESPACE
-
         sealer = getattr(self.records, "sealer", None)
         if self.store is None and sealer is not None:  # the store shreds first itself
             sealer.keyring.shred(tenant)  # first: nothing of it opens from here on
         with self._lock:
-            self._index.pop(tenant, None)
+            self._sessions.pop(tenant, None)
         with_kv = self.store.shred_tenant(tenant) if self.store is not None else 0
         records = self.records.delete_tenant(tenant)
-        responses = self.records.delete_tenant(NAMESPACE + tenant)
+        responses = self.records.responses.delete_tenant(tenant)
         return {"sessions": max(with_kv, records), "responses": responses}
 
     def flush(self) -> int:
@@ -351,46 +356,24 @@ class StoreAdapter:
         lease_s = getattr(settings, "session_lease_s", 30.0)
         return session_leases(records, lease_s, getattr(settings, "replica_id", ""))
 
-    def _saved(self, record: SessionRecord, saved: Any) -> None:
-        record.token_ids = self._saved_ids(saved)
-        record.updated_at = saved.updated_at
-        record.version = saved.version
+    def _counted(self, record: SessionRecord) -> None:
         with self._lock:
-            index = self._tenant_index(record.tenant)
-            index.pop(record.session_id, None)  # most recently used last
-            index[record.session_id] = list(record.token_ids)
+            self._tenant_sessions(record.tenant).add(record.session_id)
 
     def _wait_saved(self, tenant: str, session_id: str) -> None:
         if self.store is not None:
             self.store.wait_saved(tenant, session_id)
 
-    def _tenant_index(self, tenant: str) -> dict[str, list[int]]:
-        index = self._index.get(tenant)
-        if index is None:
-            records = self.records.list_sessions(tenant)
-            records.sort(key=lambda r: r.updated_at)
-            index = {r.session_id: self._saved_ids(r) for r in records}
-            self._index[tenant] = index
-        return index
+    def _tenant_sessions(self, tenant: str) -> set[str]:
+        sessions = self._sessions.get(tenant)
+        if sessions is None:
+            sessions = {r.session_id for r in self.records.list_sessions(tenant)}
+            self._sessions[tenant] = sessions
+        return sessions
 
-    def _saved_ids(self, raw: Any) -> list[int]:
-        """The record's token ids, or none when another model saved them (the next turn then
+    def _own_model(self, record: SessionRecord) -> SessionRecord:
+        """record, its token ids dropped when another model saved them (the next turn then
         renders the messages afresh rather than feed this model foreign ids)."""
-        if self.store is not None and getattr(raw, "fingerprint", "") != self.store.fingerprint:
-            return []
-        return list(raw.token_ids)
-
-    def _to_port(self, raw: Any) -> SessionRecord:
-        return SessionRecord(
-            tenant=raw.tenant,
-            session_id=raw.session_id,
-            messages=[dict(m) for m in raw.messages],
-            token_ids=self._saved_ids(raw),
-            metadata=dict(raw.metadata),
-            created_at=raw.created_at,
-            updated_at=raw.updated_at,
-            version=raw.version,
-            priority=raw.priority,
-            ttl_s=raw.ttl_s,
-            expires_at=self.records.expires_at(raw),
-        )
+        if self.store is not None and record.fingerprint != self.store.fingerprint:
+            record.token_ids, record.kv_tokens, record.last_token = [], 0, None
+        return record

@@ -1,37 +1,33 @@
 """The one small interface the API needs from the session store.
 
-`SessionRecord` is what the API keeps per session (tenant, messages, token ids, timestamps);
-the KV itself moves between engine and store through the engine's KVConnector, out of the API's
-sight. `StoreAdapter` (store_adapter.py) implements this port over chatstore.store.
+A session's record is the store's own `SessionRecord` (chatstore.store.records: tenant,
+messages, the token ids whose KV is saved, kv_tokens / last_token of the last turn, retention,
+timestamps); the KV itself moves between engine and store through the engine's KVConnector, out
+of the API's sight. `StoreAdapter` (store_adapter.py) implements this port over chatstore.store.
 """
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from chatstore.engine.kv_connector import KVConnector
+from chatstore.store.records import ResponseRecords, SessionRecord
 
-Message = dict[str, str]
+__all__ = [
+    "DEVICE_TIER",
+    "INTERNAL_TENANT_PREFIX",
+    "SessionPlacement",
+    "SessionRecord",
+    "SessionStorePort",
+    "TierStats",
+    "store_hits",
+]
 
-# Tenants starting with a NUL are the server's own namespaces (stored responses, for one): no
-# configured tenant can hold a NUL, so users never see them as sessions.
+# Tenants starting with a NUL were the server's own namespaces (stored Responses, before they
+# had a namespace of their own): no configured tenant can hold a NUL, so users never see them.
 INTERNAL_TENANT_PREFIX = "\x00"
-
-
-@dataclass
-class SessionRecord:
-    tenant: str
-    session_id: str
-    messages: list[Message] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # prompt + reply of the last turn
-    metadata: dict[str, str] = field(default_factory=dict)
-    created_at: float = 0.0
-    updated_at: float = 0.0
-    version: int = 0  # of the stored messages when read: a turn appends only on top of it
-    priority: int = 0  # retention (chatstore.store.retention): higher stays up longer
-    ttl_s: int = 0  # idle seconds before it expires; 0 = the server's session TTL
-    expires_at: float | None = None  # when it expires if left idle (None: never)
 
 
 @dataclass(frozen=True)
@@ -95,17 +91,31 @@ class SessionStorePort(Protocol):
     @property
     def connector(self) -> KVConnector | None: ...
 
-    def get(self, tenant: str, session_id: str) -> SessionRecord | None: ...
+    @property
+    def responses(self) -> ResponseRecords:
+        """The stored Responses (their own records; blocking calls)."""
+        ...
+
+    def get(self, tenant: str, session_id: str) -> SessionRecord | None:
+        """The live record, with token_ids empty when another model saved them."""
+        ...
 
     def create(self, record: SessionRecord) -> bool:
         """Write a new session's record; False when the id is taken."""
         ...
 
     def append_turn(
-        self, record: SessionRecord, new_messages: list[dict[str, Any]], keep: int | None = None
+        self,
+        record: SessionRecord,
+        new_messages: list[dict[str, Any]],
+        keep: int | None = None,
+        kv_tokens: int = 0,
+        last_token: int | None = None,
     ) -> None:
         """Append a turn's messages on top of `record.version`, keeping the first `keep` stored
-        messages (None: all); raises RecordConflict when the session changed meanwhile."""
+        messages (None: all), with the turn's kv_tokens / last_token (0 / None: the next turn
+        renders afresh); raises RecordConflict when the session changed meanwhile. `record`
+        becomes what was stored."""
         ...
 
     def acquire_lease(self, tenant: str, session_id: str) -> Any:
@@ -133,25 +143,33 @@ class SessionStorePort(Protocol):
         """Delete the sessions idle past the TTL (records and KV); how many went."""
         ...
 
-    def list(self, tenant: str | None, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
+    def list(
+        self, tenant: str | None, offset: int, limit: int
+    ) -> tuple[builtins.list[SessionRecord], int]:
         """One page of a tenant's sessions (all tenants for None), newest first, and the total."""
         ...
 
-    def match_prefix(self, tenant: str, token_ids: list[int]) -> str | None:
+    def match_prefix(self, tenant: str, token_ids: builtins.list[int]) -> str | None:
         """The tenant's session whose saved tokens share the longest prefix with token_ids."""
         ...
 
     def kv_location(self, tenant: str, session_id: str) -> str | None: ...
 
     def fit_context(
-        self, tenant: str, session_id: str, prompt: list[int], head: int, tail: int, reserve: int
-    ) -> list[int]:
+        self,
+        tenant: str,
+        session_id: str,
+        prompt: builtins.list[int],
+        head: int,
+        tail: int,
+        reserve: int,
+    ) -> builtins.list[int]:
         """The prompt cut so that it plus `reserve` reply tokens fit the context window (the
         oldest history after `head` tokens dropped, the last `tail` kept), the session's saved
         KV cut the same way."""
         ...
 
-    def tier_stats(self) -> list[TierStats]: ...
+    def tier_stats(self) -> builtins.list[TierStats]: ...
 
     def fetch_remote(self, tenant: str, session_id: str) -> None:
         """Before a turn: bring what only the remote tier holds up to a local tier."""

@@ -142,9 +142,9 @@ def test_conflict_is_a_409_session_conflict():
 def test_cas_and_leases_on_a_redis_cluster():
     """Both are single-key operations (a WATCH transaction, Lua on one key): a cluster runs
     them on the session's master."""
-    from chatstore.store.redis_server import redis_server_binary, start_local_redis_cluster
-    from chatstore.store.session_lease import RedisLeases
+    from chatstore.store.records.leases import RedisLeases
     from chatstore.store.tiers.redis import connect_redis
+    from tests.support.redis_server import redis_server_binary, start_local_redis_cluster
 
     if redis_server_binary() is None:
         pytest.skip("needs redis-server")

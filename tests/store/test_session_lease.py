@@ -15,7 +15,7 @@ from chatstore.store.records import LmdbRecordStore, RecordStoreUnavailable, Red
 from chatstore.store.sealing import Keyring, Sealer
 from chatstore.store.sealing.keyring import new_secret_line, parse_secrets
 from chatstore.store.session_kv import SessionKey
-from chatstore.store.session_lease import (
+from chatstore.store.records.leases import (
     LocalLeases,
     RedisLeases,
     lease_name,

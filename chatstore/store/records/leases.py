@@ -25,7 +25,8 @@ from typing import Any
 from urllib.parse import quote
 
 from chatstore.store.keys import key_digest
-from chatstore.store.records import RecordStore, RedisRecordStore
+from chatstore.store.records.base import RecordStore
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.session_kv import SessionKey
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,51 @@
+"""Durable session records, their prefix index, stored Responses and the turns' leases.
+
+base.py          SessionRecord, the errors, RecordStore (the contract every backend keeps)
+lmdb.py          LmdbRecordStore: one LMDB environment, synchronous commits (the default)
+redis.py         RedisRecordStore: records shared by replicas through one Redis
+prefix_index.py  which session a client that resends its history continues (O(1) a step)
+responses.py     stored Responses: their own record type and namespace
+leases.py        a turn's lease on its session, so replicas run one turn at a time
+"""
+
+from chatstore.store.records.base import (
+    RecordConflict,
+    RecordStore,
+    RecordStoreError,
+    RecordStoreFull,
+    RecordStoreUnavailable,
+    SessionRecord,
+)
+from chatstore.store.records.leases import (
+    LocalLeases,
+    RedisLeases,
+    SessionLease,
+    lease_name,
+    session_leases,
+    session_tag,
+)
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.prefix_index import PrefixMatch
+from chatstore.store.records.redis import RedisRecordStore
+from chatstore.store.records.responses import ResponseExists, ResponseRecord, ResponseRecords
+
+__all__ = [
+    "LmdbRecordStore",
+    "LocalLeases",
+    "PrefixMatch",
+    "RecordConflict",
+    "RecordStore",
+    "RecordStoreError",
+    "RecordStoreFull",
+    "RecordStoreUnavailable",
+    "RedisLeases",
+    "RedisRecordStore",
+    "ResponseExists",
+    "ResponseRecord",
+    "ResponseRecords",
+    "SessionLease",
+    "SessionRecord",
+    "lease_name",
+    "session_leases",
+    "session_tag",
+]

@@ -1,0 +1,372 @@
+"""Durable session records: the one `SessionRecord`, the errors, and the `RecordStore` contract.
+
+A record is a session's tenant, messages, the token ids whose KV is saved (and their chunk
+keys' digests), timestamps, retention and the version a turn appends on top of. The store and
+the API share this one type. Backends: LMDB (lmdb.py, the embedded default, `sync=True`: a
+record `put` survives a `kill -9`) and Redis (redis.py, durability is Redis's own persistence
+setting). A record idle longer than its TTL reads as absent.
+
+A write that cannot be made durable raises `RecordStoreFull` (the LMDB map or the disk is full)
+or `RecordStoreUnavailable` (Redis down or too slow): the API then refuses to acknowledge the
+turn instead of answering 200 for a record it does not have.
+
+Encryption at rest: with a `sealer` every record is stored sealed under its tenant's key, its
+storage name the associated data (sealing/sealer.py). A record that fails to open (a wrong or
+shredded key, a changed byte, a value moved under another name) reads as absent and is counted
+in `open_failures`: it is never served, and it never turns into an error.
+
+Besides the sessions a backend keeps two more namespaces: the prefix index (prefix_index.py:
+which session a client that resends its history continues) and the stored Responses
+(responses.py).
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import json
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from chatstore.store.records.prefix_index import PrefixMatch
+from chatstore.store.sealing import RECORD_PURPOSE, OpenError, Sealer
+from chatstore.store.session_kv import SessionKey
+
+if TYPE_CHECKING:
+    from chatstore.store.records.responses import ResponseRecords
+
+log = logging.getLogger(__name__)
+
+# Keys a turn's reply message carried before they were fields of the record (read, lifted).
+TURN_END_KEYS = ("kv_tokens", "last_token")
+
+
+@dataclass
+class SessionRecord:
+    tenant: str
+    session_id: str
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the history whose KV is saved
+    metadata: dict[str, Any] = field(default_factory=dict)  # the client's, from POST /v1/sessions
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    chunks: list[str] = field(default_factory=list)  # its chunk keys' digests, in order
+    # The model the token ids (and chunks) were made for: another model's ids are not reused.
+    fingerprint: str = ""
+    # Bumped by every write of the messages (not by the store's KV bookkeeping): a turn appends
+    # only if the record is still at the version it read (append_turn).
+    version: int = 0
+    # Retention (retention.py): idle seconds before the session expires (0: the server's
+    # session TTL) and its eviction priority (higher stays in the fast tiers longer).
+    ttl_s: int = 0
+    priority: int = 0
+    # The last turn ended on EOS or max_tokens: the store saved the KV of `kv_tokens` tokens
+    # and `last_token` (sampled, never fed back) follows them. While `token_ids` still holds
+    # exactly that many, the next prompt continues those ids exactly. 0 / None: render afresh.
+    kv_tokens: int = 0
+    last_token: int | None = None
+    # When it expires if left idle (None: never), as the store that read it counts (its TTL
+    # is the server's): set on every record a RecordStore returns, never stored.
+    expires_at: float | None = None
+
+    @property
+    def key(self) -> SessionKey:
+        return SessionKey(self.tenant, self.session_id)
+
+    def to_json(self) -> bytes:
+        # Token ids as base64 int32: a long history's list costs a JSON round trip per turn
+        # otherwise (~7 ms at 7.5K tokens), which made saving grow with the history.
+        fields = asdict(self)
+        del fields["expires_at"]
+        ids = array.array("i", fields.pop("token_ids"))
+        fields["token_ids_b64"] = base64.b64encode(ids.tobytes()).decode()
+        return json.dumps(fields).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> SessionRecord:
+        fields = json.loads(raw)
+        packed = fields.pop("token_ids_b64", None)
+        if packed is not None:
+            ids = array.array("i")
+            ids.frombytes(base64.b64decode(packed))
+            fields["token_ids"] = ids.tolist()
+        fields.pop("expires_at", None)
+        known = cls.__dataclass_fields__
+        record = cls(**{k: v for k, v in fields.items() if k in known})
+        if "kv_tokens" not in fields:
+            record._lift_turn_end()
+        return record
+
+    def _lift_turn_end(self) -> None:
+        """The layout before kv_tokens / last_token were fields: they were keys of the last
+        (assistant) message; read them from there."""
+        last = self.messages[-1] if self.messages else {}
+        if "kv_tokens" in last and "last_token" in last:
+            self.kv_tokens, self.last_token = int(last["kv_tokens"]), int(last["last_token"])
+
+
+class RecordStoreError(Exception):
+    """A record could not be written durably (or read); the caller must not acknowledge."""
+
+
+class RecordStoreFull(RecordStoreError):
+    """No room for the record: the LMDB map (records_map_bytes) or the disk is full."""
+
+
+class RecordStoreUnavailable(RecordStoreError):
+    """The records backend (Redis) is down or did not answer in time."""
+
+
+class RecordConflict(RecordStoreError):
+    """The record changed since the writer read it (another replica wrote the session)."""
+
+
+class _Absent(Exception):
+    """patch(): no live record to change."""
+
+
+Change = Callable[[SessionRecord | None], SessionRecord]
+
+
+class RecordStore(ABC):
+    """The records contract: reads, atomic read-modify-writes (create-if-absent, compare-and-
+    set on the version, patch), listing, expiry, prefix matching and the Responses namespace.
+    A backend implements storage (`put`, `delete`, `_load`, `_all`, `_update`, the index)."""
+
+    responses: ResponseRecords
+
+    def __init__(self, ttl_s: int = 0, sealer: Sealer | None = None) -> None:
+        self.ttl_s = ttl_s  # the server's session TTL; a record's own ttl_s overrides it
+        self.sealer = sealer
+        self.open_failures = 0  # records that failed to open (read as absent)
+
+    # -- sealing ----------------------------------------------------------------------------
+
+    def seal(self, tenant: str, name: bytes, raw: bytes) -> bytes:
+        if self.sealer is None:
+            return raw
+        return bytes(self.sealer.seal(RECORD_PURPOSE, tenant, name, raw))
+
+    def unseal(self, tenant: str, name: bytes, raw: bytes | None) -> bytes | None:
+        """raw opened (None when absent or when it fails to open: counted, read as absent)."""
+        if raw is None or self.sealer is None:
+            return raw
+        try:
+            return self.sealer.open(RECORD_PURPOSE, tenant, name, raw)
+        except OpenError as exc:
+            self.open_failures += 1
+            log.warning("record %r failed to open (%s): read as absent", name, exc)
+            return None
+
+    def _encode(self, tenant: str, name: bytes, record: SessionRecord) -> bytes:
+        return self.seal(tenant, name, record.to_json())
+
+    def _decode(self, tenant: str, name: bytes, raw: bytes | None) -> SessionRecord | None:
+        """The record stored as raw under name (None when absent or when it fails to open)."""
+        plain = self.unseal(tenant, name, raw)
+        if plain is None:
+            return None
+        try:
+            return SessionRecord.from_json(plain)
+        except (ValueError, TypeError) as exc:
+            self.open_failures += 1
+            log.warning("session record %r failed to open (%s): read as absent", name, exc)
+            return None
+
+    def reseal(self, tenant: str, name: bytes, raw: bytes) -> bytes | None:
+        """raw re-sealed under the sealing key when it is under an older key or in the clear
+        (key rotation); None when it needs nothing or opens under no key. Any record kind
+        (a session, a stored Response): the JSON is checked, not its fields."""
+        if self.sealer is None or not self.sealer.needs_reseal(raw):
+            return None
+        try:
+            plain = self.sealer.open(RECORD_PURPOSE, tenant, name, raw)
+        except OpenError:
+            if not raw.startswith(b"{"):
+                return None
+            plain = raw  # written in the clear before encryption was on
+        try:
+            json.loads(plain)
+        except ValueError:
+            return None
+        return bytes(self.sealer.seal(RECORD_PURPOSE, tenant, name, plain))
+
+    # -- expiry -----------------------------------------------------------------------------
+
+    def ttl_of(self, record: SessionRecord) -> int:
+        """The record's idle TTL in seconds (0: never expires)."""
+        return record.ttl_s or self.ttl_s
+
+    def expires_at(self, record: SessionRecord) -> float | None:
+        ttl = self.ttl_of(record)
+        return record.updated_at + ttl if ttl > 0 else None
+
+    def expired(self, record: SessionRecord, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        deadline = self.expires_at(record)
+        return deadline is not None and deadline < now
+
+    def _expiry_s(self, record: SessionRecord) -> int | None:
+        """Seconds a backend with its own expiry (Redis `ex=`) keeps the record; None: always."""
+        deadline = self.expires_at(record)
+        return None if deadline is None else max(1, math.ceil(deadline - time.time()))
+
+    def _live(self, record: SessionRecord | None) -> SessionRecord | None:
+        """record with its expiry filled in; None when absent or expired."""
+        if record is None or self.expired(record):
+            return None
+        record.expires_at = self.expires_at(record)
+        return record
+
+    # -- reads and atomic writes ------------------------------------------------------------
+
+    def get(self, key: SessionKey) -> SessionRecord | None:
+        return self._live(self._load(key))
+
+    def upsert(self, key: SessionKey, **changes: Any) -> SessionRecord:
+        """Create or update a record's fields atomically (a concurrent writer's other fields are
+        kept); `updated_at` moves to now."""
+        return self._done(self._update(key, lambda r: self._changed(key, r, changes)))
+
+    def _changed(
+        self, key: SessionKey, record: SessionRecord | None, changes: dict[str, Any]
+    ) -> SessionRecord:
+        if record is None or self.expired(record):
+            record = SessionRecord(key.tenant, key.session_id)
+        for name, value in changes.items():
+            setattr(record, name, value)
+        if "messages" in changes:
+            record.version += 1
+        record.updated_at = time.time()
+        return record
+
+    def patch(self, key: SessionKey, **changes: Any) -> SessionRecord | None:
+        """Change fields of a live record atomically (retention, metadata); None when there is
+        none. Neither `version` (the messages are untouched) nor `updated_at` (a setting is not
+        activity) moves."""
+
+        def patched(current: SessionRecord | None) -> SessionRecord:
+            if current is None or self.expired(current):
+                raise _Absent
+            for name, value in changes.items():
+                setattr(current, name, value)
+            return current
+
+        try:
+            return self._done(self._update(key, patched))
+        except _Absent:
+            return None
+
+    def create(self, record: SessionRecord) -> SessionRecord:
+        """Write a new record (version 1); RecordConflict when a live one has its key."""
+
+        def created(current: SessionRecord | None) -> SessionRecord:
+            if current is not None and not self.expired(current):
+                raise RecordConflict(f"session {record.session_id} already exists")
+            record.version = (current.version if current is not None else 0) + 1
+            return record
+
+        return self._done(self._update(record.key, created))
+
+    def append_turn(
+        self,
+        key: SessionKey,
+        base_version: int,
+        new_messages: list[dict[str, Any]],
+        keep: int | None = None,
+        **changes: Any,
+    ) -> SessionRecord:
+        """Append a turn's messages if the record is still at `base_version` (an absent one is
+        at 0), atomically; RecordConflict otherwise. `keep`: the stored messages kept before the
+        new ones (a client that resent an edited history); None keeps them all. `changes`: other
+        fields set with it (kv_tokens, last_token)."""
+
+        def appended(current: SessionRecord | None) -> SessionRecord:
+            if current is not None and self.expired(current):
+                current = None
+            found = current.version if current is not None else 0
+            if found != base_version:
+                raise RecordConflict(
+                    f"session {key.session_id} is at version {found}, not {base_version}"
+                )
+            record = current or SessionRecord(key.tenant, key.session_id)
+            kept = record.messages if keep is None else record.messages[:keep]
+            record.messages = [*kept, *new_messages]
+            for name, value in changes.items():
+                setattr(record, name, value)
+            record.version = found + 1
+            record.updated_at = time.time()
+            return record
+
+        return self._done(self._update(key, appended))
+
+    def _done(self, record: SessionRecord) -> SessionRecord:
+        record.expires_at = self.expires_at(record)
+        return record
+
+    def list_sessions(self, tenant: str | None = None) -> list[SessionRecord]:
+        return [
+            r
+            for r in self._all(tenant)
+            if (tenant is None or r.tenant == tenant) and self._live(r) is not None
+        ]
+
+    def count_sessions(self, tenant: str) -> int:
+        return len(self.list_sessions(tenant))
+
+    def purge_expired(self, now: float | None = None) -> list[SessionKey]:
+        """Delete the sessions (and stored Responses) idle past their TTL; the sessions' keys."""
+        gone = [r.key for r in self._all() if self.expired(r, now)]
+        for key in gone:
+            self.delete(key)
+        self.responses.purge_expired(self.ttl_s, now)
+        return gone
+
+    def match_prefix(self, tenant: str, token_ids: list[int], fingerprint: str) -> str | None:
+        """The tenant's live session a client that resent its history continues (made by the
+        model `fingerprint`): the longest saved history that is a prefix of token_ids, else
+        the longest common prefix; None when none shares a token. O(1) index reads per
+        PREFIX_STEP tokens of token_ids, whatever the number of sessions (prefix_index.py)."""
+        match = self._prefix_match(tenant, token_ids, fingerprint)
+        return match.session_id if match is not None else None
+
+    @abstractmethod
+    def _prefix_match(
+        self, tenant: str, token_ids: list[int], fingerprint: str
+    ) -> PrefixMatch | None: ...
+
+    # -- storage (a backend's) --------------------------------------------------------------
+
+    @abstractmethod
+    def put(self, record: SessionRecord) -> None: ...
+
+    @abstractmethod
+    def delete(self, key: SessionKey) -> bool: ...
+
+    @abstractmethod
+    def delete_tenant(self, tenant: str) -> int:
+        """Delete every record of tenant by name (none is opened); how many."""
+
+    @abstractmethod
+    def reseal_all(self, after: bytes = b"", batch: int = 64) -> tuple[int, bytes | None]:
+        """Re-seal up to `batch` records (sessions and Responses) after `after` (key rotation):
+        (how many were rewritten, the cursor to resume from; None when done)."""
+
+    @abstractmethod
+    def _load(self, key: SessionKey) -> SessionRecord | None: ...
+
+    @abstractmethod
+    def _all(self, tenant: str | None = None) -> list[SessionRecord]:
+        """Every record (of `tenant` when given; a backend may return more)."""
+
+    @abstractmethod
+    def _update(self, key: SessionKey, change: Change) -> SessionRecord:
+        """Read-modify-write, atomic; the prefix index follows the token ids."""
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,319 @@
+"""Session records in one LMDB environment (the embedded default), synchronous commits.
+
+    t:<tenant>/<digest>   a session's record (one tenant = one key range)
+    r:<tenant>/<digest>   a stored Response (responses.py)
+    p:<tenant>/<hash>     a prefix index entry (prefix_index.py), written in the same
+                          transaction as the record whose token ids it follows
+    m:<name>              markers of one-time migrations
+
+The directory is 0700 and its files 0600: they hold every tenant's chat history.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+from chatstore.store.keys import key_digest
+from chatstore.store.records import prefix_index
+from chatstore.store.records.base import (
+    Change,
+    RecordStore,
+    RecordStoreFull,
+    RecordStoreUnavailable,
+    SessionRecord,
+)
+from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch
+from chatstore.store.records.responses import ResponseRecords
+from chatstore.store.sealing import Sealer
+from chatstore.store.session_kv import SessionKey
+
+SESSIONS, RESPONSES, INDEX = b"t:", b"r:", b"p:"
+INDEX_BUILT = b"m:prefix-index"
+
+
+def _range(txn: Any, prefix: bytes) -> list[tuple[bytes, bytes]]:
+    """Every (name, value) whose name starts with prefix, in order."""
+    cursor = txn.cursor()
+    found: list[tuple[bytes, bytes]] = []
+    if cursor.set_range(prefix):
+        for name, raw in cursor:
+            if not name.startswith(prefix):
+                break
+            found.append((bytes(name), bytes(raw)))
+    return found
+
+
+Saved = tuple[tuple[int, ...], str]  # a record's saved token ids and fingerprint
+
+
+def _saved(record: SessionRecord | None) -> Saved | None:
+    return None if record is None else (tuple(record.token_ids), record.fingerprint)
+
+
+def _tenant_of(name: bytes) -> str:
+    return unquote(name[2:].decode().rsplit("/", 1)[0])
+
+
+class LmdbRecordStore(RecordStore):
+    def __init__(
+        self,
+        path: str | Path,
+        ttl_s: int = 0,
+        map_size: int = 1 << 30,
+        sealer: Sealer | None = None,
+    ) -> None:
+        import lmdb
+
+        from chatstore.store.tiers.lmdb import open_private
+
+        super().__init__(ttl_s, sealer)
+        self._lmdb = lmdb
+        self.path = Path(path)
+        self.env = open_private(self.path, map_size=map_size, sync=True, metasync=True)
+        self.map_size = map_size
+        # Deletes need free pages too (copy-on-write): writes stop this short of the map, so
+        # that a full store can still delete sessions and recover.
+        self._headroom = min(map_size // 16, 8 << 20)
+        self.responses = LmdbResponses(self)
+        self._migrate()
+
+    @staticmethod
+    def _prefix(tenant: str, space: bytes = SESSIONS) -> bytes:
+        return space + f"{quote(tenant, safe='')}/".encode()
+
+    def _name(self, key: SessionKey) -> bytes:
+        return self._prefix(key.tenant) + key_digest(key).encode()
+
+    def _migrate(self) -> None:
+        """Records written before keys carried the tenant: re-key them once. Records written
+        before the prefix index: index them once."""
+        with self.env.begin() as txn:
+            old = [(k, v) for k, v in txn.cursor() if b":" not in bytes(k)[:2]]
+            indexed = txn.get(INDEX_BUILT) is not None
+        if old:
+            with self.env.begin(write=True) as txn:
+                for name, raw in old:
+                    record = SessionRecord.from_json(raw)  # written before sealing existed
+                    new_name = self._name(record.key)
+                    txn.put(new_name, self._encode(record.tenant, new_name, record))
+                    txn.delete(name)
+        if not indexed:
+            records = self._all()
+            with self.env.begin(write=True) as txn:
+                for record in records:
+                    self._index(txn, record.key, None, _saved(record))
+                txn.put(INDEX_BUILT, b"1")
+
+    # -- room and errors --------------------------------------------------------------------
+
+    def used_bytes(self) -> int:
+        stat = self.env.stat()
+        pages = stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        return int(pages * stat["psize"])
+
+    def _check_room(self, nbytes: int) -> None:
+        if self.used_bytes() + 2 * nbytes + self._headroom > self.map_size:
+            raise RecordStoreFull(
+                f"session records store is full ({self.map_size} bytes, records_map_bytes); "
+                "delete sessions or raise the limit"
+            )
+
+    def _write(self, fn: Any) -> Any:
+        try:
+            with self.env.begin(write=True) as txn:
+                return fn(txn)
+        except self._lmdb.MapFullError:
+            raise RecordStoreFull(
+                f"session records store is full ({self.map_size} bytes, records_map_bytes)"
+            ) from None
+        except (OSError, self._lmdb.Error) as exc:
+            if self._disk_full(exc):
+                raise RecordStoreFull(f"disk full writing session records: {exc}") from None
+            raise RecordStoreUnavailable(f"writing session records failed: {exc}") from None
+
+    def _disk_full(self, exc: Exception) -> bool:
+        """A full disk, by the KV tier's test, with twice the records' headroom as the floor."""
+        from chatstore.store.tiers.lmdb import DISK_ROOM_MIN, is_disk_full
+
+        return is_disk_full(exc, self.path, max(2 * self._headroom, DISK_ROOM_MIN))
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def put(self, record: SessionRecord) -> None:
+        self._update(record.key, lambda _: record)
+
+    def delete(self, key: SessionKey) -> bool:
+        name = self._name(key)
+
+        def drop(txn: Any) -> bool:
+            self._index(txn, key, _saved(self._decode(key.tenant, name, txn.get(name))), None)
+            return bool(txn.delete(name))
+
+        return bool(self._write(drop))
+
+    def _update(self, key: SessionKey, change: Change) -> SessionRecord:
+        name = self._name(key)
+        done: list[SessionRecord] = []
+
+        def update(txn: Any) -> None:  # LMDB serialises write transactions
+            raw = txn.get(name)
+            old = self._decode(key.tenant, name, raw)
+            was = _saved(old)
+            record = change(old)
+            encoded = self._encode(key.tenant, name, record)
+            self._check_room(len(encoded) - (len(raw) if raw is not None else 0))
+            txn.put(name, encoded)
+            self._index(txn, key, was, _saved(record))
+            done.append(record)
+
+        self._write(update)
+        return done[0]
+
+    def _load(self, key: SessionKey) -> SessionRecord | None:
+        name = self._name(key)
+        with self.env.begin() as txn:
+            raw = txn.get(name)
+        return self._decode(key.tenant, name, raw)
+
+    def _all(self, tenant: str | None = None) -> list[SessionRecord]:
+        prefix = SESSIONS if tenant is None else self._prefix(tenant)
+        with self.env.begin() as txn:
+            found = _range(txn, prefix)
+        # The tenant is in the name (quoted); opening happens outside the read transaction.
+        records = [self._decode(_tenant_of(n), n, raw) for n, raw in found]
+        return [r for r in records if r is not None]
+
+    def delete_tenant(self, tenant: str) -> int:
+        """Delete every session record of tenant (and its index) by name, none opened."""
+
+        def drop(txn: Any) -> int:
+            names = [n for n, _ in _range(txn, self._prefix(tenant))]
+            for name in [*names, *(n for n, _ in _range(txn, self._prefix(tenant, INDEX)))]:
+                txn.delete(name)
+            return len(names)
+
+        return int(self._write(drop))
+
+    # -- the prefix index -------------------------------------------------------------------
+
+    def _index(self, txn: Any, key: SessionKey, was: Saved | None, now: Saved | None) -> None:
+        """Move the session's index entries from what it registered with the saved ids and
+        fingerprint `was` to what it does with `now` (only the entries that differ)."""
+        if was == now:
+            return
+        old = prefix_index.registration(key.tenant, was[1], was[0]) if was else {}
+        new = prefix_index.registration(key.tenant, now[1], now[0]) if now else {}
+        digest = key_digest(key)
+        base = self._prefix(key.tenant, INDEX)
+        for entry_key in prefix_index.changed_keys(old, new):
+            name = base + entry_key.encode()
+            entry = PrefixEntry.from_bytes(txn.get(name))
+            entry = prefix_index.apply(entry, digest, entry_key, new)
+            if entry.empty():
+                txn.delete(name)
+            else:
+                txn.put(name, entry.to_bytes())
+
+    def _prefix_match(
+        self, tenant: str, token_ids: list[int], fingerprint: str
+    ) -> PrefixMatch | None:
+        base = self._prefix(tenant, INDEX)
+
+        def read(keys: list[str]) -> list[bytes | None]:
+            with self.env.begin() as txn:
+                return [txn.get(base + k.encode()) for k in keys]
+
+        def load(digest: str) -> tuple[str, list[int], str] | None:
+            name = self._prefix(tenant) + digest.encode()
+            with self.env.begin() as txn:
+                raw = txn.get(name)
+            record = self._live(self._decode(tenant, name, raw))
+            if record is None:
+                return None
+            return record.session_id, record.token_ids, record.fingerprint
+
+        return prefix_index.best_match(tenant, fingerprint, token_ids, read, load)
+
+    # -- key rotation -----------------------------------------------------------------------
+
+    def reseal_all(self, after: bytes = b"", batch: int = 64) -> tuple[int, bytes | None]:
+        """Re-seal up to `batch` records (Responses, then sessions) whose names follow `after`
+        (key rotation); (how many were rewritten, the last name looked at: the cursor to resume
+        from; None when done)."""
+        with self.env.begin() as txn:
+            cursor = txn.cursor()
+            todo: list[tuple[bytes, bytes]] = []
+            if cursor.set_range(after or RESPONSES):
+                for name, raw in cursor:
+                    if name == after:
+                        continue
+                    if bytes(name)[:2] not in (RESPONSES, SESSIONS) or len(todo) >= batch:
+                        break
+                    todo.append((bytes(name), bytes(raw)))
+        if not todo:
+            return 0, None
+        done = 0
+        for name, raw in todo:
+            sealed = self.reseal(_tenant_of(name), name, raw)
+            if sealed is None:
+                continue
+
+            def swap(
+                txn: Any, name: bytes = name, raw: bytes = raw, sealed: bytes = sealed
+            ) -> bool:
+                return txn.get(name) == raw and txn.put(name, sealed)  # unchanged meanwhile
+
+            done += bool(self._write(swap))
+        return done, todo[-1][0]
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class LmdbResponses(ResponseRecords):
+    records: LmdbRecordStore
+
+    def _name(self, tenant: str, response_id: str) -> bytes:
+        digest = key_digest(SessionKey(tenant, response_id))
+        return self.records._prefix(tenant, RESPONSES) + digest.encode()
+
+    def _get(self, name: bytes) -> bytes | None:
+        with self.records.env.begin() as txn:
+            raw = txn.get(name)
+        return None if raw is None else bytes(raw)
+
+    def _add(self, name: bytes, raw: bytes, expiry_s: int | None) -> bool:
+        self.records._check_room(len(raw))
+        return bool(self.records._write(lambda txn: txn.put(name, raw, overwrite=False)))
+
+    def _delete(self, name: bytes) -> bool:
+        return bool(self.records._write(lambda txn: txn.delete(name)))
+
+    def _delete_tenant(self, tenant: str) -> int:
+        prefix = self.records._prefix(tenant, RESPONSES)
+
+        def drop(txn: Any) -> int:
+            names = [n for n, _ in _range(txn, prefix)]
+            for name in names:
+                txn.delete(name)
+            return len(names)
+
+        return int(self.records._write(drop))
+
+    def purge_expired(self, ttl_s: int, now: float | None = None) -> int:
+        if ttl_s <= 0:
+            return 0
+        now = time.time() if now is None else now
+        with self.records.env.begin() as txn:
+            found = _range(txn, RESPONSES)
+        gone = []
+        for name, raw in found:
+            response = self._parse(name, self.records.unseal(_tenant_of(name), name, raw))
+            if response is not None and self._expired(response, now):
+                gone.append(name)
+        for name in gone:
+            self._delete(name)
+        return len(gone)

@@ -1,0 +1,349 @@
+"""Session records in Redis (replicas sharing one Redis, or a Redis Cluster).
+
+    chatstore:rec:{<tenant>:<digest>}    a session's record (expires with its TTL: `ex=`)
+    chatstore:resp:{<tenant>:<digest>}   a stored Response (responses.py)
+    chatstore:prefix:{<tenant>}          the tenant's prefix index, a hash: entry key -> entry,
+                                         and `built` once the records written before it are in
+
+The hash tags put a record and anything named after it (its lease, `leases.py`) in one Redis
+Cluster slot, so one transaction covers them. The prefix index is written after the record,
+in a transaction of its own (another slot): a lookup verifies every candidate on its record,
+so an entry that lags behind or outlives its record costs a read, never a wrong match.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Any
+from urllib.parse import quote, unquote
+
+from chatstore.store.keys import key_digest
+from chatstore.store.records import prefix_index
+from chatstore.store.records.base import (
+    Change,
+    RecordStore,
+    RecordStoreUnavailable,
+    SessionRecord,
+)
+from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch
+from chatstore.store.records.responses import ResponseRecords
+from chatstore.store.sealing import Sealer
+from chatstore.store.session_kv import SessionKey
+
+log = logging.getLogger(__name__)
+
+Saved = tuple[tuple[int, ...], str]  # a record's saved token ids and fingerprint
+
+
+def _saved(record: SessionRecord | None) -> Saved | None:
+    return None if record is None else (tuple(record.token_ids), record.fingerprint)
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _tenant_of(name: str) -> str:
+    """The tenant of a tagged name `<prefix>{<tenant>:<digest>}`."""
+    return unquote(name[name.index("{") + 1 :].rsplit(":", 1)[0])
+
+
+class RedisRecordStore(RecordStore):
+    PREFIX = "chatstore:rec:"
+    INDEX_PREFIX = "chatstore:prefix:"
+    INDEX_BUILT = "built"  # a field of a tenant's index hash: its older records are in it
+
+    def __init__(
+        self,
+        url_or_client: str | Any,
+        ttl_s: int = 0,
+        timeout_s: float = 0.25,
+        breaker: Any = None,
+        sealer: Sealer | None = None,
+    ) -> None:
+        """breaker: the KV tier's CircuitBreaker when both live in one Redis, so an outage
+        costs a few timeouts in all, then record operations fail at once (503)."""
+        from chatstore.store.tiers.redis import connect_redis, outage_errors
+
+        super().__init__(ttl_s, sealer)
+        self.breaker = breaker
+        self._reseal_order: list[bytes] | None = None  # record names, while a rotation runs
+        self._errors = outage_errors()
+        if isinstance(url_or_client, str):
+            self.client = connect_redis(url_or_client, timeout_s)
+        else:
+            self.client = url_or_client
+        self.responses = RedisResponses(self)
+        self._rename_legacy_records()
+
+    def _name(self, key: SessionKey) -> str:
+        return f"{self.PREFIX}{{{quote(key.tenant, safe='')}:{key_digest(key)}}}"
+
+    def _index_name(self, tenant: str) -> str:
+        return f"{self.INDEX_PREFIX}{{{quote(tenant, safe='')}}}"
+
+    # -- start ------------------------------------------------------------------------------
+
+    def _rename_legacy_records(self) -> None:
+        """Records named before the hash tag (`chatstore:rec:<tenant>:<digest>`, single-node
+        Redis only) get their tagged name, once; a tagged record already there wins."""
+
+        def rename() -> int:
+            done = 0
+            for raw in self.client.scan_iter(match=f"{self.PREFIX}*", count=1000):
+                old = _text(raw)
+                rest = old[len(self.PREFIX) :]
+                if rest.startswith("{"):
+                    continue
+                if not self.client.renamenx(old, f"{self.PREFIX}{{{rest}}}"):
+                    self.client.delete(old)
+                done += 1
+            return done
+
+        try:
+            if done := self._call(rename):
+                log.info("renamed %d session records (hash tags)", done)
+        except RecordStoreUnavailable as exc:
+            log.warning("session records: legacy names kept (%s)", exc)
+
+    # -- calls through the breaker ----------------------------------------------------------
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        breaker = self.breaker
+        if breaker is not None and not breaker.allow():
+            raise RecordStoreUnavailable("session records (Redis) unavailable: circuit open")
+        try:
+            out = fn(*args, **kwargs)
+        except self._errors as exc:
+            if breaker is not None:
+                breaker.failure(exc)
+            raise RecordStoreUnavailable(f"session records (Redis) unavailable: {exc}") from None
+        except BaseException:
+            if breaker is not None:
+                breaker.success()  # Redis answered (an error reply is not an outage)
+            raise
+        if breaker is not None:
+            breaker.success()
+        return out
+
+    def get(self, key: SessionKey) -> SessionRecord | None:
+        return self._call(super().get, key)
+
+    def upsert(self, key: SessionKey, **changes: Any) -> SessionRecord:
+        return self._call(super().upsert, key, **changes)
+
+    def create(self, record: SessionRecord) -> SessionRecord:
+        return self._call(super().create, record)
+
+    def patch(self, key: SessionKey, **changes: Any) -> SessionRecord | None:
+        return self._call(super().patch, key, **changes)
+
+    def append_turn(
+        self,
+        key: SessionKey,
+        base_version: int,
+        new_messages: list[dict[str, Any]],
+        keep: int | None = None,
+        **changes: Any,
+    ) -> SessionRecord:
+        out = self._call(super().append_turn, key, base_version, new_messages, keep, **changes)
+        return out
+
+    def list_sessions(self, tenant: str | None = None) -> list[SessionRecord]:
+        return self._call(super().list_sessions, tenant)
+
+    def match_prefix(self, tenant: str, token_ids: list[int], fingerprint: str) -> str | None:
+        return self._call(super().match_prefix, tenant, token_ids, fingerprint)
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def put(self, record: SessionRecord) -> None:
+        self._call(self._update, record.key, lambda _: record)
+
+    def delete(self, key: SessionKey) -> bool:
+        def drop() -> bool:
+            name = self._name(key)
+            old = self._decode(key.tenant, name.encode(), self.client.get(name))
+            gone = bool(self.client.delete(name))
+            self._index(key, _saved(old), None)
+            return gone
+
+        return bool(self._call(drop))
+
+    def _update(self, key: SessionKey, change: Change) -> SessionRecord:
+        name = self._name(key)
+        done: list[SessionRecord] = []
+        was: list[Saved | None] = [None]
+
+        def attempt(pipe: Any) -> None:  # retried by redis-py if `name` changes meanwhile
+            old = self._decode(key.tenant, name.encode(), pipe.get(name))
+            was[0] = _saved(old)
+            record = change(old)
+            pipe.multi()
+            raw = self._encode(key.tenant, name.encode(), record)
+            pipe.set(name, raw, ex=self._expiry_s(record))
+            done[:] = [record]
+
+        self.client.transaction(attempt, name)
+        self._index(key, was[0], _saved(done[0]))
+        return done[0]
+
+    def _load(self, key: SessionKey) -> SessionRecord | None:
+        name = self._name(key)
+        return self._decode(key.tenant, name.encode(), self.client.get(name))
+
+    def _names(self, tenant: str | None, prefix: str = PREFIX) -> list[str]:
+        # quote() leaves no glob character in a tenant (*, ?, [ are %-escaped; `{` is literal
+        # in a Redis glob). Only names ending in the tag's `}` are records.
+        tag = f"{{{quote(tenant, safe='')}:" if tenant else "{"
+        return [
+            name
+            for raw in self.client.scan_iter(match=f"{prefix}{tag}*", count=1000)
+            if (name := _text(raw)).endswith("}")
+        ]
+
+    def delete_tenant(self, tenant: str) -> int:
+        """Delete every session record of tenant (and its index) by name, none opened."""
+
+        def drop() -> int:
+            names = self._names(tenant)
+            for name in names:  # one by one: the names lie in many cluster slots
+                self.client.delete(name)
+            self.client.delete(self._index_name(tenant))
+            return len(names)
+
+        return int(self._call(drop))
+
+    def _all(self, tenant: str | None = None) -> list[SessionRecord]:
+        names = self._names(tenant)
+        # GETs in a pipeline, not one MGET: the names lie in many cluster slots.
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.get(name)
+            raws = pipe.execute() if names else []
+        records = [
+            self._decode(_tenant_of(name), name.encode(), raw)
+            for name, raw in zip(names, raws, strict=True)
+        ]
+        return [r for r in records if r is not None]
+
+    # -- the prefix index -------------------------------------------------------------------
+
+    def _index(self, key: SessionKey, was: Saved | None, now: Saved | None) -> None:
+        """Move the session's entries in its tenant's index hash (only those that differ).
+        Best effort: the record is written already, and lookups verify on the records."""
+        if was == now:
+            return
+        old = prefix_index.registration(key.tenant, was[1], was[0]) if was else {}
+        new = prefix_index.registration(key.tenant, now[1], now[0]) if now else {}
+        keys = prefix_index.changed_keys(old, new)
+        digest, hname = key_digest(key), self._index_name(key.tenant)
+
+        def attempt(pipe: Any) -> None:  # retried by redis-py if the hash changes meanwhile
+            entries = [PrefixEntry.from_bytes(raw) for raw in pipe.hmget(hname, keys)]
+            for k, entry in zip(keys, entries, strict=True):
+                prefix_index.apply(entry, digest, k, new)
+            pipe.multi()
+            kept = {k: e.to_bytes() for k, e in zip(keys, entries, strict=True) if not e.empty()}
+            if kept:
+                pipe.hset(hname, mapping=kept)
+            if dropped := [k for k, e in zip(keys, entries, strict=True) if e.empty()]:
+                pipe.hdel(hname, *dropped)
+
+        if keys:
+            try:
+                self.client.transaction(attempt, hname)
+            except self._errors as exc:
+                log.warning("prefix index of %s not updated (%s)", key, exc)
+
+    def _build_index(self, tenant: str) -> None:
+        """The tenant's records written before the prefix index: index them, once per Redis
+        (the tenant's first lookup; two replicas doing it at once change nothing)."""
+        records = [r for r in self._all(tenant) if r.tenant == tenant]
+        for record in records:
+            self._index(record.key, None, _saved(record))
+        self.client.hset(self._index_name(tenant), self.INDEX_BUILT, b"1")
+        log.info("indexed %d session records of %r by prefix", len(records), tenant)
+
+    def _prefix_match(
+        self, tenant: str, token_ids: list[int], fingerprint: str
+    ) -> PrefixMatch | None:
+        hname = self._index_name(tenant)
+        if not self.client.hexists(hname, self.INDEX_BUILT):
+            self._build_index(tenant)
+
+        def read(keys: list[str]) -> list[bytes | None]:
+            return list(self.client.hmget(hname, keys))
+
+        def load(digest: str) -> tuple[str, list[int], str] | None:
+            name = f"{self.PREFIX}{{{quote(tenant, safe='')}:{digest}}}"
+            record = self._live(self._decode(tenant, name.encode(), self.client.get(name)))
+            if record is None:
+                return None
+            return record.session_id, record.token_ids, record.fingerprint
+
+        return prefix_index.best_match(tenant, fingerprint, token_ids, read, load)
+
+    # -- key rotation -----------------------------------------------------------------------
+
+    def reseal_all(self, after: bytes = b"", batch: int = 64) -> tuple[int, bytes | None]:
+        """Re-seal the records and stored Responses (key rotation), `batch` names after
+        `after`, in name order (SCAN has no cursor that survives a restart); (rewritten, the
+        cursor; None: done). The names are listed once per job (a first call, or one
+        resuming), not per batch. A record changed meanwhile is read again (WATCH)."""
+
+        def run() -> tuple[int, bytes | None]:
+            if not after or self._reseal_order is None:
+                every = [*self._names(None), *self._names(None, RedisResponses.PREFIX)]
+                self._reseal_order = sorted(n.encode() for n in every)
+            order = self._reseal_order
+            todo = order[bisect.bisect_right(order, after) :][:batch]
+            done = sum(self._reseal_one(name.decode()) for name in todo)
+            if not todo:
+                self._reseal_order = None
+            return done, todo[-1] if todo else None
+
+        return self._call(run)
+
+    def _reseal_one(self, name: str) -> bool:
+        def attempt(pipe: Any) -> bool:  # retried by redis-py if `name` changes meanwhile
+            raw = pipe.get(name)
+            sealed = raw and self.reseal(_tenant_of(name), name.encode(), raw)
+            if not sealed:
+                return False
+            pipe.multi()
+            pipe.set(name, sealed, keepttl=True)
+            return True
+
+        return bool(self.client.transaction(attempt, name, value_from_callable=True))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RedisResponses(ResponseRecords):
+    PREFIX = "chatstore:resp:"
+    records: RedisRecordStore
+
+    def _name(self, tenant: str, response_id: str) -> bytes:
+        digest = key_digest(SessionKey(tenant, response_id))
+        return f"{self.PREFIX}{{{quote(tenant, safe='')}:{digest}}}".encode()
+
+    def _get(self, name: bytes) -> bytes | None:
+        return self.records._call(self.records.client.get, name)
+
+    def _add(self, name: bytes, raw: bytes, expiry_s: int | None) -> bool:
+        return bool(self.records._call(self.records.client.set, name, raw, nx=True, ex=expiry_s))
+
+    def _delete(self, name: bytes) -> bool:
+        return bool(self.records._call(self.records.client.delete, name))
+
+    def _delete_tenant(self, tenant: str) -> int:
+        def drop() -> int:
+            names = self.records._names(tenant, self.PREFIX)
+            for name in names:  # one by one: the names lie in many cluster slots
+                self.records.client.delete(name)
+            return len(names)
+
+        return int(self.records._call(drop))
