@@ -230,7 +230,7 @@ def main() -> None:
     plans = make_workload(args)
     server = None
     if args.tier == "redis":
-        from chatstore.store.redis_server import start_local_redis
+        from tests.support.redis_server import start_local_redis
 
         server = start_local_redis()
     try:

@@ -41,11 +41,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from chatstore.store.chunks import ChunkKey  # noqa: E402
-from chatstore.store.redis_server import start_local_redis  # noqa: E402
 from chatstore.store.session_kv import SessionKV  # noqa: E402
 from chatstore.store.tiers import codec  # noqa: E402
 from chatstore.store.tiers.redis import RedisTier, connect_redis  # noqa: E402
 from chatstore.store.tiers.redis_security import RedisSecurity  # noqa: E402
+from tests.support.redis_server import start_local_redis  # noqa: E402
 from tests.support.redis_tls import make_tls_files, start_tls_redis  # noqa: E402
 
 # One KV chunk of the default model (SmolLM2-135M-Instruct) at chunk_tokens = 256, in bf16.

@@ -47,10 +47,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import progress  # noqa: E402
-from chatstore.store.redis_server import start_local_redis  # noqa: E402
 from chatstore.store.tiers.redis import connect_redis  # noqa: E402
 from tests.chaos.clients import sse_events  # noqa: E402
 from tests.chaos.harness import ServerProcess, http_client  # noqa: E402
+from tests.support.redis_server import start_local_redis  # noqa: E402
 from tests.support.replicas import AFFINE, ROUND_ROBIN, ReplicaCluster  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer in two sentences."

@@ -102,7 +102,7 @@ from chatstore.api.chat_service import ChatService, TurnSpec  # noqa: E402
 from chatstore.api.settings import ServerSettings  # noqa: E402
 from chatstore.config import load_config  # noqa: E402
 from chatstore.engine.request import Request, SamplingParams  # noqa: E402
-from chatstore.store.redis_server import redis_server_binary, start_local_redis  # noqa: E402
+from tests.support.redis_server import redis_server_binary, start_local_redis  # noqa: E402
 
 TEXT = (ROOT / "tests" / "data" / "declaration_and_lincoln.txt").read_text().split()
 TENANT = "local"  # the API's tenant in local mode (no keys)

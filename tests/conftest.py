@@ -48,7 +48,7 @@ def default_model():
 @pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server on a free loopback port, shared by the run's tests."""
-    from chatstore.store.redis_server import start_local_redis
+    from tests.support.redis_server import start_local_redis
 
     server = start_local_redis()
     yield server

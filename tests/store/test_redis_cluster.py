@@ -11,7 +11,6 @@ import redis as redis_lib
 from redis.cluster import RedisCluster
 
 from chatstore.store.records import RedisRecordStore, SessionRecord
-from chatstore.store.redis_server import redis_server_binary, start_local_redis_cluster
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
@@ -20,6 +19,7 @@ from tests.store.test_attention_store import TOKEN_BYTES, make, value
 from tests.store.test_tiers import K
 from tests.store.test_tiers import value as chunk
 from tests.support.redis_faults import redis_sends
+from tests.support.redis_server import redis_server_binary, start_local_redis_cluster
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server")
 

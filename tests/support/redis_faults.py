@@ -16,7 +16,7 @@ from contextlib import contextmanager, suppress
 import pytest
 import redis
 
-from chatstore.store.redis_server import LocalRedis, redis_server_binary, start_local_redis
+from tests.support.redis_server import LocalRedis, redis_server_binary, start_local_redis
 
 
 def own_server() -> Iterator[LocalRedis]:

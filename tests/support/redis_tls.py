@@ -30,8 +30,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from chatstore.store.redis_server import redis_server_binary
 from chatstore.store.tiers.redis_security import RedisSecurity
+from tests.support.redis_server import LocalRedis, redis_server_binary
 
 ACL_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "redis-users.acl.template"
 PASSWORDS = {"chatstore": "chatstore-test-password", "admin": "admin-test-password"}
@@ -160,9 +160,9 @@ def render_acl(passwords: dict[str, str]) -> str:
 
 
 @dataclass
-class TLSRedis:
-    port: int
-    process: subprocess.Popen
+class TLSRedis(LocalRedis):
+    """A LocalRedis (its stop()) that speaks TLS only, with the ACL users of PASSWORDS."""
+
     files: TLSFiles
 
     @property
@@ -185,14 +185,6 @@ class TLSRedis:
         from chatstore.store.tiers.redis import connect_redis
 
         return connect_redis(self.url, 5.0, security=self.security("admin"))
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 def free_port(below: int = 65536) -> int:

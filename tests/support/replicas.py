@@ -28,28 +28,12 @@ from tests.chaos.harness import (
     terminate,
     wait_until,
 )
+from tests.support.redis_server import start_local_redis_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "deploy" / "nginx.conf.template"
 AFFINE = "hash $chatstore_session consistent;"
 ROUND_ROBIN = ""
-
-
-def cluster_port() -> int:
-    """A free loopback port whose cluster bus port (port + 10000) is free as well."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
 def free_port() -> int:
@@ -68,72 +52,6 @@ def render_nginx(listen: str, servers: list[str], balance: str = AFFINE) -> str:
     ):
         text = text.replace(key, value)
     return text
-
-
-class RedisClusterProcess:
-    """Three (or more) redis-server masters with --cluster-enabled, joined by redis-cli.
-    Append-only files: with the records in Redis, Redis persistence is what keeps them."""
-
-    def __init__(self, work: Path, masters: int = 3) -> None:
-        self.work = Path(work)
-        self.ports = [cluster_port() for _ in range(masters)]
-        self.procs: list[subprocess.Popen] = []
-
-    @property
-    def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
-
-    def start(self, timeout_s: float = 30.0) -> RedisClusterProcess:
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        for port in self.ports:
-            node_dir = self.work / f"redis-{port}"
-            node_dir.mkdir(parents=True, exist_ok=True)
-            args = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(node_dir)]
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-            args += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
-            log = open(node_dir / "redis.log", "ab")  # noqa: SIM115 (the child holds it)
-            self.procs.append(subprocess.Popen([binary, *args], stdout=log, stderr=log))
-        for port in self.ports:
-            wait_until(lambda p=port: self._cli(p, "ping") == "PONG", timeout_s, f"redis {port}")
-        nodes = [f"127.0.0.1:{p}" for p in self.ports]
-        create = ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0"]
-        subprocess.run([*create, "--cluster-yes"], check=True, capture_output=True, timeout=30)
-        for port in self.ports:
-            wait_until(
-                lambda p=port: "cluster_state:ok" in self._cli(p, "cluster", "info"),
-                timeout_s,
-                f"cluster state ok on {port}",
-            )
-        return self
-
-    @staticmethod
-    def _cli(port: int, *cmd: str) -> str:
-        with contextlib.suppress(subprocess.SubprocessError, OSError):
-            out = subprocess.run(
-                ["redis-cli", "-p", str(port), *cmd], capture_output=True, timeout=5, text=True
-            )
-            return out.stdout.strip()
-        return ""
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-
-def start_redis_cluster(work: Path, masters: int = 3) -> Any:
-    """The store's own cluster starter where it exists, else ours (same topology)."""
-    try:
-        from chatstore.store.redis_server import start_local_redis_cluster  # type: ignore[attr-defined]
-    except ImportError:
-        return RedisClusterProcess(work, masters).start()
-    return start_local_redis_cluster(masters=masters)
 
 
 class NginxProcess:
@@ -215,7 +133,7 @@ class ReplicaCluster:
     def start(self) -> ReplicaCluster:
         try:
             if self.redis_cluster:
-                self.redis = start_redis_cluster(self.work / "redis")
+                self.redis = start_local_redis_cluster(masters=3)
             else:  # one Redis: the baseline bench/replicas.py compares the cluster with
                 self.redis = RedisProcess(self.work / "redis").start()
             for i in range(self.n):

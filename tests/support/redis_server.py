@@ -1,6 +1,8 @@
-"""Throwaway local `redis-server`s (tests, benchmarks): free loopback ports, no persistence.
+"""Throwaway local `redis-server`s for tests and benchmarks (test scaffolding, not part of the
+product): free loopback ports, no persistence.
 
-`start_local_redis` starts one server; `start_local_redis_cluster` a Redis Cluster of several."""
+`start_local_redis` starts one server; `start_local_redis_cluster` a Redis Cluster of several;
+`LocalRedis.stop` also stops support/redis_tls.py's TLS server."""
 
 from __future__ import annotations
 
