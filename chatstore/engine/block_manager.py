@@ -29,7 +29,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from chatstore.engine.block_pool import BlockPool
+from chatstore.engine.block_pool import BlockIdPool
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.sequence import Sequence
 
@@ -60,7 +60,9 @@ class PrefixCacheListener(Protocol):
 
 
 class BlockManager:
-    def __init__(self, pool: BlockPool, kv_cache: PagedKVCache, enable_caching: bool = True):
+    def __init__(
+        self, pool: BlockIdPool, kv_cache: PagedKVCache, enable_caching: bool = True
+    ) -> None:
         self.pool = pool
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size

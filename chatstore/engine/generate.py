@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chatstore.engine.block_pool import BlockPool
+from chatstore.engine.block_pool import BlockIdPool
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.runner import ModelRunner
 
@@ -41,7 +41,7 @@ def sample_token(
 
 
 def generate(
-    runner: ModelRunner, pool: BlockPool, prompt_ids: list[int], options: GenerateOptions
+    runner: ModelRunner, pool: BlockIdPool, prompt_ids: list[int], options: GenerateOptions
 ) -> Iterator[int]:
     """Yield generated token ids; the blocks used are returned to the pool when the loop ends."""
     if not prompt_ids:

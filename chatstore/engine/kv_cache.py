@@ -31,8 +31,6 @@ def blocks_for_budget(
 
 
 class PagedKVCache:
-    layout = "paged"  # the block ids' layout; "vattention": chatstore.engine.vattention
-
     def __init__(
         self,
         spec: ModelSpec,

@@ -14,7 +14,6 @@ from collections import deque
 
 import torch
 
-from chatstore.engine.block_manager import BlockManager
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.engine_stats import EngineStats
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
@@ -26,7 +25,6 @@ from chatstore.engine.sampling import sample_batch
 from chatstore.engine.scheduler import ScheduledSeq, Scheduler, WaitingEntry
 from chatstore.engine.sequence import RequestState, Sequence, SequenceStatus
 from chatstore.engine.swap import HostSwapSpace
-from chatstore.engine.vattention.block_manager import SlotBlockManager
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +40,7 @@ class LLMEngine:
         self.spec = runtime.model.spec
         self.tokenizer = runtime.model.tokenizer
         self.connector: KVConnector = connector or NullConnector()
-        self.blocks = _block_manager(runtime, config)
+        self.blocks = runtime.layout.block_manager(runtime.pool, config.enable_prefix_cache)
         kv_cache = runtime.kv_cache
         self.block_bytes = bytes_per_block(kv_cache.spec, kv_cache.block_size, kv_cache.dtype)
         self.swap = None
@@ -157,10 +155,10 @@ class LLMEngine:
             log.exception("connector.finish_loads failed")
             # Unknown state for the requests loading this step; nobody else's blocks are touched.
             errors = {g.request_id: exc for g in loading}
-        for rid, exc in errors.items():
+        for rid, error in errors.items():
             group = self._groups.get(rid)
             if group is not None:
-                self._load_failed(group, exc, touched)
+                self._load_failed(group, error, touched)
 
     def _run_step(
         self,
@@ -397,16 +395,6 @@ class LLMEngine:
             )
         if request.request_id in self._groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
-
-
-def _block_manager(runtime: Runtime, config: EngineConfig) -> BlockManager:
-    """Paged: block tables with the prefix cache. vAttention: a slot per sequence, no prefix
-    cache (sharing would break a slot's contiguity; the store still restores history)."""
-    if runtime.kv_cache.layout == "vattention":
-        if config.enable_prefix_cache:
-            log.info("kv_layout vattention: the device prefix cache is off (slots are private)")
-        return SlotBlockManager(runtime.pool, runtime.kv_cache)  # type: ignore[arg-type]
-    return BlockManager(runtime.pool, runtime.kv_cache, config.enable_prefix_cache)
 
 
 def _row_id(seq: Sequence) -> str:

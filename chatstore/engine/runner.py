@@ -12,9 +12,9 @@ with the pool write, SiLU * up) are fused native kernels on a CPU (`chatstore.ke
 torch ops elsewhere); projections run on prepacked oneDNN weights where that is faster
 (`linear.py`); attention reads the paged pool in place: the decode kernel when every sequence
 has one new token, the paged-prefill kernel for everything else (fresh prompts, new turns on
-pooled history, mixed batches). With the vAttention layout (`kv_cache.layout`) every
-sequence's KV is contiguous in its slot and attention is stock SDPA over it
-(`chatstore.engine.vattention.attention`).
+pooled history, mixed batches). Which of those runs is the KV layout's to say (`kv_layout.py`,
+chosen once from the cache in `layouts.py`): with the vAttention layout every sequence's KV is
+contiguous in its slot and attention is stock SDPA over it (`chatstore.engine.vattention`).
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ import torch.nn.functional as F
 from chatstore.engine.forward_batch import ForwardBatch
 from chatstore.engine.host_memory import keep_freed_memory
 from chatstore.engine.kv_cache import PagedKVCache
+from chatstore.engine.kv_layout import AttentionKernels
+from chatstore.engine.layouts import layout_of
 from chatstore.engine.linear import Linear, packing_available
 from chatstore.engine.rope import RotaryEmbedding
-from chatstore.engine.vattention.attention import SlotPlan, make_slot_plan, slot_attention
 from chatstore.engine.weight_plan import Projection, ProjectionFactory
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
-from chatstore.kernels.paged_attention import attend, paged_attention_reference
-from chatstore.kernels.paged_decode import paged_decode
-from chatstore.kernels.paged_prefill import native_prefill_supported, paged_prefill
+from chatstore.kernels.paged_prefill import native_prefill_supported
 from chatstore.model.spec import ModelSpec
 
 # Called per layer with the pre-RoPE K and the V of the step's new tokens ([T, Hkv, D] each):
@@ -73,6 +72,7 @@ class ModelRunner:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         self.spec = spec
         self.kv_cache = kv_cache
+        self.layout = layout_of(kv_cache)
         self.attention = attention
         self.device = kv_cache.device
         inner = hf_model.model
@@ -100,6 +100,9 @@ class ModelRunner:
         self.scale = spec.head_dim**-0.5
         self._native_prefill = fast and native_prefill_supported(
             self.dtype, self.device, spec.head_dim
+        )
+        self.kernels = AttentionKernels(
+            fast, self._native_prefill, self.scale, spec.num_heads // spec.num_kv_heads
         )
 
     @staticmethod
@@ -137,11 +140,7 @@ class ModelRunner:
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         cos, sin = cos[:, 0], sin[:, 0]  # [T, D]
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
-        slots = self._slot_plan(batch) if self.kv_cache.layout == "vattention" else None
-        # Attention reads the pool in place on the fast path; elsewhere it needs the step's k, v.
-        in_place = self.attention == "auto" and (
-            slots is not None or batch.decode_plan is not None or self._native_prefill
-        )
+        attention = self.layout.step_attention(batch, self.kernels)
         for i, w in enumerate(self.layers):
             qkv = w.qkv(x)  # [T, (Hq + 2 Hkv) D]
             if kv_sink is not None:
@@ -156,11 +155,12 @@ class ModelRunner:
                 self.kv_cache.v(i),
                 hq,
                 hkv,
-                want_kv=not in_place,
+                # Attention that reads the pool in place needs no copy of the step's k, v.
+                want_kv=not attention.in_place,
             )
             if layer_ready is not None:
                 layer_ready(i)
-            attn = self._attention(i, q, k, v, batch, slots)  # [T, Hq, D]
+            attn = attention(i, q, k, v)  # [T, Hq, D]
             x = ops.add_rms_norm(h, w.o_proj(attn.reshape(-1, hq * d)), w.post_norm, eps)
             act = ops.silu_mul(w.gate_up(x))
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
@@ -171,53 +171,10 @@ class ModelRunner:
         h = ops.rms_norm(h.index_select(0, batch.logits_indices), self.final_norm, eps)
         return self.lm_head(h).float()
 
-    def _slot_plan(self, batch: ForwardBatch) -> SlotPlan | None:
-        """vAttention: the step's pages made resident; the SDPA plan on the fast path (the
-        reference path reads the same blocks through the block table)."""
-        cache: Any = self.kv_cache
-        plan = make_slot_plan(batch, cache, self.spec.num_heads // self.spec.num_kv_heads)
-        cache.prepare_step(plan.slots, batch.context_lens)
-        return plan if self.attention == "auto" else None
-
     @property
     def mixed_batches_in_place(self) -> bool:
         """Whether a batch mixing decodes and prefill chunks attends as fast as either alone."""
         return self._native_prefill
-
-    def _attention(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        batch: ForwardBatch,
-        slots: SlotPlan | None = None,
-    ) -> torch.Tensor:
-        if slots is not None:
-            cache: Any = self.kv_cache
-            return slot_attention(q, cache, layer, slots, self.scale)
-        k_cache, v_cache = self.kv_cache.k(layer), self.kv_cache.v(layer)
-        if self.attention == "auto":
-            if batch.decode_plan is not None:
-                return paged_decode(q, k_cache, v_cache, batch.decode_plan, self.scale)
-            if self._native_prefill:
-                return paged_prefill(q, k_cache, v_cache, batch.prefill_plan, self.scale)
-            if (
-                k is not None
-                and batch.num_seqs == 1
-                and batch.query_lens[0] == batch.context_lens[0]
-            ):
-                # A fresh sequence: its whole KV is the k, v just computed; no gather needed.
-                return attend(q, k, v, self.scale)
-        return paged_attention_reference(
-            q,
-            k_cache,
-            v_cache,
-            batch.block_tables,
-            batch.query_lens,
-            batch.context_lens,
-            self.scale,
-        )
 
 
 def _dense_projections(pack: bool) -> ProjectionFactory:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import torch
-
 from chatstore.config import Config
-from chatstore.engine.block_pool import BlockPool
+from chatstore.engine.block_pool import BlockIdPool, BlockPool
 from chatstore.engine.kv_cache import PagedKVCache, blocks_for_budget
+from chatstore.engine.kv_layout import KVLayout, PagedLayout
 from chatstore.engine.runner import ModelRunner
 from chatstore.engine.vattention import create_virtual_kv_for
+from chatstore.engine.vattention.layout import VAttentionLayout
 from chatstore.engine.weight_plan import plan_projections, weights_fingerprint
 from chatstore.model import LoadedModel, load_model
+from chatstore.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +24,32 @@ log = logging.getLogger(__name__)
 class Runtime:
     model: LoadedModel
     kv_cache: PagedKVCache  # or its vAttention subclass, VirtualKVCache
-    pool: BlockPool  # or, with it, a SlotBlockPool
+    pool: BlockIdPool  # a BlockPool, or with a VirtualKVCache its SlotBlockPool
     runner: ModelRunner
 
     @property
     def block_size(self) -> int:
         return self.kv_cache.block_size
+
+    @property
+    def layout(self) -> KVLayout:
+        """The cache's layout, as the runner chose it once: block tables and attention."""
+        return self.runner.layout
+
+
+def paged_kv_for(config: Config, spec: ModelSpec) -> tuple[PagedKVCache, BlockPool]:
+    """The paged pool: as many blocks as `kv_cache_bytes` holds, anywhere in one tensor."""
+    dtype = config.torch_dtype
+    num_blocks = blocks_for_budget(spec, config.block_size, dtype, config.kv_cache_bytes)
+    cache = PagedKVCache(spec, num_blocks, config.block_size, dtype, config.device)
+    return cache, BlockPool(num_blocks)
+
+
+# The `kv_layout` setting: the cache and block ids each layout is built on.
+KV_POOLS: dict[str, Callable[[Config, ModelSpec], tuple[PagedKVCache, BlockIdPool]]] = {
+    PagedLayout.name: paged_kv_for,
+    VAttentionLayout.name: create_virtual_kv_for,
+}
 
 
 def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
@@ -40,13 +62,8 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
         model = load_model(config.model, dtype=config.torch_dtype, device=config.device)
     else:
         config = runtime_config(config, model)
-    dtype: torch.dtype = config.torch_dtype
-    if config.kv_layout == "vattention":
-        kv_cache, pool = create_virtual_kv_for(config, model.spec)
-    else:
-        num_blocks = blocks_for_budget(model.spec, config.block_size, dtype, config.kv_cache_bytes)
-        kv_cache = PagedKVCache(model.spec, num_blocks, config.block_size, dtype, config.device)
-        pool = BlockPool(num_blocks)
+    dtype = config.torch_dtype
+    kv_cache, pool = KV_POOLS[config.kv_layout](config, model.spec)
     projections = plan_projections(
         config.weights, dtype_setting, model, config.attention, config.device, model_given
     )

@@ -4,10 +4,9 @@ physical pages committed on demand (Prabhu et al., seed 004). See `kv_cache.py` 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from chatstore.config import Config
 from chatstore.engine.kv_cache import bytes_per_block
 from chatstore.engine.vattention.kv_cache import VirtualKVCache
 from chatstore.engine.vattention.slot_pool import SlotBlockPool
@@ -52,7 +51,7 @@ def create_virtual_kv(
     return cache, pool
 
 
-def create_virtual_kv_for(config: Any, spec: ModelSpec) -> tuple[VirtualKVCache, SlotBlockPool]:
+def create_virtual_kv_for(config: Config, spec: ModelSpec) -> tuple[VirtualKVCache, SlotBlockPool]:
     """From a `chatstore.config.Config`: one slot per running sequence (max_running)."""
     if torch.device(config.device).type != "cpu":
         raise NotImplementedError(

@@ -21,7 +21,7 @@ from chatstore.engine.vattention.slot_pool import SlotBlockPool
 
 class SlotBlockManager(BlockManager):
     def __init__(self, pool: SlotBlockPool, kv_cache: VirtualKVCache) -> None:
-        super().__init__(pool, kv_cache, enable_caching=False)  # type: ignore[arg-type]
+        super().__init__(pool, kv_cache, enable_caching=False)
         self.pool: SlotBlockPool = pool
         self.kv_cache: VirtualKVCache = kv_cache
         self._owners: set[int] = set()  # seq_ids whose block table is their own slot's

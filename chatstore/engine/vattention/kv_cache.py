@@ -36,8 +36,6 @@ def blocks_per_slot(max_context: int, block_size: int, block_bytes: int, page_si
 
 
 class VirtualKVCache(PagedKVCache):
-    layout = "vattention"
-
     def __init__(
         self,
         spec: ModelSpec,

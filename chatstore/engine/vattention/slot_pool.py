@@ -82,6 +82,11 @@ class SlotBlockPool:
         self._held[slot] += n
         return blocks
 
+    def take(self, block_ids: list[int]) -> None:
+        """One more reference to each block. `BlockPool.take` may also revive a free cached
+        block; slots keep no prefix cache, so here there is none to revive: taking is sharing."""
+        self.share(block_ids)
+
     def share(self, block_ids: list[int]) -> None:
         for b in block_ids:
             self._check_allocated(b)
