@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -270,7 +270,7 @@ class SessionSocket:
         """Hint that a message is coming: the server moves the session's KV up meanwhile."""
         self._send({"type": "typing"})
 
-    def send(self, content: str, **sampling: Any) -> Iterator[Delta | Reply]:
+    def send(self, content: str, **sampling: Any) -> Generator[Delta | Reply, None, None]:
         """Start a turn; yields its text deltas, then the Reply. Closing the iterator early
         (Ctrl-C in the caller) cancels the turn on the server."""
         fields = {k: v for k, v in sampling.items() if v is not None}

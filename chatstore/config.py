@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -259,7 +260,7 @@ class Config:
 def load_config(
     path: str | Path | None = None,
     overrides: dict[str, Any] | None = None,
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Config:
     """Defaults < config file sections < CHATSTORE_* environment < explicit overrides (CLI)."""
     values: dict[str, Any] = {}
@@ -273,10 +274,10 @@ def load_config(
         with file.open("rb") as fh:
             for section in tomllib.load(fh).values():
                 values.update(section if isinstance(section, dict) else {})
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     types = {f.name: f.type for f in fields(Config)}
     for name in types:
-        raw = env.get(f"CHATSTORE_{name.upper()}")
+        raw = environ.get(f"CHATSTORE_{name.upper()}")
         if raw is not None:
             values[name] = _coerce(name, raw, Config.__dataclass_fields__[name].default)
     for name, value in (overrides or {}).items():

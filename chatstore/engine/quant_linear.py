@@ -60,8 +60,8 @@ class Int8Linear(_DenseFallback):
         self.shape = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.dense_from:
-            return self.dense(x)  # type: ignore[misc]
+        if self.dense is not None and x.shape[0] >= self.dense_from:
+            return self.dense(x)
         y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scales)
         return self._finish(y, x.dtype)
 
@@ -90,8 +90,8 @@ class Int4Linear(_DenseFallback):
         )  # [K / group, N, 2]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.dense_from:
-            return self.dense(x)  # type: ignore[misc]
+        if self.dense is not None and x.shape[0] >= self.dense_from:
+            return self.dense(x)
         xk = x.to(KERNEL_DTYPE)
         if self.repeat > 1:
             xk = xk.repeat(1, self.repeat)  # [T, K * repeat]: see Int4Weight.input_repeat

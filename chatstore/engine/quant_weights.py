@@ -14,7 +14,8 @@ packs them for the kernels. `dequantize()` is the float reference the tests comp
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -30,7 +31,8 @@ class Int8Weight(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)  # type: ignore[return-value]
+        n, k = self.q.shape
+        return n, k
 
 
 class Int4Weight(NamedTuple):
@@ -58,6 +60,8 @@ class Int4Weight(NamedTuple):
 
 
 QuantWeight = Int8Weight | Int4Weight
+AnyQuantWeight = TypeVar("AnyQuantWeight", Int8Weight, Int4Weight)  # the kind given is returned
+FUSE_ERROR = "cannot fuse int4 weights of different layouts, or with int8 ones"
 
 
 # Kernels read scales (and zeros) in bf16 (`quant_linear.KERNEL_DTYPE`): a quantizer rounds them
@@ -105,14 +109,23 @@ def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
     return Int4Weight(q.reshape(n, k), scale, zero, group)
 
 
-def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+def cat_rows(parts: Sequence[QuantWeight]) -> QuantWeight:
     """Stack weights of one kind along N (fused q/k/v, gate/up): the same rows, one matrix."""
     first = parts[0]
     if isinstance(first, Int8Weight):
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    int4 = [p for p in parts if isinstance(p, Int4Weight)]
+    if len(int4) != len(parts):
+        raise ValueError(FUSE_ERROR)
+    return cat_int4_rows(int4)
+
+
+def cat_int4_rows(parts: Sequence[Int4Weight]) -> Int4Weight:
+    """`cat_rows` of int4 weights, which must share one layout (group, input_repeat)."""
+    first = parts[0]
     layout = (first.group, first.input_repeat)
-    if any(not isinstance(p, Int4Weight) or (p.group, p.input_repeat) != layout for p in parts):
-        raise ValueError("cannot fuse int4 weights of different layouts, or with int8 ones")
+    if any((p.group, p.input_repeat) != layout for p in parts):
+        raise ValueError(FUSE_ERROR)
     return Int4Weight(
         torch.cat([p.q for p in parts]),
         torch.cat([p.scale for p in parts]),
@@ -122,7 +135,7 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     )
 
 
-def permute_rows(w: QuantWeight, order: torch.Tensor) -> QuantWeight:
+def permute_rows(w: AnyQuantWeight, order: torch.Tensor) -> AnyQuantWeight:
     """Rows of `w` taken in `order` (GGUF keeps Llama's q/k rows in another order than HF)."""
     if isinstance(w, Int8Weight):
         return Int8Weight(w.q[order], w.scale[order])

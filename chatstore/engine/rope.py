@@ -26,6 +26,8 @@ class RotaryEmbedding:
             raise ModelLoadError(f"rope type {rope_type!r} is not supported")
         if rope_type == "default":
             theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", 10000.0)
+            if theta is None:  # a config that names the attribute but leaves it empty
+                raise ModelLoadError("the model config has rope_theta = None")
             exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
             self.inv_freq = 1.0 / (float(theta) ** exponents.to(device))
             self.scaling = 1.0

@@ -87,7 +87,7 @@ from chatstore.engine.quant_linear import NEVER, Int4Linear, Int8Linear, int4_su
 from chatstore.engine.quant_weights import (
     Int4Weight,
     QuantWeight,
-    cat_rows,
+    cat_int4_rows,
     quantize_int4,
     quantize_int8,
 )
@@ -207,7 +207,8 @@ class Projections:
         parts = self.gguf.parts(role, layer)
         if any(p.type_name != "Q8_0" for p in parts):
             return None
-        return cat_rows([p.weight for p in parts]), "Q8_0 from GGUF on 2 x int4"  # type: ignore[misc]
+        weights = [p.weight for p in parts if p.weight is not None]  # Q8_0 always repacks
+        return cat_int4_rows(weights), "Q8_0 from GGUF on 2 x int4"
 
     def _from_gguf(
         self, role: str, layer: int | None, weight: torch.Tensor
@@ -218,9 +219,10 @@ class Projections:
         parts = self.gguf.parts(role, layer)
         weights = [p.weight for p in parts]
         types = "+".join(sorted({p.type_name for p in parts}))
-        layouts = {(w.group, w.input_repeat) for w in weights if isinstance(w, Int4Weight)}
-        if None not in weights and len(layouts) == 1:
-            fused = cat_rows(weights)  # type: ignore[arg-type]
+        repacked = [w for w in weights if w is not None]
+        layouts = {(w.group, w.input_repeat) for w in repacked}
+        if len(repacked) == len(weights) and len(layouts) == 1:
+            fused = cat_int4_rows(repacked)
             if int4_supported(fused.q.shape[0], fused.q.shape[1], fused.group):
                 return fused, f"int4 from GGUF {types}"
         if self.fmt != "int4":
@@ -230,4 +232,4 @@ class Projections:
             w if isinstance(w, Int4Weight) and w.input_repeat == 1 else quantize_int4(r, INT4_GROUP)
             for w, r in zip(weights, rows, strict=True)
         ]
-        return cat_rows(mixed), f"int4 from GGUF {types} (part quantized)"
+        return cat_int4_rows(mixed), f"int4 from GGUF {types} (part quantized)"

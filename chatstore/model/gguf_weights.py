@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from chatstore.engine.quant_weights import QuantWeight, permute_rows
+from chatstore.engine.quant_weights import Int4Weight, permute_rows
 from chatstore.model.gguf_repack import REPACKABLE, repack
 from chatstore.model.spec import ModelSpec
 
@@ -37,7 +37,7 @@ class GGUFPart(NamedTuple):
     name: str  # the GGUF tensor's name
     type_name: str  # its ggml type (Q4_1, Q8_0, F16, ...)
     rows: int  # N: output features
-    weight: QuantWeight | None  # repacked, or None where the type has no repacking
+    weight: Int4Weight | None  # repacked, or None where the type has no repacking
 
 
 class GGUFWeights:
