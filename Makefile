@@ -59,9 +59,11 @@ test: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check chatstore kernels tests bench
 	$(PY) -m pytest -q
 
+# The type checker ([tool.mypy] in pyproject.toml): not part of `make test` (what CI runs) yet.
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check chatstore kernels tests bench
 	$(VENV)/bin/ruff format --check chatstore kernels tests bench
+	$(PY) -m mypy chatstore
 
 format: $(TEST_STAMP)
 	$(VENV)/bin/ruff check --fix chatstore kernels tests bench
