@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from chatstore.config import Config
 from chatstore.model.spec import ModelSpec
 from chatstore.store.chunks.keys import ChunkHasher, ChunkKey, tokens_by_tier
-from chatstore.store.chunks.plan import plan_chain
+from chatstore.store.chunks.plan import new_chunks_of, plan_chain
 from chatstore.store.chunks.reader import ChunkReader
 from chatstore.store.commit.turn_commit import CommitListener, TurnCommitter
 from chatstore.store.events import EventLog, Listener
@@ -43,7 +44,7 @@ from chatstore.store.ports import (
     TurnPlan,
     WaitingQueue,
 )
-from chatstore.store.records import RecordStore, SessionRecord
+from chatstore.store.records import RecordStore
 from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.sessions import removal, truncation
@@ -51,7 +52,7 @@ from chatstore.store.sessions.holds import ChunkPins
 from chatstore.store.sessions.index import SessionChain, SessionIndex
 from chatstore.store.sessions.remote_fetch import RemoteFetch
 from chatstore.store.sessions.restore import restore_index
-from chatstore.store.sessions.retention_table import RetentionTable
+from chatstore.store.sessions.retention_table import RetentionTable, SessionRetention
 from chatstore.store.sessions.versions import SessionVersions
 from chatstore.store.settings import StoreSettings
 from chatstore.store.store_parts import build_records, build_remote, build_tiers, store_stats
@@ -63,7 +64,7 @@ WAIT_SAVED_S = removal.WAIT_SAVED_S
 
 
 class AttentionStore:
-    """Implements KVSource, SessionKVAdmin and ChunkCatalog (ports.py)."""
+    """Implements KVSource, SessionKVAdmin and ChunkCatalog (ports.py); the docs are there."""
 
     def __init__(
         self,
@@ -88,18 +89,15 @@ class AttentionStore:
         self.versions, self.retention = SessionVersions(), RetentionTable()
         self.session_placement = places = SessionPlacement(self.index)
         if chooser is None:
-            capacities = [t.capacity for t in tiers]
-            chooser = PolicyChooser(
-                make_policy(settings.policy, capacities),
-                queue=places.queued,
-                mean_kv_bytes=places.mean_session_bytes,
-            )
+            policy = make_policy(settings.policy, [t.capacity for t in tiers])
+            chooser = PolicyChooser(policy, places.queued, places.mean_session_bytes)
         self.session_policy = places.chooser = chooser
         self.records: RecordStore = build_records(settings, remote)
         self._hint_listeners: list[HintListener] = []
         self._build_parts(tiers, chooser)
         slow = list(self.tiers.slow)
-        restore_index(self.records, self.index, self.hasher, fingerprint, slow, self._retain)
+        retain = self.retainer.retain
+        restore_index(self.records, self.index, self.hasher, fingerprint, slow, retain)
 
     def _build_parts(self, tiers: list[StorageTier], chooser: Any) -> None:
         top = tiers[0].name if tiers and tiers[0].in_memory else None
@@ -108,23 +106,21 @@ class AttentionStore:
         self.tiers = ChunkTiers(tiers, placement, self.events, wanted=self._needed)
         self.session_placement.tiers = self.tiers
         lock = threading.RLock()  # the index, pending chunks, held copies
+        self.retainer = SessionRetention(self.retention, self.session_placement, lock)
+        touch = partial(self.session_placement.tell, "touch")
         self.committer = TurnCommitter(
             self.settings, self.fingerprint, self.index, self.tiers, self.records, lock,
-            self.versions, lambda key: self.session_placement.tell("touch", key),
+            self.versions, touch,
         )  # fmt: skip
         self.writer, self.persister = self.committer.writer, self.committer.persister
-        self.remote_fetch = RemoteFetch(
+        self.remote_fetch = fetch = RemoteFetch(
             self.committer, self.session_placement, self.records, self.hasher, self.versions,
-            self._retain, pins,
+            self.retainer.retain, pins,
         )  # fmt: skip
-        self.reader = ChunkReader(
-            self.committer, self.remote_fetch, self.session_placement, self.retention
-        )
-        self.prefetcher = Prefetcher(
-            self._prefetch_session,
-            self.session_placement.prefetch_candidates,
-            self.settings.prefetch_interval_s,
-        )
+        self.reader = ChunkReader(self.committer, fetch, self.session_placement, self.retention)
+        interval = self.settings.prefetch_interval_s
+        candidates = self.session_placement.prefetch_candidates
+        self.prefetcher = Prefetcher(fetch.prefetch_session, candidates, interval)
 
     def _needed(self, chunk: ChunkKey) -> bool:
         return self.committer.needed(chunk)
@@ -169,8 +165,7 @@ class AttentionStore:
     # -- placement and opening turns -----------------------------------------------------------
 
     def set_waiting_queue(self, queue: WaitingQueue | Callable[[], Iterable[SessionKey]]) -> None:
-        """The look-ahead (see SessionPlacement.set_queue); starts the prefetch thread."""
-        self.session_placement.set_queue(queue)
+        self.session_placement.set_queue(queue)  # a callable: tests, no engine
         if len(self.tiers.tiers) > 1:
             self.prefetcher.start()
 
@@ -186,16 +181,6 @@ class AttentionStore:
     def add_hint_listener(self, listener: HintListener) -> None:
         self._hint_listeners.append(listener)
 
-    def _prefetch_session(self, key: Any, touch: bool) -> int:
-        chain = self.index.get(key)
-        if chain is None:
-            return 0
-        if touch:
-            with self.committer.lock:
-                self.session_placement.tell("touch", key)
-        pending = self.committer.pending
-        return sum(self.tiers.prefetch(c) for c in chain.chunks if c not in pending)
-
     def fetch_remote(self, tenant: str, session_id: str) -> int:
         return self.remote_fetch.fetch(self.key(tenant, session_id))
 
@@ -205,9 +190,6 @@ class AttentionStore:
     def release_hold(self, hold: TurnHold | None) -> None:
         self.remote_fetch.release(hold)
 
-    def chunk_tier(self, chunk: ChunkKey) -> str | None:
-        return self.remote_fetch.chunk_tier(chunk)
-
     def remote_only(self, chunk: ChunkKey) -> bool:
         where = self.tiers.where(chunk)
         return any(t.remote and t.name == where for t in self.tiers.slow)
@@ -215,32 +197,20 @@ class AttentionStore:
     def foreground_reads(self) -> AbstractContextManager[None]:
         return self.tiers.foreground()
 
-    # -- retention ------------------------------------------------------------------------------
-
     def set_retention(self, tenant: str, session_id: str, retention: Retention) -> None:
-        """The session's priority and TTL as its record now holds them."""
-        key = self.key(tenant, session_id)
-        with self.committer.lock:
-            self.retention.set(key, retention)
-            self.session_placement.tell("set_priority", key, retention.priority)
-
-    def _retain(self, record: SessionRecord) -> None:
-        retention = Retention(record.priority, record.ttl_s)
-        if retention != self.retention.get(record.key):
-            self.set_retention(record.tenant, record.session_id, retention)
+        self.retainer.set(self.key(tenant, session_id), retention)
 
     def kv_by_tier(self, tenant: str, session_id: str) -> dict[str, int]:
-        """Stored tokens of the session per tier (each chunk at its fastest tier)."""
         chain = self.index.get(self.key(tenant, session_id))
         if chain is None:
             return {}
-        C, n = self.settings.chunk_tokens, len(chain.token_ids)
-        return tokens_by_tier(chain.chunks, C, 0, n, self.chunk_tier)
+        C, n, tier_of = self.chunk_tokens, len(chain.token_ids), self.remote_fetch.chunk_tier
+        return tokens_by_tier(chain.chunks, C, 0, n, tier_of)
 
     def placement(self, tenant: str, session_id: str) -> KVPlacement:
         return KVPlacement(self.kv_by_tier(tenant, session_id), self.bytes_per_token)
 
-    # -- finding and reading --------------------------------------------------------------------
+    # -- finding, reading, saving ---------------------------------------------------------------
 
     def find(self, tenant: str, session_id: str) -> StoredSession | None:
         return self.reader.find(self.key(tenant, session_id))
@@ -255,9 +225,6 @@ class AttentionStore:
         rows: Sequence[tuple[int, int] | None] | None = None,
     ) -> list[SessionKV | None]:
         return self.reader.read(keys, count, rows)
-
-    def has_chunk(self, key: ChunkKey) -> bool:
-        return self.committer.has_chunk(key)
 
     def lookup(self, tenant: str, session_id: str) -> SessionKV | None:
         return self.reader.whole(self.key(tenant, session_id))
@@ -274,12 +241,11 @@ class AttentionStore:
         record = self.records.get(self.key(tenant, session_id))
         return list(record.token_ids) if record else []
 
-    # -- saving ---------------------------------------------------------------------------------
-
     def plan_turn(
         self, tenant: str, token_ids: list[int], stored: StoredSession | None, reusable: int
     ) -> TurnPlan:
-        return plan_chain(self.hasher, tenant, token_ids, stored, reusable, self.has_chunk)
+        has = self.committer.has_chunk
+        return plan_chain(self.hasher, tenant, token_ids, stored, reusable, has)
 
     def save_turn(
         self,
@@ -290,36 +256,24 @@ class AttentionStore:
         nbytes: int,
         opened_at: float | None = None,
     ) -> None:
-        """`opened_at` (time.monotonic() when the turn began): a turn older than the session's
-        deletion is dropped, so an aborted turn cannot bring a deleted session back."""
         chain = SessionChain(list(plan.token_ids), list(plan.chain))
         key, background = self.key(tenant, session_id), self.settings.async_save
         self.committer.write_turn(key, chain, plan, build, nbytes, background, opened_at)
 
     def save(self, tenant: str, session_id: str, value: SessionKV) -> str | None:
-        """Keep value as the session's whole KV (tools, tests, truncation): its chunks not
-        stored yet are written; the tier its last chunk is in."""
+        """Keep value as the session's whole KV (tools, tests, truncation), now; the tier its
+        last chunk is in."""
         self.wait_saved(tenant, session_id)
         plan = self.plan_turn(tenant, list(value.token_ids), None, 0)
-
-        def build() -> dict[ChunkKey, SessionKV]:
-            out = {}
-            for i, chunk in enumerate(plan.chain):
-                if chunk in plan.new_chunks:
-                    a, b = plan.span(i)
-                    out[chunk] = SessionKV(value.token_ids[a:b], value.kv[:, :, a:b].clone())
-            return out
-
         chain = SessionChain(list(plan.token_ids), list(plan.chain))
-        key = self.key(tenant, session_id)
-        self.committer.write_turn(key, chain, plan, build, 0, background=False)
+        build = partial(new_chunks_of, plan, value)
+        self.committer.write_turn(self.key(tenant, session_id), chain, plan, build, 0, False)
         return self.tiers.where(plan.chain[-1]) if plan.chain else None
 
     def add_commit_listener(self, listener: CommitListener) -> None:
         self.committer.add_listener(listener)
 
     def yield_to(self, idle: threading.Event) -> None:
-        """idle is clear while the engine runs a prefill: background writes wait for it."""
         self.writer.idle = idle
         if self.persister is not None:
             self.persister.idle = idle
@@ -333,7 +287,7 @@ class AttentionStore:
     def flush_persist(self, timeout: float | None = None) -> bool:
         return self.committer.flush(timeout)
 
-    # -- removing -------------------------------------------------------------------------------
+    # -- removing and cutting -------------------------------------------------------------------
 
     def delete_session(self, tenant: str, session_id: str) -> bool:
         return removal.delete_session(self, self.key(tenant, session_id))

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from chatstore.store.chunks.keys import ChunkHasher, ChunkKey
 from chatstore.store.ports import StoredSession, TurnPlan
+from chatstore.store.session_kv import SessionKV
 
 
 def plan_chain(
@@ -53,3 +54,14 @@ def plan_chain(
         if covered > 0:  # the first new chunk starts with rows the store holds
             bases[chain[kept]] = (stored.chunks[kept], covered)
     return TurnPlan(list(token_ids), chain, tuple(new), C, bases)
+
+
+def new_chunks_of(plan: TurnPlan, value: SessionKV) -> dict[ChunkKey, SessionKV]:
+    """The plan's new chunks cut from `value`, the whole history's KV (copies: the caller's
+    tensor may change after)."""
+    out = {}
+    for i, chunk in enumerate(plan.chain):
+        if chunk in plan.new_chunks:
+            a, b = plan.span(i)
+            out[chunk] = SessionKV(value.token_ids[a:b], value.kv[:, :, a:b].clone())
+    return out

@@ -131,6 +131,17 @@ class RemoteFetch:
                     if value is not None:
                         self.held_bytes -= value.nbytes
 
+    def prefetch_session(self, key: SessionKey, touch: bool) -> int:
+        """The prefetch thread's move of a session's stored chunks up to DRAM; how many."""
+        chain = self.index.get(key)
+        if chain is None:
+            return 0
+        if touch:
+            with self.lock:
+                self.placement.tell("touch", key)
+        pending = self.committer.pending
+        return sum(self.tiers.prefetch(c) for c in chain.chunks if c not in pending)
+
     def chunk_tier(self, chunk: ChunkKey) -> str | None:
         """The fastest tier holding chunk; a chunk still in the write buffer, or held for an
         opened turn beside DRAM, is in host memory ("dram"); None when it is gone."""

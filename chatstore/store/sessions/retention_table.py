@@ -3,8 +3,15 @@ the expiry checks, which run without reading records."""
 
 from __future__ import annotations
 
+import threading
+from typing import TYPE_CHECKING
+
 from chatstore.store.retention import DEFAULT, Retention
 from chatstore.store.session_kv import SessionKey
+
+if TYPE_CHECKING:
+    from chatstore.store.placement.session_placement import SessionPlacement
+    from chatstore.store.records import SessionRecord
 
 
 class RetentionTable:
@@ -24,3 +31,24 @@ class RetentionTable:
 
     def drop(self, key: SessionKey) -> None:
         self._of.pop(key, None)
+
+
+class SessionRetention:
+    """The table kept in step with the records and told to placement (under the store's lock:
+    placement takes the tiers' lock after it)."""
+
+    def __init__(
+        self, table: RetentionTable, placement: SessionPlacement, lock: threading.RLock
+    ) -> None:
+        self.table, self.placement, self.lock = table, placement, lock
+
+    def set(self, key: SessionKey, retention: Retention) -> None:
+        with self.lock:
+            self.table.set(key, retention)
+            self.placement.tell("set_priority", key, retention.priority)
+
+    def retain(self, record: SessionRecord) -> None:
+        """A record read (at start, or another replica's): its retention, if it changed."""
+        retention = Retention(record.priority, record.ttl_s)
+        if retention != self.table.get(record.key):
+            self.set(record.key, retention)
