@@ -31,30 +31,27 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from chatstore.store.chunks import ChunkKey
-from chatstore.store.events import EventLog, StoreCounters, StoreEvent
+from chatstore.store.events import EventLog, StoreCounters
 from chatstore.store.placement.victims import LruChooser, VictimChooser
-from chatstore.store.sealing import OpenError
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers.background import BackgroundIO
 from chatstore.store.tiers.base import (
-    StorageFull,
     StorageTier,
     TierFull,
     TierOccupancy,
-    TierUnavailable,
 )
-from chatstore.store.tiers.codec import CorruptValueError
+from chatstore.store.tiers.slow_writes import SlowTierWrites
 
 log = logging.getLogger(__name__)
 
 
-class ChunkTiers:
+class ChunkTiers(SlowTierWrites):
     def __init__(
         self,
         tiers: list[StorageTier],
@@ -175,28 +172,6 @@ class ChunkTiers:
         if value is not None:
             self._hit(self.tiers[0].name, key, value.nbytes)
         return value
-
-    def _read_slow(self, tier: StorageTier, key: ChunkKey) -> SessionKV | None:
-        if not tier.contains(key):
-            return None
-        try:
-            return tier.get(key)
-        except TierUnavailable:
-            pass  # out of reach now (the tier's breaker counts it): a miss
-        except OpenError:  # a wrong, shredded or missing key, or a changed byte: a miss
-            with self._lock:  # corrupt, and said why: the seal refused it
-                self.counters.tier(tier.name).corrupt += 1
-                self.counters.tier(tier.name).open_failures += 1
-            self._emit("corrupt", key, tier.name)
-        except CorruptValueError:
-            with self._lock:
-                self.counters.tier(tier.name).corrupt += 1
-            self._emit("corrupt", key, tier.name)
-        except Exception:
-            log.exception("reading chunk %s from the %s tier failed", key, tier.name)
-            with self._lock:
-                self.counters.tier(tier.name).errors += 1
-        return None
 
     def _hit(self, tier: str, key: ChunkKey, nbytes: int) -> None:
         with self._lock:
@@ -412,96 +387,6 @@ class ChunkTiers:
         self._transit[victim] = value
         parked.append((victim, value))
 
-    def _land(self, parked: list[tuple[ChunkKey, SessionKV]]) -> None:
-        with self._io_lock:
-            for key, value in parked:
-                with self._lock:
-                    if self._transit.get(key) is not value:
-                        continue  # deleted (or read back up) meanwhile
-                try:
-                    landed = self._write_down(key, value, self.slow)
-                except Exception:
-                    log.exception("writing chunk %s down failed", key)
-                    landed = None
-                with self._lock:
-                    current = self._transit.get(key) is value
-                    if current:
-                        del self._transit[key]
-                        if landed is not None:
-                            self.counters.bytes_down += value.nbytes
-                if landed is not None and not current:
-                    self._delete_slow(key)  # deleted while it was being written
-
-    # -- slow tiers (holding _io_lock) ------------------------------------------------------
-
-    def _write_down(
-        self, key: ChunkKey, value: SessionKV, levels: Iterable[StorageTier], drop: bool = True
-    ) -> str | None:
-        """value into the first of `levels` that takes it (making room there); its name. When
-        none does, the chunk is dropped, unless `drop` is False (a copy of a chunk that stays
-        in DRAM). A write the storage refuses is counted (TierCounters.write_failures)."""
-        for tier in levels:
-            if tier.contains(key):
-                return tier.name
-            need = tier.footprint(value)
-            try:
-                if need > tier.capacity or not self._make_room(tier, key, need):
-                    continue
-                tier.put(key, value)
-            except StorageFull as exc:  # the tier logged it and now counts as full
-                self._write_failed(tier, exc.reason)
-                continue
-            except (TierFull, TierUnavailable):
-                continue
-            except Exception:
-                log.exception("writing chunk %s to the %s tier failed", key, tier.name)
-                self._write_failed(tier, "error")
-                continue
-            self._emit("demoted", key, tier.name, value.nbytes)
-            return tier.name
-        if drop:
-            self._dropped(key, value.nbytes)
-        return None
-
-    def _write_failed(self, tier: StorageTier, reason: str) -> None:
-        with self._lock:
-            counters = self.counters.tier(tier.name)
-            counters.write_failures[reason] = counters.write_failures.get(reason, 0) + 1
-            if reason == "error":
-                counters.errors += 1
-
-    def _make_room(self, tier: StorageTier, key: ChunkKey, need: int) -> bool:
-        below = self.slow[self.slow.index(tier) + 1 :]
-        while tier.used_bytes() + need > tier.capacity:
-            with self._lock:
-                candidates = [k for k in tier.keys() if k != key]  # noqa: SIM118
-                victim = self.placement.choose_victim(tier.name, candidates)
-                if victim is None:
-                    return False
-                self.counters.tier(tier.name).evictions += 1
-                elsewhere = (
-                    self.top is not None and self.top.contains(victim)
-                ) or victim in self._transit
-            self._emit("evicted", victim, tier.name)
-            if not elsewhere and not any(t.contains(victim) for t in below):
-                value = self._read_slow(tier, victim)
-                if value is not None and below:
-                    self._write_down(victim, value, below)
-                elif value is not None:
-                    self._dropped(victim, value.nbytes)
-            before = tier.used_bytes()
-            tier.delete(victim)
-            if tier.used_bytes() >= before:
-                return False  # no progress: do not spin
-        return True
-
-    def _delete_slow(self, key: ChunkKey) -> None:
-        for tier in self.slow:
-            try:
-                tier.delete(key)
-            except Exception:
-                log.exception("deleting chunk %s from the %s tier failed", key, tier.name)
-
     # -- state ------------------------------------------------------------------------------
 
     @property
@@ -523,14 +408,6 @@ class ChunkTiers:
         for tier in self.tiers:
             used = tier.used_bytes()
             assert used <= tier.capacity, f"{tier.name}: {used} bytes used > {tier.capacity}"
-
-    def _dropped(self, key: ChunkKey, nbytes: int) -> None:
-        with self._lock:
-            self.counters.dropped += 1
-        self._emit("dropped", key, None, nbytes)
-
-    def _emit(self, kind: str, key: ChunkKey, tier: str | None = None, nbytes: int = 0) -> None:
-        self.events.emit(StoreEvent(kind, key, tier, nbytes))  # type: ignore[arg-type]
 
 
 def _rows(value: SessionKV, rows: tuple[int, int] | None) -> SessionKV:
