@@ -31,6 +31,7 @@ from chatstore.store.records import (
     RecordStore,
     ResponseRecords,
     SessionLease,
+    SessionLeases,
     SessionRecord,
     session_leases,
 )
@@ -72,8 +73,8 @@ class StoreAdapter:
         self,
         store: Any,
         connector: KVConnector | None,
-        records: Any = None,
-        leases: Any = None,
+        records: RecordStore | None = None,
+        leases: SessionLeases | None = None,
         engine_stats: Callable[[], EngineStats] | None = None,
     ) -> None:
         """store: an AttentionStore, or None (kv_store = "off": records only, no KV kept).
@@ -82,7 +83,9 @@ class StoreAdapter:
         self.store = store
         self._engine_stats = engine_stats
         self.records: RecordStore = records if records is not None else store.records
-        self.leases = leases if leases is not None else self._leases(store, self.records)
+        self.leases: SessionLeases = (
+            leases if leases is not None else self._leases(store, self.records)
+        )
         self._connector = connector
         self._sessions: dict[str, set[str]] = {}  # tenant -> its session ids (counted)
         self._resealer: Any = None  # the key rotation job, once started (rotate_keys)
@@ -351,7 +354,7 @@ class StoreAdapter:
     # -- helpers ----------------------------------------------------------------------------
 
     @staticmethod
-    def _leases(store: Any, records: Any) -> Any:
+    def _leases(store: Any, records: RecordStore) -> SessionLeases:
         settings = getattr(store, "settings", None)
         lease_s = getattr(settings, "session_lease_s", 30.0)
         return session_leases(records, lease_s, getattr(settings, "replica_id", ""))

@@ -21,7 +21,7 @@ import socket
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 from urllib.parse import quote
 
 from chatstore.store.keys import key_digest
@@ -72,6 +72,16 @@ class SessionLease:
     name: str = ""
     token: str = ""
     lost: bool = False  # a renewal found another token (or none): the lease expired
+
+
+class SessionLeases(Protocol):
+    """What a turn (or a delete) takes on its session and gives back."""
+
+    def acquire(self, key: SessionKey) -> SessionLease | None: ...
+
+    def release(self, lease: SessionLease, wait: bool = True) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class LocalLeases:
@@ -213,7 +223,9 @@ class RedisLeases:
             log.warning("releasing the lease of %s failed: %s", lease.name, exc)
 
 
-def session_leases(records: RecordStore, lease_s: float = 30.0, replica_id: str = "") -> Any:
+def session_leases(
+    records: RecordStore, lease_s: float = 30.0, replica_id: str = ""
+) -> SessionLeases:
     """Leases for the records' backend: in Redis when the records are, else local no-ops."""
     if isinstance(records, RedisRecordStore):
         return RedisLeases(records, lease_s, replica_id)
