@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from chatstore.engine.kv_connector import KVConnector
-from chatstore.store.records import ResponseRecords, SessionRecord
+from chatstore.store.records import ResponseRecords, SessionLease, SessionRecord
 
 __all__ = [
     "DEVICE_TIER",
@@ -118,12 +118,12 @@ class SessionStorePort(Protocol):
         becomes what was stored."""
         ...
 
-    def acquire_lease(self, tenant: str, session_id: str) -> Any:
+    def acquire_lease(self, tenant: str, session_id: str) -> SessionLease | None:
         """The session's lease for one turn or delete (shared by replicas); None when another
         replica holds it. Raises RecordStoreUnavailable when the store cannot be reached."""
         ...
 
-    def release_lease(self, lease: Any, wait: bool = True) -> None: ...
+    def release_lease(self, lease: SessionLease, wait: bool = True) -> None: ...
 
     def delete(self, tenant: str, session_id: str) -> bool:
         """Forget the record and its KV in every tier; False when it did not exist."""
@@ -177,6 +177,26 @@ class SessionStorePort(Protocol):
 
     def prefetch(self, tenant: str, session_id: str) -> None:
         """Hint: this session will run soon (its client is typing)."""
+        ...
+
+    def open_failures(self) -> dict[str, int]:
+        """Stored values that failed to open (encryption at rest), per slow tier and records."""
+        ...
+
+    def remote_health(self) -> dict[str, Any] | None:
+        """The remote (Redis) tier's circuit breaker; None without a remote tier."""
+        ...
+
+    def rotate_keys(self) -> dict[str, Any] | None:
+        """Start (or resume) re-sealing every stored value under the newest key; its progress.
+        None: encryption at rest is off."""
+        ...
+
+    def rotation_progress(self) -> dict[str, Any] | None: ...
+
+    def shred_tenant(self, tenant: str) -> dict[str, int]:
+        """Crypto-shred tenant (its key, then its sessions, KV and stored Responses); how many
+        of each went."""
         ...
 
     def flush(self) -> int:
