@@ -97,7 +97,7 @@ class LayerLoader:
         self._lookup_cond = threading.Condition()
         self._lookup_thread: threading.Thread | None = None
         self._closed = False  # close(): both threads leave their loops
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self.copy_s = 0.0  # time spent writing loads into the pool (delays included)
         self.stage_s = 0.0  # time spent staging (lookups included)
 
@@ -160,7 +160,8 @@ class LayerLoader:
         dev = self.kv_cache.device
         if job._cos_sin is None:  # once per job, not per layer
             positions = torch.arange(job.start, job.end, device=dev)
-            job._cos_sin = self.rope.cos_sin(positions, self.kv_cache.dtype)
+            cos, sin = self.rope.cos_sin(positions, self.kv_cache.dtype)
+            job._cos_sin = (cos, sin)
         cos, sin = job._cos_sin
         k, v = job.saved.layer(layer, job.start, job.end)  # int8 storage: packed rows + scales
         k, v = self._in_pool_dtype(k), self._in_pool_dtype(v)

@@ -33,7 +33,7 @@ def plan_chain(
     has_chunk: Callable[[ChunkKey], bool],
 ) -> TurnPlan:
     C = hasher.chunk_tokens
-    kept = 0
+    kept, stored_chunks = 0, stored.chunks if stored is not None else []
     if stored is not None:
         limit = min(reusable, stored.num_tokens, len(token_ids))
         while kept < len(stored.chunks):
@@ -41,9 +41,9 @@ def plan_chain(
             if b > limit or (b - a < C and b != len(token_ids)):
                 break  # past the reused prefix, or a tail the history goes beyond
             kept += 1
-    parent = stored.chunks[kept - 1] if kept else None
+    parent = stored_chunks[kept - 1] if kept else None
     rest = hasher.chain(tenant, token_ids[kept * C :], parent)
-    chain = (list(stored.chunks[:kept]) if kept else []) + rest
+    chain = list(stored_chunks[:kept]) + rest
     new: dict[ChunkKey, None] = {}
     for key in rest:
         if key not in new and not has_chunk(key):

@@ -11,6 +11,7 @@ store guards writes with its lock, and the read-only questions the tiers ask (`r
 
 from __future__ import annotations
 
+import builtins
 import time
 from dataclasses import dataclass, field
 
@@ -73,7 +74,7 @@ class SessionIndex:
     def sessions(self) -> list[SessionKey]:
         return list(self._sessions)
 
-    def chunks(self) -> set[ChunkKey]:
+    def chunks(self) -> builtins.set[ChunkKey]:
         return set(self._owners)
 
     def __len__(self) -> int:

@@ -6,7 +6,7 @@ remote tier, and kept so until it has read them (holds.py); where each chunk was
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from chatstore.store.chunks.keys import ChunkHasher, ChunkKey
 from chatstore.store.commit.turn_commit import TurnCommitter
@@ -131,9 +131,9 @@ class RemoteFetch:
                     if value is not None:
                         self.held_bytes -= value.nbytes
 
-    def prefetch_session(self, key: SessionKey, touch: bool) -> int:
+    def prefetch_session(self, key: Hashable, touch: bool) -> int:
         """The prefetch thread's move of a session's stored chunks up to DRAM; how many."""
-        chain = self.index.get(key)
+        chain = self.index.get(key)  # type: ignore[arg-type]
         if chain is None:
             return 0
         if touch:

@@ -46,6 +46,7 @@ from chatstore.store.tiers.base import (
     TierFull,
     TierOccupancy,
 )
+from chatstore.store.tiers.dram import DramTier
 from chatstore.store.tiers.slow_writes import SlowTierWrites
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class ChunkTiers(SlowTierWrites):
             source = tier.name
             promoted = promote and self.top is not None
             if promoted and self._insert_top(key, value, "promoted") == "present":
-                source = self.top.name  # another thread brought it up meanwhile
+                source = self.tiers[0].name  # another thread brought it up meanwhile
             if count:
                 self._hit(source, key, value.nbytes)
             return _rows(value, rows)
@@ -205,8 +206,7 @@ class ChunkTiers(SlowTierWrites):
         if where is not None:
             return where, 0
         top = self.top
-        extend = getattr(top, "extend", None)
-        if may_take_base and top is not None and extend is not None:
+        if may_take_base and isinstance(top, DramTier):  # the one tier that extends in place
             parked: list[tuple[ChunkKey, SessionKV]] = []
             landed = False
             try:
@@ -216,7 +216,7 @@ class ChunkTiers(SlowTierWrites):
                         {key, base},
                         parked,
                     ):
-                        landed = extend(base, key, keep, rows)
+                        landed = top.extend(base, key, keep, rows)
                         if landed:
                             self.placement.touch(key)
             finally:
@@ -391,7 +391,7 @@ class ChunkTiers(SlowTierWrites):
 
     @property
     def lock(self) -> threading.RLock:
-        return self._lock  # type: ignore[return-value]
+        return self._lock
 
     def stats_occupancy(self) -> list[TierOccupancy]:
         with self._lock:

@@ -13,7 +13,6 @@ Not thread-safe on its own: the hierarchy only calls it under its lock (`in_memo
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +63,8 @@ class DramTier(StorageTier):
         self.block_bytes = layout.bytes_per_token * block_size
         self.num_blocks = max(0, capacity_bytes // self.block_bytes)
         pin = torch.cuda.is_available() if pin is None else pin
-        shape = (self.num_blocks, layout.num_layers, 2, block_size)
-        shape += (layout.num_kv_heads, layout.row_width)
+        L, Hkv, W = layout.num_layers, layout.num_kv_heads, layout.row_width
+        shape = (self.num_blocks, L, 2, block_size, Hkv, W)
         self.pool = torch.empty(shape, dtype=layout.dtype, pin_memory=pin)
         self._free: deque[int] = deque(range(self.num_blocks))
         self._entries: dict[ChunkKey, _Entry] = {}
@@ -83,7 +82,7 @@ class DramTier(StorageTier):
     def footprint_tokens(self, num_tokens: int) -> int:
         return self._blocks_for(num_tokens) * self.block_bytes
 
-    def extend(self, base: Hashable, key: Hashable, keep: int, rows: SessionKV) -> bool:
+    def extend(self, base: ChunkKey, key: ChunkKey, keep: int, rows: SessionKV) -> bool:
         """key := the first `keep` tokens of base + rows, in base's blocks (base is gone
         afterwards): only `rows` are written. False (nothing changed) without room."""
         entry = self._entries.get(base)
@@ -139,7 +138,7 @@ class DramTier(StorageTier):
         kv = self._read_blocks(entry.blocks, len(entry.token_ids))
         return SessionKV(list(entry.token_ids), kv)
 
-    def get_rows(self, key: Hashable, start: int, end: int) -> SessionKV | None:
+    def get_rows(self, key: ChunkKey, start: int, end: int) -> SessionKV | None:
         """Rows [start, end) of key's value, reading only the blocks that hold them."""
         entry = self._entries.get(key)
         if entry is None:

@@ -51,7 +51,7 @@ class AwarePolicy(LRUPolicy):
     def prefetch_candidates(self, lookahead: Lookahead) -> list[Hashable]:
         return [s for s in lookahead.head(self.prefetch_window()) if self._tier.get(s, 0) > 0]
 
-    def order_value(self, session: Hashable, lookahead: Lookahead) -> tuple[int, float]:
+    def order_value(self, session: Hashable, lookahead: Lookahead) -> float | tuple[int, float]:
         pos = lookahead.position(session)
         if pos is not None and pos < lookahead.window_end(self.windows()[1]):
             return 1, -pos

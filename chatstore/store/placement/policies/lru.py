@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Hashable
+from collections.abc import Generator, Hashable, Sequence
 
 from chatstore.store.placement.policies.base import EvictionPolicy
 from chatstore.store.placement.policies.lookahead import Lookahead
@@ -14,7 +14,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def __init__(self, capacities: tuple[int, ...] | list[int] = ()) -> None:
+    def __init__(self, capacities: Sequence[int] = ()) -> None:
         super().__init__(capacities)
         self._last_use: dict[Hashable, int] = {}
         self._order: dict[int, StampOrder] = {}
@@ -40,7 +40,7 @@ class LRUPolicy(EvictionPolicy):
     def _removed(self, tier: int, session: Hashable) -> None:
         self._order[tier].discard(session)
 
-    def order_value(self, session: Hashable, lookahead: Lookahead) -> float:
+    def order_value(self, session: Hashable, lookahead: Lookahead) -> float | tuple[int, float]:
         return self._last_use.get(session, float("inf"))
 
     def _ranked(self, tier: int, lookahead: Lookahead) -> Generator[Hashable, None, None]:
