@@ -91,7 +91,12 @@ class LmdbRecordStore(RecordStore):
         """Records written before keys carried the tenant: re-key them once. Records written
         before the prefix index: index them once."""
         with self.env.begin() as txn:
-            old = [(k, v) for k, v in txn.cursor() if b":" not in bytes(k)[:2]]
+            old = []  # their names are hex digests: they sort before every `x:` name here
+            for name, raw in txn.cursor():
+                if bytes(name) >= INDEX_BUILT[:2]:
+                    break
+                if b":" not in bytes(name)[:2]:
+                    old.append((bytes(name), bytes(raw)))
             indexed = txn.get(INDEX_BUILT) is not None
         if old:
             with self.env.begin(write=True) as txn:
