@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,9 +35,12 @@ from chatstore.store.placement.policies import PolicyChooser, make_policy
 from chatstore.store.placement.session_placement import SessionPlacement
 from chatstore.store.ports import (
     ChunkBuilder,
+    ChunkCatalog,
     ChunkText,
     HintListener,
     KVPlacement,
+    KVSource,
+    SessionKVAdmin,
     StoredSession,
     StoreStats,
     TurnHold,
@@ -350,3 +353,9 @@ def create_store(
     if config.kv_store == "off":
         return None
     return AttentionStore(StoreSettings.from_config(config), spec, fingerprint, **kwargs)
+
+
+if TYPE_CHECKING:  # mypy checks here that the store keeps every port it promises
+
+    def _implements_ports(store: AttentionStore) -> tuple[KVSource, SessionKVAdmin, ChunkCatalog]:
+        return store, store, store

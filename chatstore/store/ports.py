@@ -28,6 +28,7 @@ import torch
 
 from chatstore.store.chunks.keys import ChunkKey, chunk_span, tokens_by_tier
 from chatstore.store.events import EventKind, Listener, StoreEvent, StoreStats
+from chatstore.store.records import RecordStore
 from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.sessions.holds import TurnHold
@@ -204,6 +205,13 @@ class SessionKVAdmin(Protocol):
     def max_context_tokens(self) -> int: ...
     @property
     def data_dir(self) -> Path: ...
+    @property
+    def fingerprint(self) -> str:
+        """The model's: KV saved by another model is not reused (its token ids are not ours)."""
+
+    @property
+    def records(self) -> RecordStore:
+        """The session records the store writes each turn's chunk list into (records/)."""
 
     def set_waiting_queue(self, queue: WaitingQueue) -> None:
         """The engine's queue, for look-ahead placement; starts the prefetch thread. Once."""

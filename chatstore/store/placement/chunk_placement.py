@@ -10,7 +10,7 @@ prefix others may share). Chunks no session owns (left over, about to be freed) 
 The session policy is told about sessions by the store (`touch` on a turn, `forget` on delete);
 the tiers' own `touch` / `forget` of chunks carry no session information and are ignored.
 
-Pinned chunks (turn_hold.py: held by a turn opened and not yet read by the engine) are never a
+Pinned chunks (sessions/holds.py: held by a turn opened and not yet read by the engine) are never a
 victim in the DRAM tier, whatever their sessions rank: with only pinned chunks left there is no
 victim, and what wanted the room goes elsewhere.
 """

@@ -12,7 +12,7 @@ from one thread at a time, while other threads may read. Such a tier keeps `cont
 
 A `remote` tier (Redis) is reached over the network: its calls may fail or hang, so it raises
 TierUnavailable (treated as a miss, or as a write not taken) instead of waiting, and the engine
-thread does not read it where a local tier can take its chunks (hierarchy.py, `foreground`).
+thread does not read it where a local tier can take its chunks (chunk_tiers.py, `foreground`).
 """
 
 from __future__ import annotations
