@@ -270,11 +270,13 @@ class RedisRecordStore(RecordStore):
         self, tenant: str, token_ids: list[int], fingerprint: str
     ) -> PrefixMatch | None:
         hname = self._index_name(tenant)
-        if not self.client.hexists(hname, self.INDEX_BUILT):
-            self._build_index(tenant)
 
         def read(keys: list[str]) -> list[bytes | None]:
-            return list(self.client.hmget(hname, keys))
+            *entries, built = self.client.hmget(hname, [*keys, self.INDEX_BUILT])
+            if built is None:  # the tenant's first lookup: index its older records, read again
+                self._build_index(tenant)
+                entries = self.client.hmget(hname, keys)
+            return list(entries)
 
         def load(digest: str) -> tuple[str, list[int], str] | None:
             name = f"{self.PREFIX}{{{quote(tenant, safe='')}:{digest}}}"
