@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from chatstore.store.session_kv import SessionKey
+from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.tiers.base import TierOccupancy
 from chatstore.store.tiers.breaker import BreakerHealth
 
@@ -26,7 +26,7 @@ EventKind = Literal[
 @dataclass(frozen=True)
 class StoreEvent:
     kind: EventKind
-    key: SessionKey
+    key: ChunkKey  # the chunk it happened to
     tier: str | None = None  # where it happened (for moves: the destination)
     nbytes: int = 0
     time: float = field(default_factory=time.time)
