@@ -50,20 +50,19 @@ from chatstore.store.ports import (
 from chatstore.store.records import RecordStore
 from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.sessions import removal, truncation
 from chatstore.store.sessions.holds import ChunkPins
 from chatstore.store.sessions.index import SessionChain, SessionIndex
 from chatstore.store.sessions.remote_fetch import RemoteFetch
+from chatstore.store.sessions.removal import WAIT_SAVED_S, SessionRemoval
 from chatstore.store.sessions.restore import restore_index
 from chatstore.store.sessions.retention_table import RetentionTable, SessionRetention
+from chatstore.store.sessions.truncation import SessionTruncation
 from chatstore.store.sessions.versions import SessionVersions
 from chatstore.store.settings import StoreSettings
 from chatstore.store.store_parts import build_records, build_remote, build_tiers, store_stats
 from chatstore.store.tiers.base import StorageTier
 from chatstore.store.tiers.chunk_tiers import ChunkTiers
 from chatstore.store.tiers.dram import KVLayout
-
-WAIT_SAVED_S = removal.WAIT_SAVED_S
 
 
 class AttentionStore:
@@ -124,6 +123,9 @@ class AttentionStore:
         interval = self.settings.prefetch_interval_s
         candidates = self.session_placement.prefetch_candidates
         self.prefetcher = Prefetcher(fetch.prefetch_session, candidates, interval)
+        places, retention = self.session_placement, self.retention
+        self.removal = SessionRemoval(self.committer, places, retention, fetch, self.sealer)
+        self.truncation = SessionTruncation(self.reader, self.committer, self._save_key)
 
     def _needed(self, chunk: ChunkKey) -> bool:
         return self.committer.needed(chunk)
@@ -273,6 +275,9 @@ class AttentionStore:
         self.committer.write_turn(self.key(tenant, session_id), chain, plan, build, 0, False)
         return self.tiers.where(plan.chain[-1]) if plan.chain else None
 
+    def _save_key(self, key: SessionKey, value: SessionKV) -> None:
+        self.save(key.tenant, key.session_id, value)
+
     def add_commit_listener(self, listener: CommitListener) -> None:
         self.committer.add_listener(listener)
 
@@ -293,21 +298,22 @@ class AttentionStore:
     # -- removing and cutting -------------------------------------------------------------------
 
     def delete_session(self, tenant: str, session_id: str) -> bool:
-        return removal.delete_session(self, self.key(tenant, session_id))
+        return self.removal.delete_session(self.key(tenant, session_id))
 
     def shred_tenant(self, tenant: str) -> int:
-        return removal.shred_tenant(self, tenant)
+        return self.removal.shred_tenant(tenant)
 
     def purge_expired(self) -> list[SessionKey]:
-        return removal.purge_expired(self)
+        return self.removal.purge_expired()
 
     def invalidate_all(self) -> int:
-        return removal.invalidate_all(self)
+        return self.removal.invalidate_all()
 
     def fit_context(
         self, tenant: str, session_id: str | None, prompt_ids: list[int], head: int, tail: int
     ) -> list[int]:
-        return truncation.fit_context(self, tenant, session_id, prompt_ids, head, tail)
+        key = self.key(tenant, session_id) if session_id is not None else None
+        return self.truncation.fit_context(key, prompt_ids, head, tail)
 
     # -- reports and lifecycle ------------------------------------------------------------------
 

@@ -3,84 +3,95 @@ session's KV dropped. Each waits for the session's pending write first: API thre
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from chatstore.store.chunks.keys import ChunkKey
+from chatstore.store.commit.turn_commit import TurnCommitter
+from chatstore.store.placement.session_placement import SessionPlacement
+from chatstore.store.sealing import Sealer
 from chatstore.store.session_kv import SessionKey
-
-if TYPE_CHECKING:
-    from chatstore.store.attention_store import AttentionStore
+from chatstore.store.sessions.remote_fetch import RemoteFetch
+from chatstore.store.sessions.retention_table import RetentionTable
 
 WAIT_SAVED_S = 30.0  # the longest a reader waits for a session's pending write
 
 
-def forget_session(store: AttentionStore, key: SessionKey) -> list:
-    """Under the store's lock: the session leaves the index, the policy, retention and the
-    origin notes, and is tombstoned; the chunks it alone held (for the caller to free)."""
-    store.versions.tombstone(key)
-    freed = store.index.remove(key)
-    store.session_placement.tell("forget", key)
-    store.retention.drop(key)
-    store.remote_fetch.origins.drop(key)
-    store.session_placement.tell("set_priority", key, 0)
-    return freed
+class SessionRemoval:
+    def __init__(
+        self,
+        committer: TurnCommitter,
+        placement: SessionPlacement,
+        retention: RetentionTable,
+        fetch: RemoteFetch,
+        sealer: Sealer | None,
+    ) -> None:
+        self.committer, self.placement, self.retention = committer, placement, retention
+        self.fetch, self.sealer = fetch, sealer
+        self.index, self.tiers, self.records = committer.index, committer.tiers, committer.records
+        self.writer, self.versions = committer.writer, committer.versions
 
+    def _forget(self, key: SessionKey) -> list[ChunkKey]:
+        """Under the store's lock: the session leaves the index, the policy, retention and
+        the origin notes, and is tombstoned; the chunks it alone held (the caller frees them)."""
+        self.versions.tombstone(key)
+        freed = self.index.remove(key)
+        self.placement.tell("forget", key)
+        self.retention.drop(key)
+        self.fetch.origins.drop(key)
+        self.placement.tell("set_priority", key, 0)
+        return freed
 
-def delete_session(store: AttentionStore, key: SessionKey) -> bool:
-    """Remove the session's record and the chunks no other session holds."""
-    store.remote_fetch.release(store.remote_fetch.take(key))  # its opened turn's, if any
-    store.writer.wait(key, WAIT_SAVED_S)
-    committer = store.committer
-    # Under mutate, so a turn the writer is committing cannot re-create the record between
-    # its check and our delete; the tombstone drops turns begun before now.
-    with committer.mutate:
-        with committer.lock:
-            found = store.index.get(key) is not None
-            freed = forget_session(store, key)
-        existed = bool(store.records.delete(key))
-    committer.free(freed)
-    store.versions.bump(key)
-    return existed or found
+    def delete_session(self, key: SessionKey) -> bool:
+        """Remove the session's record and the chunks no other session holds."""
+        self.fetch.release(self.fetch.take(key))  # its opened turn's, if any
+        self.writer.wait(key, WAIT_SAVED_S)
+        committer = self.committer
+        # Under mutate, so a turn the writer is committing cannot re-create the record
+        # between its check and our delete; the tombstone drops turns begun before now.
+        with committer.mutate:
+            with committer.lock:
+                found = self.index.get(key) is not None
+                freed = self._forget(key)
+            existed = bool(self.records.delete(key))
+        committer.free(freed)
+        self.versions.bump(key)
+        return existed or found
 
+    def shred_tenant(self, tenant: str) -> int:
+        """Crypto-shred tenant: its key is destroyed first (every sealed copy of its data, in
+        any tier or backup, stops opening at once), then its sessions are deleted, then any of
+        its chunks still stored (orphans) are; how many sessions went. Its records the index
+        does not know (no KV) are the caller's to delete (records.delete_tenant)."""
+        if self.sealer is not None:
+            self.sealer.keyring.shred(tenant)
+        with self.committer.lock:
+            sessions = [k for k in self.index.sessions() if k.tenant == tenant]
+        for key in sessions:
+            self.delete_session(key)
+        with self.committer.mutate:
+            held = [c for t in self.tiers.tiers for c in list(t.keys())]
+            self.committer.delete_unneeded(list({c for c in held if c.tenant == tenant}))
+        return len(sessions)
 
-def shred_tenant(store: AttentionStore, tenant: str) -> int:
-    """Crypto-shred tenant: its key is destroyed first (every sealed copy of its data, in any
-    tier or backup, stops opening at once), then its sessions are deleted, then any of its
-    chunks still stored (orphans) are; how many sessions went. Its records the index does not
-    know (no KV) are the caller's to delete (records.delete_tenant)."""
-    if store.sealer is not None:
-        store.sealer.keyring.shred(tenant)
-    with store.committer.lock:
-        sessions = [k for k in store.index.sessions() if k.tenant == tenant]
-    for key in sessions:
-        delete_session(store, key)
-    with store.committer.mutate:
-        held = [c for t in store.tiers.tiers for c in list(t.keys())]
-        store.committer.delete_unneeded(list({c for c in held if c.tenant == tenant}))
-    return len(sessions)
+    def purge_expired(self) -> list[SessionKey]:
+        self.writer.flush(WAIT_SAVED_S)
+        gone = self.records.purge_expired()
+        for key in gone:
+            with self.committer.lock:
+                freed = self._forget(key)
+            self.committer.free(freed)
+            self.versions.bump(key)
+        return gone
 
-
-def purge_expired(store: AttentionStore) -> list[SessionKey]:
-    store.writer.flush(WAIT_SAVED_S)
-    gone = store.records.purge_expired()
-    for key in gone:
-        with store.committer.lock:
-            freed = forget_session(store, key)
-        store.committer.free(freed)
-        store.versions.bump(key)
-    return gone
-
-
-def invalidate_all(store: AttentionStore) -> int:
-    """Drop every session's KV (records keep their messages); how many sessions had KV."""
-    store.writer.flush(WAIT_SAVED_S)
-    with store.committer.lock:
-        dropped = len(store.index)
-        for key in store.index.sessions():
-            store.index.remove(key)
-            store.session_placement.tell("forget", key)
-        store.versions.bump_all()
-    with store.committer.mutate:
-        store.tiers.clear()
-    for record in store.records.list_sessions():
-        store.records.upsert(record.key, token_ids=[], chunks=[])
-    return dropped
+    def invalidate_all(self) -> int:
+        """Drop every session's KV (records keep their messages); how many sessions had KV."""
+        self.writer.flush(WAIT_SAVED_S)
+        with self.committer.lock:
+            dropped = len(self.index)
+            for key in self.index.sessions():
+                self.index.remove(key)
+                self.placement.tell("forget", key)
+            self.versions.bump_all()
+        with self.committer.mutate:
+            self.tiers.clear()
+        for record in self.records.list_sessions():
+            self.records.upsert(record.key, token_ids=[], chunks=[])
+        return dropped

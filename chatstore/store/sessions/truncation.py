@@ -11,16 +11,15 @@ The store rounds the cut to whole chunks (`fit_context`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from chatstore.store.chunks.reader import ChunkReader
+from chatstore.store.commit.turn_commit import TurnCommitter
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 from chatstore.store.sessions.index import SessionChain
-
-if TYPE_CHECKING:
-    from chatstore.store.attention_store import AttentionStore
 
 WAIT_SAVED_S = 30.0  # the longest the cut waits for the session's pending write
 
@@ -70,64 +69,69 @@ def plan_truncation(
     return TruncationPlan(head, min(droppable, max(overflow, int(ratio * max_context))))
 
 
-def fit_context(
-    store: AttentionStore,
-    tenant: str,
-    session_id: str | None,
-    prompt_ids: list[int],
-    head: int,
-    tail: int,
-) -> list[int]:
-    """The prompt cut to `max_context_tokens`: whole chunks of the oldest history after the
-    chunks holding the first `head` tokens are dropped (`tail` = new message + reply budget
-    kept); the session's chain loses the same chunks, the kept ones stay valid and are
-    re-positioned at load (K is stored before RoPE)."""
-    s = store.settings
-    plan = plan_truncation(len(prompt_ids), head, tail, s.max_context_tokens, s.truncation_ratio)
-    if plan is None:
-        return list(prompt_ids)
-    C = s.chunk_tokens
-    head_c = -(-head // C) * C
-    drop_c = -(-plan.drop // C) * C
-    aligned = head_c + drop_c <= len(prompt_ids) - tail
-    if aligned:
-        plan = TruncationPlan(head_c, drop_c)
-    if session_id is not None:
-        _truncate_session(store, SessionKey(tenant, session_id), prompt_ids, plan, aligned)
-    return plan.apply_ids(prompt_ids)
+class SessionTruncation:
+    """The cut of an overflowing prompt, and of its session's chain the same way. API threads
+    (it waits for the session's pending write)."""
 
+    def __init__(
+        self,
+        reader: ChunkReader,
+        committer: TurnCommitter,
+        save: Callable[[SessionKey, SessionKV], object],
+    ) -> None:
+        self.reader, self.committer, self._save = reader, committer, save
+        self.settings = committer.settings
 
-def _truncate_session(
-    store: AttentionStore,
-    key: SessionKey,
-    prompt_ids: list[int],
-    plan: TruncationPlan,
-    aligned: bool,
-) -> None:
-    store.writer.wait(key, WAIT_SAVED_S)
-    stored = store.find(key.tenant, key.session_id)
-    if stored is None:
-        return
-    lcp = common_prefix_len(stored.token_ids, prompt_ids)
-    if not aligned:  # chunks cannot stay whole: the kept KV is written again, cut
-        value = store.lookup(key.tenant, key.session_id)
-        if value is not None:
-            store.save(key.tenant, key.session_id, plan.apply_kv(value.prefix(lcp)))
-        return
-    C = store.settings.chunk_tokens
-    full = {i for i in range(len(stored.chunks)) if stored.span(i)[1] <= lcp}
-    first_dropped = plan.head // C
-    keep: list[int] = []
-    while len(keep) < first_dropped and len(keep) in full:
-        keep.append(len(keep))
-    if len(keep) == first_dropped:  # the head is whole: what follows the cut
-        i = (plan.head + plan.drop) // C
-        while i in full:
-            keep.append(i)
-            i += 1
-    ids: list[int] = []
-    for i in keep:
-        a, b = stored.span(i)
-        ids.extend(stored.token_ids[a:b])
-    chain = SessionChain(ids, [stored.chunks[i] for i in keep])
-    store.committer.write_turn(key, chain, None, dict, 0, store.settings.async_save)
+    def fit_context(
+        self, key: SessionKey | None, prompt_ids: list[int], head: int, tail: int
+    ) -> list[int]:
+        """The prompt cut to `max_context_tokens`: whole chunks of the oldest history after
+        the chunks holding the first `head` tokens are dropped (`tail` = new message + reply
+        budget kept); the session's chain loses the same chunks, the kept ones stay valid and
+        are re-positioned at load (K is stored before RoPE)."""
+        s = self.settings
+        plan = plan_truncation(
+            len(prompt_ids), head, tail, s.max_context_tokens, s.truncation_ratio
+        )
+        if plan is None:
+            return list(prompt_ids)
+        C = s.chunk_tokens
+        head_c = -(-head // C) * C
+        drop_c = -(-plan.drop // C) * C
+        aligned = head_c + drop_c <= len(prompt_ids) - tail
+        if aligned:
+            plan = TruncationPlan(head_c, drop_c)
+        if key is not None:
+            self._truncate_session(key, prompt_ids, plan, aligned)
+        return plan.apply_ids(prompt_ids)
+
+    def _truncate_session(
+        self, key: SessionKey, prompt_ids: list[int], plan: TruncationPlan, aligned: bool
+    ) -> None:
+        self.committer.writer.wait(key, WAIT_SAVED_S)
+        stored = self.reader.find(key)
+        if stored is None:
+            return
+        lcp = common_prefix_len(stored.token_ids, prompt_ids)
+        if not aligned:  # chunks cannot stay whole: the kept KV is written again, cut
+            value = self.reader.whole(key)
+            if value is not None:
+                self._save(key, plan.apply_kv(value.prefix(lcp)))
+            return
+        C = self.settings.chunk_tokens
+        full = {i for i in range(len(stored.chunks)) if stored.span(i)[1] <= lcp}
+        first_dropped = plan.head // C
+        keep: list[int] = []
+        while len(keep) < first_dropped and len(keep) in full:
+            keep.append(len(keep))
+        if len(keep) == first_dropped:  # the head is whole: what follows the cut
+            i = (plan.head + plan.drop) // C
+            while i in full:
+                keep.append(i)
+                i += 1
+        ids: list[int] = []
+        for i in keep:
+            a, b = stored.span(i)
+            ids.extend(stored.token_ids[a:b])
+        chain = SessionChain(ids, [stored.chunks[i] for i in keep])
+        self.committer.write_turn(key, chain, None, dict, 0, self.settings.async_save)
