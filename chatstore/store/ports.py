@@ -1,6 +1,6 @@
 """The store's contract, in one screen: the typed values that cross its edge and the protocols
-the rest of chatstore codes against. `AttentionStore` implements every protocol here; nothing
-outside `chatstore/store/` reads one of its attributes.
+the rest of chatstore codes against. `AttentionStore` implements every protocol here (mypy
+checks it); code outside `chatstore/store/` types the store as one of them, not as the class.
 
     engine ──(WaitingQueue)──► store          the look-ahead: who runs next
     transfer ──(KVSource)────► store          find, read, plan and save a turn's chunks
