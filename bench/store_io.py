@@ -350,9 +350,9 @@ def dedup(args, data_dir: str) -> dict:
     store.flush_writes(60)
     # DRAM holds every chunk once (SSD holds write-back copies of the same chunks).
     stored = store.tier("dram").used_bytes()
-    ideal = (prompt_tokens + own) * store.layout.bytes_per_token
+    ideal = (prompt_tokens + own) * store.bytes_per_token
     chunks = len(store.tiers.keys())
-    copies = 32 * (prompt_tokens + own / args.dedup_sessions) * store.layout.bytes_per_token
+    copies = 32 * (prompt_tokens + own / args.dedup_sessions) * store.bytes_per_token
     rig.close()
     return {
         "dedup_ratio": stored / ideal,
