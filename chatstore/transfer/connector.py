@@ -57,13 +57,13 @@ from chatstore.engine.kv_connector import KVConnector, LoadStats
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store import kv_quant
-from chatstore.store.ports import ChunkDelta, ChunkKey, KVSource, StoredSession, TurnHold
+from chatstore.store.ports import KVSource, StoredSession, TurnHold
 from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
 from chatstore.transfer.layer_loader import LayerLoader, LoadJob
 from chatstore.transfer.layer_saver import LayerSaver, TurnRows
 from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
-from chatstore.transfer.rerope import unrope
+from chatstore.transfer.turn_save import TurnSaver, block_slots
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class StoreConnector(KVConnector):
         # The dtype the turn's rows wait in until its chunks are built (int8: the compute's).
         self.staging_dtype = kv_quant.staging_dtype(store.storage_dtype, kv_cache.dtype)
         self.saver = LayerSaver(kv_cache.spec.num_layers, self.staging_dtype, kv_cache.device)
+        self.turn_saver = TurnSaver(store, kv_cache, rope, self.staging_dtype)
         self._jobs: list[LoadJob] = []  # loads started this step
         self.loads = 0
         self.loads_started = 0  # layer-wise ones
@@ -259,7 +260,9 @@ class StoreConnector(KVConnector):
         if pending is None or pending.saved is None or end > pending.reusable:
             raise RuntimeError(f"request {request.request_id}: no saved KV for [{start}, {end})")
         positions = torch.arange(start, end)
-        slots = _slots(block_table, positions, self.kv_cache.block_size).to(self.kv_cache.device)
+        slots = block_slots(block_table, positions, self.kv_cache.block_size).to(
+            self.kv_cache.device
+        )
         layers = [threading.Event() for _ in range(self.kv_cache.spec.num_layers)]
         self.loads += 1
         staged, stored, read = pending.staged, pending.saved, pending.kv
@@ -393,83 +396,9 @@ class StoreConnector(KVConnector):
         token_ids: list[int],
         block_table: list[int],
     ) -> None:
-        """Plan the turn's chain and hand the store a builder of its new chunks. What the
-        device pool alone holds is copied now (its blocks are freed after request_finished);
-        the builder touches only CPU tensors it owns, so it may run on another thread."""
-        spec, B = self.kv_cache.spec, self.kv_cache.block_size
-        n = min(len(token_ids), len(block_table) * B)
-        if rows.num_rows():
-            # The last sampled token is never fed back: its KV does not exist.
-            n = min(n, 1 + rows.max_position())
         saved = pending.saved if pending is not None else None
-        m = min(pending.reusable, n) if pending is not None and saved is not None else 0
-        ids = list(token_ids[:n])
-        store = self.store
-        plan = store.plan_turn(request.tenant, ids, saved, m)
-        spans = plan.new_spans()
-        have = torch.zeros(n, dtype=torch.bool)
-        have[:m] = True
-        computed = rows.positions()
-        have[computed[computed < n]] = True
-        wanted = torch.zeros(n, dtype=torch.bool)
-        for _, _, a, b in spans:
-            wanted[a:b] = True
-        missing = (wanted & ~have).nonzero().flatten()
-        device_rows = self._copy_from_device(missing, block_table) if len(missing) else None
-        dtype, storage = self.staging_dtype, store.storage_dtype
-
-        def build() -> dict[ChunkKey, SessionKV | ChunkDelta]:
-            try:
-                out: dict[ChunkKey, SessionKV | ChunkDelta] = {}
-                for _, key, a, b in spans:
-                    base, keep = plan.bases.get(key, (None, 0))
-                    first = a + keep  # rows before it are the stored base chunk's
-                    kv = torch.empty(
-                        (spec.num_layers, 2, b - first, spec.num_kv_heads, spec.head_dim),
-                        dtype=dtype,
-                    )
-                    rows.scatter_into(kv, first, b)
-                    if device_rows is not None:
-                        inside = (missing >= first) & (missing < b)
-                        if inside.any():
-                            kv[:, :, missing[inside] - first] = device_rows[:, :, inside].to(dtype)
-                    value = SessionKV(ids[first:b], kv_quant.convert(kv, storage))
-                    out[key] = value if base is None else ChunkDelta(base, keep, value)
-                return out
-            finally:
-                rows.release()
-
-        new_tokens = sum(b - a - plan.bases.get(k, (None, 0))[1] for _, k, a, b in spans)
-        nbytes = new_tokens * store.bytes_per_token + rows.nbytes()
-        if not spans:
-            rows.release()
-        assert request.session_id is not None  # request_finished saves sessions only
-        store.save_turn(
-            request.tenant, request.session_id, plan, build, nbytes, request.arrival_time
-        )
-
-    def _copy_from_device(self, positions: torch.Tensor, block_table: list[int]) -> torch.Tensor:
-        """Tokens the connector never saw computed (device prefix cache): un-rotated pool K and
-        V, [L, 2, len(positions), Hkv, D] on the CPU."""
-        cache = self.kv_cache
-        slots = _slots(block_table, positions, cache.block_size).to(cache.device)
-        flat = (cache.num_blocks * cache.block_size, cache.spec.num_kv_heads, cache.spec.head_dim)
-        dev_positions = positions.to(cache.device)
-        out = torch.empty(
-            (cache.spec.num_layers, 2, len(positions), *flat[1:]),
-            dtype=self.staging_dtype,
-        )
-        for layer in range(cache.spec.num_layers):
-            k = cache.k(layer).reshape(flat).index_select(0, slots)
-            v = cache.v(layer).reshape(flat).index_select(0, slots)
-            out[layer, 0] = unrope(k, dev_positions, self.rope).to("cpu", out.dtype)
-            out[layer, 1] = v.to("cpu", out.dtype)
-        return out
-
-
-def _slots(block_table: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    table = torch.tensor(block_table, dtype=torch.long)
-    return table[positions // block_size] * block_size + positions % block_size
+        reusable = pending.reusable if pending is not None and saved is not None else 0
+        self.turn_saver.save(request, saved, reusable, rows, token_ids, block_table)
 
 
 def create_connector(
