@@ -44,54 +44,26 @@ import bisect
 import heapq
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-PAGE_ROWS = 16  # rows per page: a request holds at most PAGE_ROWS - 1 rows more than its own
-FIRST_SEGMENT_PAGES = 32
-MAX_SEGMENT_PAGES = 1024
-
-
-def _new_pages(rows: _Rows, n: int) -> int:
-    """Pages a request needs for n more rows beyond the room left in its last page."""
-    room = -rows.count % PAGE_ROWS
-    return -(-max(0, n - room) // PAGE_ROWS)
-
-
-class _Segment:
-    """Arena storage for a contiguous range of pages: kv [L, rows, 2, Hkv, D] and positions."""
-
-    def __init__(self, first_page: int, pages: int, layers: int, row_shape, dtype) -> None:
-        rows = pages * PAGE_ROWS
-        self.first_page = first_page
-        self.pages = pages
-        self.used = 0  # pages handed out
-        self.kv = torch.empty((layers, rows, 2, *row_shape), dtype=dtype)
-        self.positions = torch.full((rows,), -1, dtype=torch.long)
-
-    @property
-    def first_row(self) -> int:
-        return self.first_page * PAGE_ROWS
-
-    def nbytes(self) -> int:
-        return self.kv.nbytes + self.positions.nbytes
-
-
-@dataclass
-class _Rows:
-    """A request's pages (global page ids) and how many rows it has written into them."""
-
-    pages: list[int] = field(default_factory=list)
-    count: int = 0
-    released: bool = False
+from chatstore.transfer.row_pages import (
+    FIRST_SEGMENT_PAGES,
+    MAX_SEGMENT_PAGES,
+    PAGE_ROWS,
+    Segment,
+    new_pages,
+    slice_runs,
+)
+from chatstore.transfer.turn_rows import PageRows, TurnRows
 
 
 @dataclass
 class _Part:
     """The step's rows that land in one segment: which kept rows (None: all) go to which rows."""
 
-    segment: _Segment
+    segment: Segment
     batch_rows: torch.Tensor | None  # rows of the forward's batch (CPU path)
     step_rows: torch.Tensor | None  # rows among the step's kept rows (CUDA path, on the host)
     dest: torch.Tensor  # rows of the segment
@@ -106,75 +78,6 @@ class _Step:
     count: int
 
 
-class TurnRows:
-    """A request's rows in the arena; valid until release()."""
-
-    def __init__(self, saver: LayerSaver | None = None, rows: _Rows | None = None) -> None:
-        self._saver = saver
-        self._rows = rows if rows is not None else _Rows()
-
-    def num_rows(self) -> int:
-        return self._rows.count
-
-    def nbytes(self) -> int:
-        if self._saver is None:
-            return 0
-        return len(self._rows.pages) * self._saver._page_bytes
-
-    def positions(self) -> torch.Tensor:
-        """Positions of the rows (CPU long), in the order they were computed."""
-        located = self._locate()
-        return torch.empty(0, dtype=torch.long) if located is None else located[1]
-
-    def max_position(self) -> int:
-        """Highest position computed (-1 when none): the turn's KV ends after it."""
-        positions = self.positions()
-        return int(positions.max()) if len(positions) else -1
-
-    def scatter_into(self, kv: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Write the rows at positions p in [start, end) into kv[:, :, p - start] (kv is
-        [L, 2, end - start, Hkv, D], any dtype); the bool mask [end - start] of positions
-        written. A position computed twice keeps its later row. Runs on the writer thread."""
-        if self._rows.released:
-            raise RuntimeError("scatter_into after release()")
-        width = max(end - start, 0)
-        located = self._locate()
-        if located is None or width == 0:
-            return torch.zeros(width, dtype=torch.bool)
-        assert self._saver is not None
-        global_rows, positions = located
-        positions = positions - start
-        inside = (positions >= 0) & (positions < width)
-        # The last row computed for each position in range (-1: none).
-        last = torch.full((width,), -1, dtype=torch.long)
-        order = torch.arange(len(positions))[inside]
-        last.scatter_reduce_(0, positions[inside], order, reduce="amax")
-        have = last >= 0
-        targets = have.nonzero().flatten()
-        if not len(targets):
-            return have
-        rows = self._saver._read_rows(global_rows.index_select(0, last[targets]))
-        rows = rows.transpose(1, 2)  # [L, 2, n, Hkv, D]
-        lo, hi = int(targets[0]), int(targets[-1])
-        if hi - lo + 1 == len(targets):
-            kv[:, :, lo : hi + 1] = rows
-        else:
-            kv[:, :, targets] = rows.to(kv.dtype)
-        return have
-
-    def release(self) -> None:
-        """Give the rows back to the arena (idempotent); scatter_into must not follow."""
-        if self._saver is not None:
-            self._saver._release(self._rows)
-        self._rows.released = True
-
-    def _locate(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(arena row, position) of each row, or None when there are none."""
-        if self._saver is None or self._rows.count == 0:
-            return None
-        return self._saver._locate(self._rows)
-
-
 class LayerSaver:
     def __init__(self, num_layers: int, row_dtype: torch.dtype, device: torch.device) -> None:
         """row_dtype: what the rows wait in until their chunks are built: the store's dtype, or
@@ -187,8 +90,8 @@ class LayerSaver:
         self.device = torch.device(device)
         self.rows_saved = 0  # token rows copied (all layers counted once)
         self._lock = threading.Lock()  # allocator: free list, segments, page lists
-        self._tracked: dict[str, _Rows] = {}
-        self._segments: list[_Segment] = []
+        self._tracked: dict[str, PageRows] = {}
+        self._segments: list[Segment] = []
         self._first_pages: list[int] = []  # of the segments, for bisect
         self._free: list[int] = []  # heap of free page ids
         self._row_shape: tuple[int, ...] | None = None  # (Hkv, D), known at the first save
@@ -206,7 +109,7 @@ class LayerSaver:
     def track(self, request_id: str) -> None:
         """Keep the rows of this request from now on."""
         with self._lock:
-            self._tracked.setdefault(request_id, _Rows())
+            self._tracked.setdefault(request_id, PageRows())
 
     def take(self, request_id: str) -> TurnRows:
         """What was kept for the request (empty when nothing); it is no longer tracked. Its
@@ -220,7 +123,7 @@ class LayerSaver:
         with self._lock:
             rows = self._tracked.pop(request_id, None)
         if rows is not None:
-            self._release(rows)
+            self.release_rows(rows)
             rows.released = True
 
     def held_bytes(self) -> int:
@@ -283,7 +186,7 @@ class LayerSaver:
         if self._stream is not None:
             self._apply_pending(wait=False)
         with self._lock:
-            kept: list[tuple[_Rows, int, int]] = []  # (rows, first batch row, count)
+            kept: list[tuple[PageRows, int, int]] = []  # (rows, first batch row, count)
             row = total = 0
             for rid, n in zip(request_ids, query_lens, strict=True):
                 rows = self._tracked.get(rid)
@@ -294,7 +197,7 @@ class LayerSaver:
             if not kept:
                 return None
             self._ensure_arena(tuple(k.shape[1:]))
-            self._reserve(sum(_new_pages(rows, n) for rows, _, n in kept))
+            self._reserve(sum(new_pages(rows, n) for rows, _, n in kept))
             starts: list[int] = []
             lengths: list[int] = []
             for rows, _, n in kept:
@@ -327,7 +230,7 @@ class LayerSaver:
                 batch = sel if kept_rows is None else kept_rows.index_select(0, sel)
                 parts.append(_Part(seg, batch, sel, dest.index_select(0, sel) - seg.first_row))
         for part in parts:
-            part.runs = _runs(part.dest, part.batch_rows, total)
+            part.runs = slice_runs(part.dest, part.batch_rows, total)
             step_pos = cpu_positions
             if part.step_rows is not None:
                 step_pos = cpu_positions.index_select(0, part.step_rows)
@@ -399,16 +302,20 @@ class LayerSaver:
         total = sum(s.pages for s in self._segments)
         size = max(min(max(total, FIRST_SEGMENT_PAGES), MAX_SEGMENT_PAGES), pages - len(self._free))
         assert self._row_shape is not None
-        seg = _Segment(total, size, self.num_layers, self._row_shape, self.row_dtype)
+        seg = Segment(total, size, self.num_layers, self._row_shape, self.row_dtype)
         self._segments.append(seg)
         self._first_pages.append(seg.first_page)
         for page in range(total, total + size):
             heapq.heappush(self._free, page)
 
-    def _segment_of(self, page: int) -> _Segment:
+    def _segment_of(self, page: int) -> Segment:
         return self._segments[bisect.bisect_right(self._first_pages, page) - 1]
 
-    def _append(self, rows: _Rows, n: int, starts: list[int], lengths: list[int]) -> None:
+    @property
+    def page_bytes(self) -> int:
+        return self._page_bytes
+
+    def _append(self, rows: PageRows, n: int, starts: list[int], lengths: list[int]) -> None:
         """Room for n more rows of `rows`: (first global row, count) runs appended."""
         while n > 0:
             offset = rows.count % PAGE_ROWS
@@ -422,7 +329,7 @@ class LayerSaver:
             rows.count += run
             n -= run
 
-    def _release(self, rows: _Rows) -> None:
+    def release_rows(self, rows: PageRows) -> None:
         with self._lock:
             for page in rows.pages:
                 self._segment_of(page).used -= 1
@@ -445,7 +352,7 @@ class LayerSaver:
 
     # -- writer thread --------------------------------------------------------------------
 
-    def _locate(self, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    def locate_rows(self, rows: PageRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Global arena rows of a request's rows and their positions."""
         with self._lock:
             pages = torch.tensor(rows.pages, dtype=torch.long)
@@ -455,7 +362,7 @@ class LayerSaver:
         positions = self._gather(global_rows, lambda seg, local: seg.positions[local])
         return global_rows, positions
 
-    def _read_rows(self, global_rows: torch.Tensor) -> torch.Tensor:
+    def read_rows(self, global_rows: torch.Tensor) -> torch.Tensor:
         """kv of these arena rows, [L, n, 2, Hkv, D] (a copy). Waits for CUDA copies first."""
         self._apply_pending(wait=True)
         return self._gather(global_rows, lambda seg, local: seg.kv.index_select(1, local), dim=1)
@@ -482,26 +389,3 @@ class LayerSaver:
             out.index_copy_(dim, sel, part)
         assert out is not None
         return out
-
-
-def _contiguous(rows: torch.Tensor) -> tuple[int, int] | None:
-    """(first, end) when rows are first, first + 1, ..., end - 1."""
-    n = rows.numel()
-    if n == 0:
-        return None
-    first, last = int(rows[0]), int(rows[-1])
-    if last - first + 1 != n or (n > 1 and not bool((rows[1:] - rows[:-1] == 1).all())):
-        return None
-    return first, last + 1
-
-
-def _runs(
-    dest: torch.Tensor, batch_rows: torch.Tensor | None, total: int
-) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """Slices for a part whose destination and source rows are both contiguous (worth it
-    from a few rows on: below that, one index_copy_ costs less than two slice copies)."""
-    if dest.numel() < 8:
-        return None
-    d = _contiguous(dest)
-    b = (0, total) if batch_rows is None else _contiguous(batch_rows)
-    return (d, b) if d is not None and b is not None else None
