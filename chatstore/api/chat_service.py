@@ -16,8 +16,8 @@ Across replicas sharing one Redis, a turn or a delete also holds the session's l
 top of the record version it read (409 `session_conflict` otherwise): an acknowledged turn is
 never overwritten by another replica's save.
 
-The assistant message of a turn that ended on EOS or max_tokens carries `kv_tokens` (the number
-of tokens the store saved) and `last_token` (the sampled token after them); when the record still
+The record of a turn that ended on EOS or max_tokens keeps `kv_tokens` (the number of tokens
+the store saved) and `last_token` (the sampled token after them); when the record still
 holds exactly that many, the next prompt is those ids plus the new turn's text (exact reuse, also
 after truncation). Otherwise (a reply cut by a stop string, an aborted turn in between) the
 conversation is rendered afresh and the store reuses the longest common prefix.
@@ -324,10 +324,9 @@ class ChatService:
                 "session_full",
             )
         history = plain(record.messages)
-        last = record.messages[-1] if record.messages else {}
-        exact = bool(record.token_ids) and last.get("kv_tokens") == len(record.token_ids)
-        if exact:
-            history_ids = [*record.token_ids, last["last_token"]]
+        exact = bool(record.token_ids) and record.kv_tokens == len(record.token_ids)
+        if exact and record.last_token is not None:
+            history_ids = [*record.token_ids, record.last_token]
             prompt = self.template.continue_ids(history_ids, history, [new])
             tail = len(prompt) - len(record.token_ids)
         else:
@@ -431,20 +430,23 @@ class ChatService:
         assert result is not None
         ids = result.token_ids[0]
         reply: dict[str, Any] = {"role": "assistant", "content": result.texts[0]}
+        kv_tokens, last_token = 0, None
         if ids and (ids[-1] in self.template.eos_token_ids or result.finish_reasons[0] == "length"):
             # The store saved the KV of every token but the last sampled one (never fed back);
             # the next turn appends that token and continues exactly. (A stop string cuts the
             # text short of its tokens: the next turn renders afresh then.)
-            reply["kv_tokens"] = len(turn.request.prompt_token_ids) + len(ids) - 1
-            reply["last_token"] = ids[-1]
+            kv_tokens = len(turn.request.prompt_token_ids) + len(ids) - 1
+            last_token = ids[-1]
         # Append on top of what the turn read: the version check refuses the save if another
         # replica wrote the session since. A client that resent an edited history (OpenAI)
         # replaces the stored one instead.
         stored, sent = plain(record.messages), turn.record_messages
         if sent[: len(stored)] == stored:
-            self.store.append_turn(record, [*sent[len(stored) :], reply])
+            self.store.append_turn(
+                record, [*sent[len(stored) :], reply], None, kv_tokens, last_token
+            )
         else:
-            self.store.append_turn(record, [*sent, reply], keep=0)
+            self.store.append_turn(record, [*sent, reply], 0, kv_tokens, last_token)
 
     # -- helpers ----------------------------------------------------------------------------
 

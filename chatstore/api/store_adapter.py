@@ -150,9 +150,6 @@ class StoreAdapter:
         """Append a turn to the stored messages if the record is still at `record.version`
         (what the turn read); RecordConflict otherwise. `record` becomes what was stored."""
         self._wait_saved(record.tenant, record.session_id)  # token_ids of the turn just ended
-        if kv_tokens == 0 and new_messages:  # a reply that carries them as keys (old callers)
-            kv_tokens = int(new_messages[-1].get("kv_tokens", 0))
-            last_token = new_messages[-1].get("last_token")
         key = SessionKey(record.tenant, record.session_id)
         saved = self.records.append_turn(
             key, record.version, new_messages, keep, kv_tokens=kv_tokens, last_token=last_token

@@ -321,7 +321,7 @@ def test_turns_restored_from_int8_kv_match_fresh_compute(default_model, tmp_path
             worst_mean = max(worst_mean, float(diff.mean()))
             assert tokens == ref_tokens, f"prompt {i} from {tier}: {tokens} != {ref_tokens}"
         if tier == "dram":
-            assert conn.load_stats()["read_buffer_layers_used"] == half * len(PROMPTS)
+            assert conn.load_stats().read_buffer_layers_used == half * len(PROMPTS)
         report.append(f"{tier}: max |logit diff| {worst:.3f}, mean {worst_mean:.3f}")
         assert worst <= LOGIT_TOL and worst_mean <= MEAN_LOGIT_TOL, report[-1]
     print("\n" + "\n".join(report))

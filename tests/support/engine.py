@@ -39,7 +39,7 @@ def tiny_runtime(
     if layout == "vattention":
         budget = num_blocks * bytes_per_block(spec, block_size, dtype)
         vkv, slots = create_virtual_kv(spec, 32, budget, block_size, dtype)
-        return Runtime(model, vkv, slots, ModelRunner(hf, spec, vkv))  # type: ignore[arg-type]
+        return Runtime(model, vkv, slots, ModelRunner(hf, spec, vkv))
     kv = PagedKVCache(spec, num_blocks, block_size, dtype, "cpu")
     return Runtime(model, kv, BlockPool(num_blocks), ModelRunner(hf, spec, kv))
 

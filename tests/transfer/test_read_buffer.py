@@ -87,9 +87,9 @@ def test_staged_layers_cut_the_wait_and_keep_the_output(tmp_path, monkeypatch):
         assert tokens_of(outs["a-1"]) == run_alone(req)
         assert outs["a-1"][-1].usage.cached_tokens > 0
         stats = engine.stats()
-        assert stats.read_buffer_hits == (1 if layers else 0)
-        assert stats.read_buffer_layers_used == layers
-        assert stats.read_buffer_bytes == 0  # consumed
+        assert stats.load.read_buffer_hits == (1 if layers else 0)
+        assert stats.load.read_buffer_layers_used == layers
+        assert stats.load.read_buffer_bytes == 0  # consumed
         assert_pool_clean(engine)
         store.close()
     # Unstaged layers each cost the forward a read of the slow tier (DELAY_S each); staged ones
@@ -127,9 +127,9 @@ def test_queued_sessions_are_staged_while_the_running_job_computes(tmp_path):
         assert tokens_of(outs[req.request_id]) == run_alone(req), req.request_id
     stats = engine.stats()
     # a runs first (nothing ahead of it to stage it); b and c are staged while a runs.
-    assert stats.read_buffer_staged == 2 and stats.read_buffer_hits == 2
-    assert stats.read_buffer_layers_used == 4
-    assert stats.kv_loads == 3 and stats.read_buffer_bytes == 0
+    assert stats.load.read_buffer_staged == 2 and stats.load.read_buffer_hits == 2
+    assert stats.load.read_buffer_layers_used == 4
+    assert stats.load.kv_loads == 3 and stats.load.read_buffer_bytes == 0
     assert_pool_clean(engine)
     store.close()
 
@@ -149,7 +149,7 @@ def test_a_staged_copy_older_than_the_saved_kv_is_not_used(tmp_path):
     outs = run_all(engine)
     assert tokens_of(outs["a-1"]) == run_alone(req)
     assert outs["a-1"][-1].usage.cached_tokens == 8  # what the store holds now, not the stage
-    assert engine.stats().read_buffer_hits == 0
+    assert engine.stats().load.read_buffer_hits == 0
     store.close()
 
 

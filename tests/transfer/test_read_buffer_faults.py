@@ -117,7 +117,7 @@ def test_a_hint_whose_lookup_hangs_on_redis_stalls_no_engine_step(tmp_path, own_
         outs, steps = _turns(engine, [hot])  # a layer-wise load from DRAM meanwhile
         assert max(steps) < max(normal) + 0.1, f"a step took {max(steps):.2f} s"
         assert outs["hot1"][-1].usage.cached_tokens > 0
-        assert engine.stats().kv_layerwise_loads > 0
+        assert engine.stats().load.kv_layerwise_loads > 0
         assert entry.looked_up.wait(5) and entry.saved is None  # Redis out of reach: nothing
         adapter.prefetch("t", "cold")  # again, and the hinted session's turn comes now
         entry = conn.read_buffer._entries[key]
