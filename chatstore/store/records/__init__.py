@@ -1,6 +1,7 @@
 """Durable session records, their prefix index, stored Responses and the turns' leases.
 
-base.py          SessionRecord, the errors, RecordStore (the contract every backend keeps)
+record.py        SessionRecord and the errors (values)
+base.py          RecordStore (the contract every backend keeps)
 lmdb.py          LmdbRecordStore: one LMDB environment, synchronous commits (the default)
 redis.py         RedisRecordStore: records shared by replicas through one Redis
 prefix_index.py  which session a client that resends its history continues (O(1) a step)
@@ -8,14 +9,7 @@ responses.py     stored Responses: their own record type and namespace
 leases.py        a turn's lease on its session, so replicas run one turn at a time
 """
 
-from chatstore.store.records.base import (
-    RecordConflict,
-    RecordStore,
-    RecordStoreError,
-    RecordStoreFull,
-    RecordStoreUnavailable,
-    SessionRecord,
-)
+from chatstore.store.records.base import RecordStore
 from chatstore.store.records.leases import (
     LocalLeases,
     RedisLeases,
@@ -27,6 +21,13 @@ from chatstore.store.records.leases import (
 )
 from chatstore.store.records.lmdb import LmdbRecordStore
 from chatstore.store.records.prefix_index import PrefixMatch
+from chatstore.store.records.record import (
+    RecordConflict,
+    RecordStoreError,
+    RecordStoreFull,
+    RecordStoreUnavailable,
+    SessionRecord,
+)
 from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.records.responses import ResponseExists, ResponseRecord, ResponseRecords
 

@@ -23,10 +23,9 @@ from chatstore.store.records import prefix_index
 from chatstore.store.records.base import (
     Change,
     RecordStore,
-    RecordStoreUnavailable,
-    SessionRecord,
 )
 from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch
+from chatstore.store.records.record import RecordStoreUnavailable, SessionRecord
 from chatstore.store.records.responses import ResponseRecords
 from chatstore.store.sealing import Sealer
 from chatstore.store.session_kv import SessionKey

@@ -19,12 +19,10 @@ import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from chatstore.store.records.record import SessionRecord
 from chatstore.store.session_kv import SessionKey
-
-if TYPE_CHECKING:
-    from chatstore.store.records.base import RecordStore
 
 # The tenant the records of a tenant's responses were kept under before (a NUL: no configured
 # tenant can hold one, so no tenant could read them as its sessions).
@@ -53,10 +51,28 @@ class ResponseExists(Exception):
     """create(): a response with this id is already stored (never overwritten)."""
 
 
+class SealedRecords(Protocol):
+    """What the Responses namespace uses of the record store it lives in (base.RecordStore):
+    its sealing, TTL, failure count, and its sessions for the legacy layout."""
+
+    ttl_s: int
+    open_failures: int
+
+    def seal(self, tenant: str, name: bytes, raw: bytes) -> bytes: ...
+
+    def unseal(self, tenant: str, name: bytes, stored: bytes | None) -> bytes | None: ...
+
+    def get(self, key: SessionKey) -> SessionRecord | None: ...
+
+    def delete(self, key: SessionKey) -> bool: ...
+
+    def delete_tenant(self, tenant: str) -> int: ...
+
+
 class ResponseRecords(ABC):
     """The Responses namespace of a record store (its sealing, TTL and error mapping)."""
 
-    def __init__(self, records: RecordStore) -> None:
+    def __init__(self, records: SealedRecords) -> None:
         self.records = records
 
     def get(self, tenant: str, response_id: str) -> ResponseRecord | None:
