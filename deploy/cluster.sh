@@ -5,7 +5,7 @@
 #   deploy/cluster.sh status [--dir DIR]                  what runs, ready or not
 #   deploy/cluster.sh down   [--dir DIR]                  stop everything started by up
 #
-# The same topology as tests/replicas_support.py and docker/compose.yaml; nginx's config is
+# The same topology as tests/support/replicas.py and docker/compose.yaml; nginx's config is
 # rendered from deploy/nginx.conf.template. Replicas run in local mode (no keys), so they
 # only bind and answer on loopback. Environment: CHATSTORE_BIN (default .venv/bin/chatstore),
 # PROXY_PORT (8080), REPLICA_BASE_PORT (8001), REDIS_BASE_PORT (7001), any CHATSTORE_* for
@@ -74,7 +74,7 @@ start_redis() {
 }
 
 shared_secret() {
-    # Encryption at rest: every replica seals and opens with one secret (README, Security).
+    # Encryption at rest: every replica seals and opens with one secret (docs/security.md).
     # CHATSTORE_SECRET_KEY from the caller wins; else one key file made once for the cluster.
     [[ -n "${CHATSTORE_SECRET_KEY:-}" ]] && return
     local file="$DIR/secret.key"

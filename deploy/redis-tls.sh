@@ -10,7 +10,7 @@
 #
 # Every file is mode 0600. Certificates last CERT_DAYS (default 365) days; re-run `certs` with
 # the same DIR to renew Redis's and the client's (the CA is kept when DIR/ca.key exists).
-# tests/redis_tls_support.py makes the same set with the `cryptography` package for the tests.
+# tests/support/redis_tls.py makes the same set with the `cryptography` package for the tests.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

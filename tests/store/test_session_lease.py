@@ -161,7 +161,7 @@ def test_lmdb_records_get_local_no_op_leases(tmp_path):
 LONG = {"max_tokens": 64, "ignore_eos": True, "temperature": 0}
 
 
-# The replicas share one secret, as replicas must (encryption at rest: README, Security).
+# The replicas share one secret, as replicas must (encryption at rest: docs/security.md).
 REPLICA_SECRET = new_secret_line()
 
 

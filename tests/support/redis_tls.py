@@ -5,7 +5,7 @@
     with tls_redis(files) as server:         --port 0 --tls-port <free>, tls-auth-clients yes
         connect_redis(server.url, 1.0, security=server.security("chatstore"))
 
-The users come from deploy/redis-users.acl.template (what the README tells operators to
+The users come from deploy/redis-users.acl.template (what docs/security.md tells operators to
 install), its password placeholders filled in, so the tests check the ACL operators run:
 `default` is off, `chatstore` may touch `chatstore:*` keys only, `admin` may do anything (the
 tests' own inspection). Debian's redis-server is built with TLS (`--tls-port`); without
