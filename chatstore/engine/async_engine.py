@@ -204,8 +204,8 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def waiting_sessions(self) -> list[WaitingEntry]:
-        return self.engine.waiting_sessions()
+    def waiting_sessions(self, limit: int | None = None) -> list[WaitingEntry]:
+        return self.engine.waiting_sessions(limit)
 
     async def shutdown(self, drain_timeout: float = 10.0) -> None:
         """Stop accepting, let in-flight requests finish for up to `drain_timeout` seconds,

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from chatstore.engine.forward_batch import ForwardBatch
 from chatstore.engine.request import Request
+
+if TYPE_CHECKING:  # the store's contract names what the engine's queue offers
+    from chatstore.store.ports import WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,14 @@ class KVConnector(ABC):
         """After the forward: join this step's loads; {request_id: error} of failed ones."""
         return {}
 
-    def prepare(self, upcoming: list[Request]) -> None:
-        """The requests queued next (soonest first): a chance to stage their KV ahead."""
+    def set_waiting_queue(self, queue: WaitingQueue) -> None:
+        """The scheduler's waiting queue (once, when the engine is built): the one placement's
+        look-ahead reads too; a connector with a read buffer stages the sessions queued next."""
+        return None
+
+    def look_ahead(self) -> None:
+        """A step is scheduled and its loads started (model thread): a chance to read the
+        waiting queue and stage the next jobs' KV while this one computes."""
         return None
 
     def stage(self, tenant: str, session_id: str) -> bool:

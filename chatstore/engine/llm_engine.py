@@ -28,8 +28,6 @@ from chatstore.engine.swap import HostSwapSpace
 
 log = logging.getLogger(__name__)
 
-STAGE_AHEAD = 4  # queued requests offered to the connector's read buffer each step
-
 
 class LLMEngine:
     def __init__(
@@ -48,6 +46,7 @@ class LLMEngine:
             self.swap = HostSwapSpace(runtime.kv_cache, config.swap_space_bytes)
         store = self.connector if self.connector.saves_kv else None
         self.scheduler = Scheduler(config, self.blocks, self.swap, store)
+        self.connector.set_waiting_queue(self)  # its read buffer stages who runs next
         self._groups: dict[str, RequestState] = {}
         self._aborts: deque[str] = deque()
         self._seq_ids = itertools.count()
@@ -74,8 +73,8 @@ class LLMEngine:
     def has_work(self) -> bool:
         return bool(self._aborts) or self.scheduler.has_work()
 
-    def waiting_sessions(self) -> list[WaitingEntry]:
-        return self.scheduler.waiting_sessions()
+    def waiting_sessions(self, limit: int | None = None) -> list[WaitingEntry]:
+        return self.scheduler.waiting_sessions(limit)
 
     def stats(self) -> EngineStats:
         pool, cache = self.runtime.pool, self.blocks.stats()
@@ -127,7 +126,7 @@ class LLMEngine:
                     connector.load(*args)
             except Exception as exc:
                 self._load_failed(load.seq.group, exc, touched)
-        self._stage_next()
+        self._look_ahead()
         items = [s for s in plan.scheduled if not s.seq.finished]
         if items:
             self._run_step(items, touched, loading)
@@ -136,12 +135,12 @@ class LLMEngine:
         outputs = [self._make_output(g) for g in touched.values()]
         return [o for o in outputs if o is not None]
 
-    def _stage_next(self) -> None:
+    def _look_ahead(self) -> None:
         """The read buffer: the next jobs' KV staged during this one (a hint: errors pass)."""
         try:
-            self.connector.prepare(self.scheduler.next_waiting(STAGE_AHEAD))
+            self.connector.look_ahead()
         except Exception:
-            log.exception("connector.prepare failed")
+            log.exception("connector.look_ahead failed")
 
     def _load_failed(self, group: RequestState, exc: Exception, touched) -> None:
         log.error("KV load failed for %s", group.request_id, exc_info=exc)

@@ -12,8 +12,9 @@ Every step, with a budget of `max_tokens_per_step` tokens:
        starved by small ones). A request that cannot fit into an otherwise empty pool fails
        instead of waiting forever.
 
-The waiting queue is readable from other threads (`waiting_sessions`, in admission order) so
-the KV store can look ahead for prefetch and eviction.
+The waiting queue is readable from other threads (`waiting_sessions`, in admission order): the
+store's placement (prefetch, eviction) and the connector's read buffer (staging) look ahead
+through it, as the `WaitingQueue` of chatstore/store/ports.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 from chatstore.engine.block_manager import BlockManager
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.kv_connector import KVConnector
-from chatstore.engine.request import Request
 from chatstore.engine.sequence import Sequence, SequenceStatus
 from chatstore.engine.swap import HostSwapSpace
 from chatstore.engine.waiting_queue import WaitingQueue
@@ -41,6 +41,7 @@ class WaitingEntry:
     tenant: str
     session_id: str | None
     num_prompt_tokens: int
+    started: bool = False  # part of it is computed already (its KV is in the pool)
 
 
 @dataclass(frozen=True)
@@ -114,24 +115,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def waiting_sessions(self) -> list[WaitingEntry]:
-        """Thread-safe snapshot of the waiting queue, in the order requests will be admitted."""
-        seqs = self.waiting.snapshot()
+    def waiting_sessions(self, limit: int | None = None) -> list[WaitingEntry]:
+        """Thread-safe snapshot of the waiting queue, in the order requests will be admitted:
+        the requests of its first `limit` sequences (all when None), once each."""
         entries: dict[str, WaitingEntry] = {}
-        for s in seqs:
+        for s in self.waiting.snapshot(limit):
             r = s.request
             if r.request_id not in entries:
                 entries[r.request_id] = WaitingEntry(
-                    r.request_id, r.tenant, r.session_id, s.num_prompt_tokens
+                    r.request_id, r.tenant, r.session_id, s.num_prompt_tokens, s.num_computed > 0
                 )
         return list(entries.values())
 
     # -- one step ------------------------------------------------------------------------------
-    def next_waiting(self, n: int) -> list[Request]:
-        """The first n queued requests that have not started (a read buffer stages them)."""
-        seqs = self.waiting.snapshot(n)
-        return [seq.request for seq in seqs if seq.num_computed == 0]
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._scheduled = {}

@@ -15,9 +15,10 @@ Load, three ways (CachedAttention §3.2.1):
   - `start_load` + `wait_for_layer(i)` + `finish_loads`: the loader thread (LayerLoader) copies
     layer 0, 1, ... while the forward runs; the runner waits right before layer i's attention;
   - with a read buffer (`read_buffer_layers` > 0): `stage(tenant, session)` on a client hint and
-    `prepare(next requests)` after each schedule (`stage_queued`; by default on a GPU only) look
-    the sessions up on the loader's lookup thread and stage their first layers, rotated, before
-    their job starts (ReadBuffer); a job never waits for a lookup still running.
+    `look_ahead()` after each schedule (the engine's waiting queue; `stage_queued`, by default on
+    a GPU only) look the sessions up on the loader's lookup thread and stage their first layers,
+    rotated, before their job starts (session_staging.py, ReadBuffer); a job never waits for a
+    lookup still running.
 
 Remote (Redis) chunks: the admission read runs on the engine thread, so it reads local tiers
 only (`store.foreground_reads()`). The API thread that opened the turn (`store.fetch_remote`) has
@@ -57,12 +58,14 @@ from chatstore.engine.kv_connector import KVConnector, LoadStats
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store import kv_quant
-from chatstore.store.ports import KVSource, StoredSession, TurnHold
-from chatstore.store.session_kv import SessionKey, SessionKV, common_prefix_len
-from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
+from chatstore.store.ports import KVSource, StoredSession, TurnHold, WaitingQueue
+from chatstore.store.session_kv import SessionKey, common_prefix_len
+from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV
 from chatstore.transfer.layer_loader import LayerLoader, LoadJob
 from chatstore.transfer.layer_saver import LayerSaver, TurnRows
 from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
+from chatstore.transfer.session_staging import SessionStaging
+from chatstore.transfer.stored_reads import fetch_session, fetch_span, read_span
 from chatstore.transfer.turn_save import TurnSaver, block_slots
 
 log = logging.getLogger(__name__)
@@ -104,10 +107,15 @@ class StoreConnector(KVConnector):
         # a net loss (bench/preload.py, job sequence), so by default only hints stage there.
         if stage_queued is None:
             stage_queued = kv_cache.device.type == "cuda"
-        self.stage_queued = stage_queued
         self.loader = LayerLoader(
-            kv_cache, rope, self._stage_lookup, self.read_buffer, layer_delay_s, loader_threads
+            kv_cache,
+            rope,
+            lambda key: fetch_session(store, key),  # the staging read: all its chunks
+            self.read_buffer,
+            layer_delay_s,
+            loader_threads,
         )
+        self.staging = SessionStaging(store, self.read_buffer, self.loader, stage_queued)
         # The dtype the turn's rows wait in until its chunks are built (int8: the compute's).
         self.staging_dtype = kv_quant.staging_dtype(store.storage_dtype, kv_cache.dtype)
         self.saver = LayerSaver(kv_cache.spec.num_layers, self.staging_dtype, kv_cache.device)
@@ -125,6 +133,11 @@ class StoreConnector(KVConnector):
         store.yield_to(self.idle)
         if self.read_buffer.enabled:  # a client's hint stages its session here
             store.add_hint_listener(self.stage)
+
+    @property
+    def stage_queued(self) -> bool:
+        """Whether queued sessions are staged too (else only hinted ones)."""
+        return self.staging.stage_queued
 
     @property
     def load_copy_s(self) -> float:
@@ -167,7 +180,7 @@ class StoreConnector(KVConnector):
         stored = pending.saved
         assert stored is not None
         with self.store.foreground_reads():
-            parts, reached = self._read(stored, start, pending.reusable)
+            parts, reached = read_span(self.store, stored, start, pending.reusable)
         self.store.release_hold(pending.hold)  # read: the parts own their rows now
         pending.hold = None
         if reached < pending.reusable and self._only_remote(stored, reached):
@@ -187,23 +200,6 @@ class StoreConnector(KVConnector):
 
     def _only_remote(self, stored: StoredSession, position: int) -> bool:
         return self.store.remote_only(stored.chunks[position // stored.chunk_tokens])
-
-    def _read(
-        self, stored: StoredSession, start: int, end: int
-    ) -> tuple[list[tuple[SessionKV, int]], int]:
-        """The rows of positions [start, end) from the chunks that hold them (the first chunk
-        from `start`, the last up to `end`), as (value, first position) parts, up to the first
-        chunk that is gone; and the position they reach."""
-        C = stored.chunk_tokens
-        first, last = start // C, -(-end // C)
-        spans = [(max(start - i * C, 0), min(end - i * C, C)) for i in range(first, last)]
-        parts: list[tuple[SessionKV, int]] = []
-        values = self.store.read_chunks(stored.chunks[first:last], rows=spans)
-        for i, value in enumerate(values):
-            if value is None:
-                return parts, (first + i) * C
-            parts.append((value, (first + i) * C + spans[i][0]))
-        return parts, end
 
     def _start(self, request: Request) -> _Pending:
         saved, staged = None, None
@@ -226,21 +222,6 @@ class StoreConnector(KVConnector):
         if request.session_id is not None:
             self.saver.track(request.request_id)
         return pending
-
-    def _stage_lookup(self, key: SessionKey) -> ChunkedKV | None:
-        """The loader's staging read: every stored chunk of the session."""
-        stored = self.store.find(key.tenant, key.session_id)
-        if stored is None or not stored.chunks:
-            return None
-        return self._fetch(stored, 0, stored.num_tokens)
-
-    def _fetch(self, stored: StoredSession, start: int, end: int) -> ChunkedKV:
-        """The KV of positions [start, end) of `stored`, read from the store."""
-        parts, reached = self._read(stored, start, end)
-        if reached < end:
-            key = stored.chunks[reached // stored.chunk_tokens]
-            raise MissingChunkError(f"chunk {key} of {stored.key} is no longer stored")
-        return ChunkedKV(parts, start, end, stored.token_ids)
 
     def _version(self, key: SessionKey) -> int:
         return self.store.version(key.tenant, key.session_id)
@@ -271,7 +252,7 @@ class StoreConnector(KVConnector):
         elif read is not None and read.start <= start and end <= read.end:
             source = read
         else:
-            source = LazyChunkedKV(lambda: self._fetch(stored, start, end))
+            source = LazyChunkedKV(lambda: fetch_span(self.store, stored, start, end))
         return LoadJob(request.request_id, source, start, end, slots, layers, staged)
 
     def _done(self, job: LoadJob) -> None:
@@ -319,23 +300,17 @@ class StoreConnector(KVConnector):
 
     # -- read buffer ----------------------------------------------------------------------------
 
-    def prepare(self, upcoming: list[Request]) -> None:
-        """The requests queued next (soonest first): stage their sessions in the read buffer."""
-        if not (self.read_buffer.enabled and self.stage_queued):
-            return
-        for request in upcoming:
-            if request.session_id is not None and request.request_id not in self._pending:
-                self.stage(request.tenant, request.session_id)
+    def set_waiting_queue(self, queue: WaitingQueue) -> None:
+        self.staging.set_waiting_queue(queue)
+
+    def look_ahead(self) -> None:
+        """Stage the sessions queued next (not those of requests already admitted here)."""
+        self.staging.stage_queued_sessions(self._pending)
 
     def stage(self, tenant: str, session_id: str) -> bool:
         """Look the session up and stage its first layers on the loader thread (a hint that it
         runs soon); False when the read buffer is off or holds it already."""
-        key = SessionKey(tenant, session_id)
-        entry = self.read_buffer.want(key, self._version(key))
-        if entry is None:
-            return False
-        self.loader.stage(entry)
-        return True
+        return self.staging.stage(tenant, session_id)
 
     # -- during the forward -------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from chatstore.config import Config
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import EngineOverloadedError, Request
+from chatstore.transfer.session_staging import sessions_to_stage
 from tests.support.engine import (
     assert_pool_clean,
     greedy,
@@ -70,7 +71,7 @@ def test_admission_is_round_robin_by_tenant() -> None:
     engine.add_request(req("c0", "c", 20))
     expected = ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
     assert waiting_ids(engine) == expected  # the store's look-ahead sees the same order
-    assert [r.request_id for r in engine.scheduler.next_waiting(3)] == expected[:3]
+    assert [w.request_id for w in sessions_to_stage(engine, 3)] == expected[:3]
     finished, outputs = [], {}
     while engine.has_work():
         for out in engine.step():

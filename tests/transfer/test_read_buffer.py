@@ -200,7 +200,9 @@ def test_on_a_cpu_host_only_hints_stage_by_default(tmp_path):
     store = AttentionStore(settings, runtime.model.spec, runtime.model.fingerprint)
     conn = StoreConnector(store, runtime.kv_cache, runtime.runner.rope, read_buffer_layers=2)
     assert not conn.stage_queued  # staging beside a running job only moves CPU work around
-    conn.prepare([Request("q", [1, 2, 3], greedy(1), tenant="t", session_id="a")])
+    engine = LLMEngine(runtime, EngineConfig(), conn)  # gives conn its waiting queue
+    engine.add_request(Request("q", [1, 2, 3], greedy(1), tenant="t", session_id="a"))
+    conn.look_ahead()  # what the engine calls after each schedule
     assert len(conn.read_buffer) == 0
     assert conn.stage("t", "a") and len(conn.read_buffer) == 1  # a hint does
     store.close()
