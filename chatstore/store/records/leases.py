@@ -1,8 +1,13 @@
 """A turn's lease on its session, so that replicas sharing one Redis run one turn at a time.
 
+Each lease is a redis-py `Lock` (token-checked by its own scripts):
+
     acquire:  SET chatstore:lease:{<tenant>:<digest>} <token> NX PX <lease_ms>   (None if held)
-    renew:    every lease/3, for every lease held: PEXPIRE if the value is still our token
-    release:  DEL if the value is still our token (never another holder's lease)
+    renew:    every lease/3, for every lease held: Lock.extend (PEXPIRE if still our token)
+    release:  Lock.release (DEL if still our token: never another holder's lease)
+
+One step is ours, not the Lock's: taking back a stale lease of this replica's own (a release
+that never reached Redis during an outage), by the token's replica prefix (_TAKE_BACK).
 
 The braces put the lease in the record's hash slot (Redis Cluster). A replica that dies stops
 renewing and its leases expire after `session_lease_s`. A lease lost anyway (Redis hung past the
@@ -21,8 +26,10 @@ import socket
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import quote
+
+from redis.exceptions import LockError
 
 from chatstore.store.keys import key_digest
 from chatstore.store.records.base import RecordStore
@@ -33,25 +40,11 @@ log = logging.getLogger(__name__)
 
 LEASE_PREFIX = "chatstore:lease:"
 
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-    return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
 _TAKE_BACK = """
 local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
     redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
     return 1
-end
-return 0
-"""
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-    return redis.call('DEL', KEYS[1])
 end
 return 0
 """
@@ -72,6 +65,7 @@ class SessionLease:
     name: str = ""
     token: str = ""
     lost: bool = False  # a renewal found another token (or none): the lease expired
+    lock: Any = None  # the redis-py Lock holding it (None: a local lease)
 
 
 class SessionLeases(Protocol):
@@ -105,11 +99,10 @@ class RedisLeases:
             raise ValueError("session_lease_s must be positive")
         self.records = records
         self.lease_ms = max(1, int(lease_s * 1000))
+        self.lease_s = self.lease_ms / 1000
         # Unique to this process (two servers in one process are two replicas): a token with
         # our prefix that no turn of ours holds is a stale lease of ours.
         self.replica = replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._renew = records.client.register_script(_RENEW)
-        self._release = records.client.register_script(_RELEASE)
         self._take_back = records.client.register_script(_TAKE_BACK)
         self._held: dict[str, SessionLease] = {}  # lease name -> lease
         self._to_release: dict[str, SessionLease] = {}  # given back, not yet sent
@@ -128,7 +121,14 @@ class RedisLeases:
         self._release_pending(name)  # our own last turn's release, not yet sent
         token = f"{self.replica}:{uuid.uuid4().hex[:12]}"
         call = self.records._call
-        if not call(self.records.client.set, name, token, nx=True, px=self.lease_ms):
+        lock = self.records.client.lock(
+            name,
+            timeout=self.lease_s,
+            blocking=False,
+            thread_local=False,  # taken on a worker thread, renewed and released on others
+            raise_on_release_error=False,  # a release after expiry: gone already, nothing to do
+        )
+        if not call(lock.acquire, token=token):
             # Held: by another replica, or by one of our own turns whose release did not
             # reach Redis (it was down then). A token of ours that no turn of ours holds is
             # stale: take it back. (Replica ids must be unique to the running process.)
@@ -137,7 +137,10 @@ class RedisLeases:
             args = [f"{self.replica}:", token, self.lease_ms]
             if ours or not call(self._take_back, keys=[name], args=args):
                 return None
-        lease = SessionLease(key, name, token)
+            # The Lock keeps its token in `local` (thread_local=False: a plain namespace);
+            # the token is what we just wrote, so extend and release check against it.
+            lock.local.token = lock.redis.get_encoder().encode(token)
+        lease = SessionLease(key, name, token, lock=lock)
         with self._lock:
             self._held[name] = lease
         self._start()
@@ -194,15 +197,13 @@ class RedisLeases:
             held = list(self._held.values())
         for lease in held:
             try:
-                kept = self.records._call(
-                    self._renew, keys=[lease.name], args=[lease.token, self.lease_ms]
-                )
+                self.records._call(lease.lock.extend, self.lease_s, replace_ttl=True)
+            except LockError:  # another token or none (expired), or already released: not ours
+                if not lease.lost:
+                    lease.lost = True
+                    log.warning("lease %s expired while its turn ran", lease.name)
             except Exception as exc:  # Redis down: retried next round, the thread lives on
                 log.warning("renewing the lease of %s failed: %s", lease.name, exc)
-                continue
-            if not kept and not lease.lost:
-                lease.lost = True
-                log.warning("lease %s expired while its turn ran", lease.name)
 
     def _release_pending(self, name: str | None) -> None:
         """Send the pending releases (all, or the one of lease `name`)."""
@@ -218,7 +219,7 @@ class RedisLeases:
 
     def _send_release(self, lease: SessionLease) -> None:
         try:
-            self.records._call(self._release, keys=[lease.name], args=[lease.token])
+            self.records._call(lease.lock.release)
         except Exception as exc:  # it expires by itself
             log.warning("releasing the lease of %s failed: %s", lease.name, exc)
 
