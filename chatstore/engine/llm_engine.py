@@ -14,12 +14,13 @@ from collections import deque
 
 import torch
 
+from chatstore.engine.batch_forward import BatchForward
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.engine_stats import EngineStats
-from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.kv_cache import bytes_per_block
 from chatstore.engine.kv_connector import KVConnector, NullConnector
 from chatstore.engine.request import FinishReason, InvalidRequestError, Request, RequestOutput
+from chatstore.engine.request_checks import check_request
 from chatstore.engine.runtime import Runtime
 from chatstore.engine.sampling import sample_batch
 from chatstore.engine.scheduler import ScheduledSeq, Scheduler, WaitingEntry
@@ -46,6 +47,7 @@ class LLMEngine:
             self.swap = HostSwapSpace(runtime.kv_cache, config.swap_space_bytes)
         store = self.connector if self.connector.saves_kv else None
         self.scheduler = Scheduler(config, self.blocks, self.swap, store)
+        self._forward = BatchForward(runtime, config, self.blocks, self.connector)
         self.connector.set_waiting_queue(self)  # its read buffer stages who runs next
         self._groups: dict[str, RequestState] = {}
         self._aborts: deque[str] = deque()
@@ -248,41 +250,6 @@ class LLMEngine:
                 tokens.append(None)
         return tokens
 
-    def _forward(self, items: list[ScheduledSeq], layer_ready=None) -> torch.Tensor:
-        """Logits [len(items), V] of each item's last token."""
-        decode = [i for i, it in enumerate(items) if it.num_tokens == 1]
-        split = self.config.split_mixed_batches
-        if split is None:
-            split = not self.runtime.runner.mixed_batches_in_place
-        if not split or len(decode) in (0, len(items)):
-            return self._run(items, layer_ready)
-        prefill = [i for i in range(len(items)) if i not in set(decode)]
-        # layer_ready for both: a loaded prompt may leave a one-token chunk, taken for a decode.
-        first = self._run([items[i] for i in decode], layer_ready)
-        logits = torch.empty((len(items), first.shape[1]), dtype=first.dtype, device=first.device)
-        logits[torch.tensor(decode, device=first.device)] = first
-        rest = self._run([items[i] for i in prefill], layer_ready)
-        logits[torch.tensor(prefill, device=first.device)] = rest
-        return logits
-
-    def _run(self, items: list[ScheduledSeq], layer_ready=None) -> torch.Tensor:
-        chunks = []
-        for it in items:
-            seq, start = it.seq, it.seq.num_computed
-            ids = seq.token_ids[start : start + it.num_tokens]
-            chunks.append(SequenceChunk(ids, start, seq.block_table))
-        runner = self.runtime.runner
-        batch = ForwardBatch.build(chunks, self.blocks.block_size, runner.device)
-        sink = None
-        if self.connector.saves_kv:
-            # Lets save_layer attribute rows to requests (chunk order). Samples after the
-            # first of n > 1 get their own "<id>#<index>" so they are not taken for sample 0.
-            batch.request_ids = [_row_id(it.seq) for it in items]
-            sink = self.connector.save_layer
-        if layer_ready is None:
-            return runner.forward(batch, kv_sink=sink)
-        return runner.forward(batch, kv_sink=sink, layer_ready=layer_ready)
-
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """When a request's prompt is computed: its n samples, sharing the prompt's blocks."""
         group = seq.group
@@ -370,32 +337,8 @@ class LLMEngine:
         )
 
     def _validate(self, request: Request) -> None:
-        request.sampling.validate(self.spec.vocab_size)
-        ids, vocab = request.prompt_token_ids, self.spec.vocab_size
-        if not ids:
-            raise InvalidRequestError("prompt", "is empty")
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError("prompt", f"has a token id outside [0, {vocab})")
-        context = self.spec.max_context
-        if len(ids) >= context:
-            raise InvalidRequestError(
-                "prompt", f"{len(ids)} tokens leave no room in the model's {context}-token context"
-            )
-        field, need = "prompt", len(ids) + 1
-        if self.config.kv_reservation == "max":
-            field, need = "max_tokens", len(ids) + request.sampling.max_tokens
-            need = max(need, self.config.max_model_len)
-        blocks = -(-need // self.blocks.block_size)
-        if blocks > self.runtime.pool.num_blocks:
-            raise InvalidRequestError(
-                field,
-                f"needs {blocks} KV blocks ({need} tokens); the pool has "
-                f"{self.runtime.pool.num_blocks} blocks of {self.blocks.block_size} tokens",
-            )
+        check_request(
+            request, self.spec, self.config, self.runtime.pool.num_blocks, self.blocks.block_size
+        )
         if request.request_id in self._groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
-
-
-def _row_id(seq: Sequence) -> str:
-    rid = seq.request.request_id
-    return rid if seq.sample_index == 0 else f"{rid}#{seq.sample_index}"
