@@ -21,7 +21,7 @@ from typing import Any
 
 from chatstore.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from chatstore.engine.request import FinishReason, Request, SampleDelta, Usage
-from chatstore.engine.sampling import SampleState
+from chatstore.engine.sample_state import SampleState
 
 
 class SequenceStatus(enum.Enum):

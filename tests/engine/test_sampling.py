@@ -5,15 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chatstore.engine.penalties import apply_logit_bias, apply_penalties
 from chatstore.engine.request import InvalidRequestError, SamplingParams
-from chatstore.engine.sampling import (
-    SampleState,
-    _apply_logit_bias,
-    _apply_penalties,
-    _argmax,
-    _filter_top_k_top_p,
-    sample_batch,
-)
+from chatstore.engine.sample_state import SampleState
+from chatstore.engine.sampling import sample_batch
+from chatstore.engine.vocab_blocks import block_argmax, filter_top_k_top_p
 
 V = 8
 
@@ -77,8 +73,8 @@ def test_sampling_does_not_modify_the_callers_logits() -> None:
 def penalised(logits: torch.Tensor, s: SampleState) -> torch.Tensor:
     """The row after logit bias and penalties: what greedy takes the argmax of."""
     out = logits.clone().unsqueeze(0)
-    _apply_logit_bias(out, [s])
-    _apply_penalties(out, [s])
+    apply_logit_bias(out, [s])
+    apply_penalties(out, [s])
     return out[0]
 
 
@@ -152,7 +148,7 @@ def test_top_k_top_p_filter_matches_a_full_sort(vocab: int, scale: float) -> Non
     settings = [(0, 1.0), (3, 1.0), (0, 0.5), (0, 0.95), (5, 0.8), (vocab, 0.9), (1, 0.3)]
     logits = random_logits(len(settings), vocab, seed=vocab) * scale
     top_k = [k if 0 < k < vocab else vocab for k, _ in settings]
-    filtered = _filter_top_k_top_p(logits, top_k, [p for _, p in settings])
+    filtered = filter_top_k_top_p(logits, top_k, [p for _, p in settings])
     for row, (k, p) in enumerate(settings):
         assert torch.equal(filtered[row], reference_filter(logits[row], k, p)), (k, p)
 
@@ -314,8 +310,10 @@ def test_argmax_matches_torch_on_ties_nan_and_odd_vocabularies() -> None:
         logits[2] = float("-inf")
         logits[3, vocab // 2] = float("nan")
         logits[4, [vocab - 1, 0]] = 50.0
-        assert _argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
-        assert _argmax(logits[:, ::1].t().contiguous().t()).tolist() == logits.argmax(-1).tolist()
+        assert block_argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+        assert (
+            block_argmax(logits[:, ::1].t().contiguous().t()).tolist() == logits.argmax(-1).tolist()
+        )
 
 
 @pytest.mark.parametrize(
