@@ -25,6 +25,9 @@ write-down of victims a promotion evicts is queued to a background thread (Backg
 The owner (AttentionStore) decides which chunks exist: `wanted(key)` says whether any session
 references a chunk, and a chunk read from a slow tier is copied up only while it is wanted, so a
 promotion racing with a delete never brings a freed chunk back.
+
+Parts: this file reads, stores, copies and deletes across the tiers; dram_admission.py admits
+into DRAM and evicts from it; slow_writes.py writes into the slow tiers and makes room there.
 """
 
 from __future__ import annotations
@@ -43,16 +46,14 @@ from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers.background import BackgroundIO
 from chatstore.store.tiers.base import (
     StorageTier,
-    TierFull,
     TierOccupancy,
 )
-from chatstore.store.tiers.dram import DramTier
-from chatstore.store.tiers.slow_writes import SlowTierWrites
+from chatstore.store.tiers.dram_admission import DramAdmission
 
 log = logging.getLogger(__name__)
 
 
-class ChunkTiers(SlowTierWrites):
+class ChunkTiers(DramAdmission):
     def __init__(
         self,
         tiers: list[StorageTier],
@@ -89,9 +90,6 @@ class ChunkTiers(SlowTierWrites):
             yield
         finally:
             self._local.foreground = before
-
-    def _in_foreground(self) -> bool:
-        return getattr(self._local, "foreground", False)
 
     def _readable(self, tier: StorageTier) -> bool:
         return not (tier.remote and self.top is not None and self._in_foreground())
@@ -205,26 +203,9 @@ class ChunkTiers(SlowTierWrites):
         where = self.where(key)
         if where is not None:
             return where, 0
-        top = self.top
-        if may_take_base and isinstance(top, DramTier):  # the one tier that extends in place
-            parked: list[tuple[ChunkKey, SessionKV]] = []
-            landed = False
-            try:
-                with self._lock:
-                    if top.contains(base) and self._room_top(
-                        top.footprint_tokens(keep + rows.num_tokens) - top.size_of(base),
-                        {key, base},
-                        parked,
-                    ):
-                        landed = top.extend(base, key, keep, rows)
-                        if landed:
-                            self.placement.touch(key)
-            finally:
-                if parked:
-                    self._land_soon(parked)
-            if landed:
-                self._emit("stored", key, top.name, rows.nbytes)
-                return top.name, rows.nbytes
+        if may_take_base and self._extend_top(key, base, keep, rows):
+            assert self.top is not None
+            return self.top.name, rows.nbytes
         value = self.get(base, promote=False, count=False)
         if value is None:
             log.warning("chunk %s: its base %s is gone; not stored", key, base)
@@ -232,29 +213,6 @@ class ChunkTiers(SlowTierWrites):
         kv = torch.cat([value.kv[:, :, :keep], rows.kv.to(value.dtype)], dim=2)
         whole = SessionKV(value.token_ids[:keep] + rows.token_ids, kv)
         return self.put(key, whole), whole.nbytes
-
-    def _room_top(
-        self,
-        need: int,
-        keep: set[ChunkKey],
-        parked: list[tuple[ChunkKey, SessionKV]],
-        incoming: ChunkKey | None = None,
-    ) -> bool:
-        """Evict from DRAM (under _lock) until `need` more bytes fit; never a key in keep,
-        nor (with `incoming`) one the placement values above it."""
-        top = self.top
-        assert top is not None
-        if need > top.capacity:
-            return False
-        while top.used_bytes() + need > top.capacity:
-            candidates = [k for k in top.keys() if k not in keep]  # noqa: SIM118
-            victim = self.placement.choose_victim(top.name, candidates)
-            if victim is None:
-                return False
-            if incoming is not None and not self._may_displace(incoming, victim):
-                return False
-            self._evict_top(victim, parked)
-        return True
 
     def persist(self, key: ChunkKey) -> bool:
         """Write-back: copy a DRAM chunk to the first slow tier as well (it stays in DRAM);
@@ -319,73 +277,6 @@ class ChunkTiers(SlowTierWrites):
             return
         for key in self.top.keys():  # noqa: SIM118 (a tier, not a dict)
             self.persist(key)
-
-    # -- DRAM -------------------------------------------------------------------------------
-
-    def _insert_top(self, key: ChunkKey, value: SessionKV, kind: str) -> bool | str:
-        """value into DRAM, evicting by the placement; victims without a copy below are
-        written down before this returns. True when inserted, "present" when DRAM held it
-        already, False when it does not fit (or is no longer wanted: a delete raced with the
-        read that brought it)."""
-        top = self.top
-        assert top is not None
-        parked: list[tuple[ChunkKey, SessionKV]] = []
-        try:
-            with self._lock:
-                if top.contains(key):
-                    return "present"
-                if not self.wanted(key):
-                    return False
-                # A prefetch must not push out something worth more than what it brings.
-                incoming = key if kind == "prefetched" else None
-                if not self._room_top(top.footprint(value), {key}, parked, incoming):
-                    return False
-                try:
-                    top.put(key, value)
-                except TierFull:
-                    return False
-                self.placement.touch(key)
-                if kind != "stored":
-                    self.counters.bytes_up += value.nbytes
-            self._emit(kind, key, top.name, value.nbytes)
-            return True
-        finally:
-            if parked:
-                self._land_soon(parked)
-
-    def _land_soon(self, parked: list[tuple[ChunkKey, SessionKV]]) -> None:
-        """Write evicted chunks down now, or (a foreground thread) on the background thread:
-        meanwhile they stay readable in `_transit`."""
-        if self._in_foreground():
-            self._background.submit(lambda: self._land(parked))
-        else:
-            self._land(parked)
-
-    def drain_background(self, timeout: float | None = None) -> bool:
-        """Until write-downs handed to the background thread have landed; False on timeout."""
-        return self._background.drain(timeout)
-
-    def _may_displace(self, incoming: ChunkKey, victim: ChunkKey) -> bool:
-        check = getattr(self.placement, "may_displace", None)
-        return check is None or check(incoming, victim)
-
-    def _evict_top(self, victim: ChunkKey, parked: list[tuple[ChunkKey, SessionKV]]) -> None:
-        top = self.top
-        assert top is not None
-        self.counters.tier(top.name).evictions += 1
-        self._emit("evicted", victim, top.name)
-        if any(t.contains(victim) for t in self.slow):
-            top.delete(victim)  # a copy below already: nothing to write
-            return
-        value = top.get(victim)
-        top.delete(victim)
-        if value is None:
-            return
-        if not self.slow:
-            self._dropped(victim, value.nbytes)
-            return
-        self._transit[victim] = value
-        parked.append((victim, value))
 
     # -- state ------------------------------------------------------------------------------
 
