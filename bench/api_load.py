@@ -266,11 +266,11 @@ class EngineAlone:
     """An in-process AsyncEngine (the server's config, no HTTP), run phase by phase."""
 
     def __init__(self, data_dir: str) -> None:
-        from chatstore.api.backend import build_backend
         from chatstore.config import load_config
+        from chatstore.serving import build
 
-        self.backend = build_backend(load_config(overrides={"data_dir": data_dir}, env={}))
-        self.engine = self.backend.engine
+        self.serving = build(load_config(overrides={"data_dir": data_dir}, env={}))
+        self.engine = self.serving.engine
         self.engine.start()
         self.phases = 0
 
@@ -279,7 +279,7 @@ class EngineAlone:
         `clients` concurrent multi-turn conversations for `duration` seconds."""
         from chatstore.engine.request import Request, SamplingParams
 
-        engine, template, tag = self.engine, self.backend.template, self.phases
+        engine, template, tag = self.engine, self.serving.template, self.phases
         self.phases += 1
         ttfts: list[float] = []
         per_token: list[float] = []
@@ -316,7 +316,7 @@ class EngineAlone:
 
     def close(self) -> None:
         asyncio.run(self.engine.shutdown())
-        self.backend.store.close()
+        self.serving.close()
 
 
 # -- main -------------------------------------------------------------------------------------

@@ -97,11 +97,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench import plots, progress  # noqa: E402
 from bench.tier_bytes import TierBytes  # noqa: E402
-from chatstore.api.backend import build_backend  # noqa: E402
 from chatstore.api.chat_service import ChatService, TurnSpec  # noqa: E402
 from chatstore.api.settings import ServerSettings  # noqa: E402
 from chatstore.config import load_config  # noqa: E402
 from chatstore.engine.request import Request, SamplingParams  # noqa: E402
+from chatstore.serving import build  # noqa: E402
 from tests.support.redis_server import redis_server_binary, start_local_redis  # noqa: E402
 
 TEXT = (ROOT / "tests" / "data" / "declaration_and_lincoln.txt").read_text().split()
@@ -118,15 +118,15 @@ class TurnResult:
 
 
 class Rig:
-    """One backend (runtime + store + engine) as the server builds it, driven in-process."""
+    """One Serving (runtime + store + engine) as the server builds it, driven in-process."""
 
     def __init__(self, data_dir: str, **overrides) -> None:
         overrides = {"data_dir": data_dir, "max_context_tokens": 8192, **overrides}
         self.config = load_config(overrides=overrides, env={})
-        self.backend = build_backend(self.config)
-        self.engine = self.backend.engine
+        self.serving = build(self.config)
+        self.engine = self.serving.engine
         self.tok = self.engine.tokenizer
-        self.store = self.backend.store.store  # the AttentionStore (None with kv_store off)
+        self.store = self.serving.kv_store  # the AttentionStore (None with kv_store off)
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self._start())
         self._n = 0
@@ -159,13 +159,11 @@ class Rig:
 
     @property
     def service(self) -> ChatService:
-        """The API's ChatService over this backend, as create_app builds it (no HTTP)."""
+        """The API's ChatService over this Serving, as create_app builds it (no HTTP)."""
         if self._service is None:
-            b = self.backend
+            s = self.serving
             settings = ServerSettings.from_config(self.config, env={})
-            self._service = ChatService(
-                b.engine, b.store, b.template, settings, b.max_context, b.vocab_size
-            )
+            self._service = ChatService(s.engine, s.store, s.template, settings, s.vocab_size)
         return self._service
 
     def open_session(self, session: str, system_prompt: str) -> None:
@@ -203,7 +201,7 @@ class Rig:
     def close(self) -> None:
         self.loop.run_until_complete(self.engine.shutdown())
         self.loop.close()
-        self.backend.store.close()
+        self.serving.close()
 
 
 def words(start: int, n: int) -> str:
@@ -244,7 +242,7 @@ def _conversation(args, mode: str, data_dir: str, overrides: dict) -> dict:
     meter = None
     if store is not None:  # the writer thread's CPU time per commit
         store.add_commit_listener(lambda c: cpu.append(c.cpu_s) if c.background else None)
-        meter = TierBytes(store, rig.backend.store.records, overrides.get("redis_url", ""))
+        meter = TierBytes(store, rig.serving.store.records, overrides.get("redis_url", ""))
     rig.open_session("conv", "You are a helpful assistant.")
     ratios, all_ratios, ttfts, saved_tokens = [], [], [], 0
     written = 0

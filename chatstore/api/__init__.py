@@ -1,6 +1,6 @@
 """The HTTP API: OpenAI-compatible chat, sessions, WebSocket streaming, admin and metrics."""
 
-from chatstore.api.app import Backend, create_app
+from chatstore.api.app import Served, create_app
 from chatstore.api.settings import ServerSettings
 
-__all__ = ["Backend", "ServerSettings", "create_app"]
+__all__ = ["Served", "ServerSettings", "create_app"]

@@ -33,12 +33,11 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from chatstore.api.auth import Principal, admin_principal
+from chatstore.api.cache_tiers import cache_tiers
 from chatstore.api.chat_service import ChatService
 from chatstore.api.errors import APIError, store_error
 from chatstore.api.session_routes import session_info
-from chatstore.api.store_port import SessionRecord, store_hits
-from chatstore.store.records import RecordStoreError
-from chatstore.store.sealing.shared_shreds import ShredNotShared
+from chatstore.store.ports import RecordStoreError, SessionRecord, ShredNotShared, store_hits
 
 CACHE_SESSIONS_SHOWN = 50  # rows of the session table inlined in /admin/cache
 # The pagination of every admin listing.
@@ -69,17 +68,15 @@ def engine_body(service: ChatService) -> dict[str, Any]:
 @router.get("/admin/cache")
 def cache_stats(request: Request, _: Admin) -> dict[str, Any]:
     service: ChatService = request.app.state.service
-    tiers = service.store.tier_stats()
+    tiers = cache_tiers(service.engine.stats(), service.store)
     hits, misses = store_hits(tiers)
-    remote_health = getattr(service.store, "remote_health", None)  # not every port has one
-    open_failures = getattr(service.store, "open_failures", None)
     return {
         "tiers": [tier_body(t) for t in tiers],
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "engine": engine_body(service),
-        "remote_breaker": remote_health() if remote_health is not None else None,
+        "remote_breaker": service.store.remote_health(),
         "sessions": _sessions_or_error(service),
-        "open_failures": open_failures() if open_failures is not None else {},
+        "open_failures": service.store.open_failures(),
     }
 
 
@@ -129,7 +126,7 @@ def session_page(
 ) -> dict[str, Any]:
     """One page of every tenant's sessions (or one tenant's), newest first, as `row` shows
     each."""
-    records, total = service.store.list(tenant, offset, limit)
+    records, total = service.store.list_sessions(tenant, offset, limit)
     more = offset + len(records) < total
     return {
         "object": "list",
@@ -181,7 +178,7 @@ def flush_cache(request: Request, _: Admin) -> dict[str, Any]:
 
 @router.delete("/admin/tenants/{tenant}/data")
 def shred_tenant(request: Request, tenant: str, _: Admin) -> dict[str, Any]:
-    """Crypto-shred one tenant: its key first, then its data (store_adapter.shred_tenant)."""
+    """Crypto-shred one tenant: its key first, then its data (SessionKVAdmin.shred_tenant)."""
     service: ChatService = request.app.state.service
     try:
         purged = service.store.shred_tenant(tenant)

@@ -1,4 +1,6 @@
-"""The app factory: routers per concern over one ChatService (engine + store + template)."""
+"""The app factory: routers per concern over one ChatService (engine + store + template).
+
+What it serves is built elsewhere: `chatstore.serving.build(config)` (the composition root)."""
 
 from __future__ import annotations
 
@@ -9,55 +11,62 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 
 from chatstore.api import admin, metrics, openai_routes, pages, responses_routes, session_routes, ws
+from chatstore.api.cache_tiers import CacheTiers
 from chatstore.api.chat_service import ChatService
 from chatstore.api.chat_template import ChatTemplate
 from chatstore.api.errors import install_error_handlers
 from chatstore.api.metrics import Metrics
 from chatstore.api.middleware import APIMiddleware
 from chatstore.api.settings import ServerSettings
-from chatstore.api.store_port import SessionStorePort
+from chatstore.store.ports import SessionKVAdmin
 
 log = logging.getLogger("chatstore.api")
 
 
-@dataclass
-class Backend:
-    """What the API serves: a started-or-startable engine, the session store, the model's shape."""
+class Served(Protocol):
+    """What the API serves (chatstore.serving.Serving is one): a started-or-startable engine,
+    the session store, the chat template, the model's vocabulary and name."""
 
-    engine: Any  # chatstore.engine.async_engine.AsyncEngine
-    store: SessionStorePort
-    template: ChatTemplate
-    max_context: int
-    vocab_size: int
-    model_name: str | None = None  # what /v1/models lists (default: settings.model_name)
-    on_shutdown: list[Callable[[], None]] = field(default_factory=list)  # after the store closes
+    @property
+    def engine(self) -> Any: ...  # an AsyncEngine: start, submit, abort, stats, shutdown
+    @property
+    def store(self) -> SessionKVAdmin: ...
+    @property
+    def template(self) -> ChatTemplate: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def model_name(self) -> str | None:
+        """What /v1/models lists (None: settings.model_name)."""
+
+    def close(self) -> None:
+        """After the engine drained: flush and release the store and what feeds it."""
 
 
-def create_app(backend: Backend, settings: ServerSettings) -> FastAPI:
-    """A FastAPI app over `backend`. Its lifespan starts the engine and, on shutdown, drains it
+def create_app(served: Served, settings: ServerSettings) -> FastAPI:
+    """A FastAPI app over `served`. Its lifespan starts the engine and, on shutdown, drains it
     (finishing or aborting in-flight turns) and closes (flushes) the store."""
-    if backend.model_name:
-        settings = replace(settings, model_name=backend.model_name)
+    if served.model_name:
+        settings = replace(settings, model_name=served.model_name)
     app_metrics = Metrics()
     service = ChatService(
-        backend.engine,
-        backend.store,
-        backend.template,
+        served.engine,
+        served.store,
+        served.template,
         settings,
-        max_context=backend.max_context,
-        vocab_size=backend.vocab_size,
+        vocab_size=served.vocab_size,
         on_turn_end=app_metrics.observe_turn,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        backend.engine.start()
+        served.engine.start()
         app.state.ready = True
         purger = None
         if settings.purge_interval_s > 0:
@@ -69,11 +78,7 @@ def create_app(backend: Backend, settings: ServerSettings) -> FastAPI:
                 purger.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await purger
-            try:
-                await shutdown(service, settings.drain_timeout_s)
-            finally:
-                for close in backend.on_shutdown:
-                    close()
+            await shutdown(service, settings.drain_timeout_s, served.close)
 
     app = FastAPI(
         title="chatstore",
@@ -85,7 +90,8 @@ def create_app(backend: Backend, settings: ServerSettings) -> FastAPI:
     app.state.service = service
     app.state.metrics = app_metrics
     app.state.started_at = int(time.time())
-    app_metrics.attach_state(_safe(backend.engine.stats), _safe(backend.store.tier_stats, []))
+    tiers = CacheTiers(served.engine, served.store)
+    app_metrics.attach_state(_safe(served.engine.stats), _safe(tiers, []))
     install_error_handlers(app)
     for module in (openai_routes, responses_routes, session_routes, ws, admin, metrics, pages):
         app.include_router(module.router)
@@ -106,14 +112,14 @@ async def purge_periodically(service: ChatService, interval_s: float) -> None:
             log.info("purged %d expired sessions", gone)
 
 
-async def shutdown(service: ChatService, drain_timeout: float) -> None:
+async def shutdown(service: ChatService, drain_timeout: float, close: Callable[[], None]) -> None:
     service.draining = True
     try:
         result = service.engine.shutdown(drain_timeout)
         if inspect.isawaitable(result):
             await result
     finally:
-        service.store.close()
+        close()
         log.info("chatstore: engine drained, store flushed")
 
 

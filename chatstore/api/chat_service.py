@@ -38,7 +38,6 @@ from typing import Any
 from chatstore.api.chat_template import ChatTemplate, Message
 from chatstore.api.errors import APIError, bad_param, not_found, store_error
 from chatstore.api.settings import ServerSettings
-from chatstore.api.store_port import SessionRecord, SessionStorePort
 from chatstore.api.turn import Turn
 from chatstore.engine.request import (
     EngineDeadError,
@@ -47,8 +46,13 @@ from chatstore.engine.request import (
     Request,
     SamplingParams,
 )
-from chatstore.store.records import RecordStoreError
-from chatstore.store.retention import RetentionError, check_retention
+from chatstore.store.ports import (
+    RecordStoreError,
+    RetentionError,
+    SessionKVAdmin,
+    SessionRecord,
+    check_retention,
+)
 
 log = logging.getLogger("chatstore.api")
 
@@ -85,10 +89,9 @@ class ChatService:
     def __init__(
         self,
         engine: Any,
-        store: SessionStorePort,
+        store: SessionKVAdmin,
         template: ChatTemplate,
         settings: ServerSettings,
-        max_context: int,
         vocab_size: int,
         on_turn_end: Any = None,
     ) -> None:
@@ -96,7 +99,7 @@ class ChatService:
         self.store = store
         self.template = template
         self.settings = settings
-        self.max_context = max_context
+        self.max_context = store.context.window  # the store's budget (ports.ContextBudget)
         self.vocab_size = vocab_size
         self.on_turn_end = on_turn_end
         self.draining = False
@@ -360,8 +363,9 @@ class ChatService:
     ) -> list[int]:
         """Past the context window (leaving room for a reply): drop the oldest history after
         the system prompt, from the prompt and from the session's saved KV alike."""
-        reply_room = min(sampling.max_tokens, self.max_context // 8)
-        if len(prompt) + reply_room <= self.max_context:
+        budget = self.store.context
+        reply_room = budget.reply_room(sampling.max_tokens)
+        if budget.fits(len(prompt), reply_room):
             return prompt
         head = 0
         if messages and messages[0]["role"] == "system":

@@ -76,7 +76,7 @@ def store_error(exc: Exception) -> APIError:
     """A session record that could not be read or written durably: 507 when the records
     store is full (nothing more fits until sessions are deleted), 503 when it is unreachable,
     409 when another replica wrote the session since this turn read it."""
-    from chatstore.store.records import RecordConflict, RecordStoreFull
+    from chatstore.store.ports import RecordConflict, RecordStoreFull
 
     if isinstance(exc, RecordStoreFull):
         return APIError(507, f"session store is full: {exc}", code="store_full")
@@ -131,7 +131,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
-    from chatstore.store.records import RecordStoreError
+    from chatstore.store.ports import RecordStoreError
 
     app.add_exception_handler(RecordStoreError, _store)
     app.add_exception_handler(Exception, _unexpected)

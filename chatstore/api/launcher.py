@@ -23,8 +23,8 @@ class ServerThread:
         kw = {"log_level": "warning", "access_log": False, "timeout_graceful_shutdown": 5}
         config = uvicorn.Config(app, host=host, port=port, **{**kw, **uvicorn_kw})
         self.app = app
+        # uvicorn installs signal handlers only on the main thread: this one leaves them alone.
         self.server = uvicorn.Server(config)
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self.server.run, name="chatstore-api", daemon=True)
         self.host = host
         self.port = port
@@ -67,9 +67,9 @@ def local_server(
     """A real server (engine + store) on the default model, data under data_dir; not started.
 
     `model` (a LoadedModel) is reused when given, so several servers share one load."""
-    from chatstore.api.backend import build_backend
     from chatstore.config import load_config
     from chatstore.engine.runtime import create_runtime
+    from chatstore.serving import build
 
     overrides = {"data_dir": str(data_dir), **config_overrides}
     engine_keys = {"max_running", "max_waiting", "max_tokens_per_step"}
@@ -78,6 +78,6 @@ def local_server(
     for key, value in engine_overrides.items():  # engine limits Config may not carry
         object.__setattr__(config, key, value)
     runtime = create_runtime(config, model=model)
-    backend = build_backend(config, runtime=runtime)
+    serving = build(config, runtime=runtime)
     settings = settings or ServerSettings.from_config(config, env={})
-    return ServerThread(create_app(backend, replace(settings, host="127.0.0.1")))
+    return ServerThread(create_app(serving, replace(settings, host="127.0.0.1")))

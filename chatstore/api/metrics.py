@@ -44,7 +44,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from chatstore.api.metrics_history import MetricsHistory
-from chatstore.api.store_port import TierStats
+from chatstore.store.ports import TierStats
 
 router = APIRouter(tags=["ops"])
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -86,7 +86,7 @@ class StateCollector(Collector):
 
 
 class OpenFailuresCollector(Collector):
-    """Values that failed to open, as `open_failures()` (StoreAdapter) counts them per tier."""
+    """Values that failed to open, as `open_failures()` (SessionKVAdmin) counts them per tier."""
 
     def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
         self.counts = counts
@@ -101,7 +101,7 @@ class OpenFailuresCollector(Collector):
 
 
 class RemoteBreakerCollector(Collector):
-    """The breaker as `remote_health()` (StoreAdapter) describes it; nothing without Redis."""
+    """The breaker as `remote_health()` (SessionKVAdmin) describes it; nothing without Redis."""
 
     def __init__(self, health: Callable[[], dict[str, Any] | None]) -> None:
         self.health = health
@@ -211,14 +211,14 @@ def metrics(request: Request) -> Response:
     service = getattr(state, "service", None)
     health = getattr(getattr(service, "store", None), "remote_health", None)
     if health is not None:  # read per scrape from the store port (app.py attaches no more)
-        body += generate_latest(RemoteBreakerCollector(health))  # type: ignore[arg-type]
+        body += generate_latest(RemoteBreakerCollector(health))
     open_failures = getattr(getattr(service, "store", None), "open_failures", None)
     if open_failures is not None:
-        body += generate_latest(OpenFailuresCollector(open_failures))  # type: ignore[arg-type]
+        body += generate_latest(OpenFailuresCollector(open_failures))
     engine = getattr(service, "engine", None)
     if engine is not None:
         gateway = GatewayCollector(_quiet(engine.stats), state.settings.model_name)
-        body += generate_latest(gateway)  # type: ignore[arg-type]
+        body += generate_latest(gateway)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 

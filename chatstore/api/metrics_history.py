@@ -28,7 +28,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 
 from chatstore.api.auth import Principal, admin_principal
-from chatstore.api.store_port import TierStats, store_hits
+from chatstore.api.cache_tiers import CacheTiers
+from chatstore.store.ports import TierStats, store_hits
 
 log = logging.getLogger("chatstore.api")
 DEFAULT_INTERVAL_S = 2.0
@@ -142,9 +143,8 @@ async def sampling(app: FastAPI) -> AsyncIterator[None]:
     """Router lifespan: run the sampler for the app's life (inside the app's own lifespan, so
     the engine is started first and stopped after)."""
     service = app.state.service
-    task = asyncio.create_task(
-        run_sampler(app.state.metrics.history, service.store.tier_stats, service.engine.stats)
-    )
+    tiers = CacheTiers(service.engine, service.store)
+    task = asyncio.create_task(run_sampler(app.state.metrics.history, tiers, service.engine.stats))
     try:
         yield
     finally:

@@ -22,7 +22,7 @@ from chatstore.api.chat_service import new_session_id, plain
 from chatstore.api.chat_template import Message
 from chatstore.api.errors import APIError
 from chatstore.api.responses_store import ResponseStore
-from chatstore.api.store_port import SessionStorePort
+from chatstore.store.ports import SessionKVAdmin
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ChainTurn:
 
 
 def plan_turn(
-    store: SessionStorePort,
+    store: SessionKVAdmin,
     tenant: str,
     previous_id: str | None,
     instructions: str | None,

@@ -68,6 +68,8 @@ class ResponsesRequest(BaseModel):
         """The fields `to_sampling` reads (max_output_tokens is Chat's max_tokens)."""
         return SamplingFields(
             max_tokens=self.max_output_tokens,
+            max_completion_tokens=None,  # Responses name it max_output_tokens (above)
+            n=1,  # one output per response
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,

@@ -23,8 +23,12 @@ from typing import Any
 
 from chatstore.api.chat_template import Message
 from chatstore.api.errors import store_error
-from chatstore.api.store_port import SessionStorePort
-from chatstore.store.records import RecordStoreError, ResponseExists, ResponseRecord
+from chatstore.store.ports import (
+    RecordStoreError,
+    ResponseExists,
+    ResponseRecord,
+    SessionKVAdmin,
+)
 
 
 def new_response_id() -> str:
@@ -43,7 +47,7 @@ class StoredResponse:
 
 
 class ResponseStore:
-    def __init__(self, store: SessionStorePort) -> None:
+    def __init__(self, store: SessionKVAdmin) -> None:
         self.responses = store.responses
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from chatstore.store.retention import PRIORITY_MAX, PRIORITY_MIN, TTL_MAX_S
+from chatstore.store.ports import PRIORITY_MAX, PRIORITY_MIN, TTL_MAX_S
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 SessionId = Annotated[str, StringConstraints(pattern=SESSION_ID_PATTERN)]

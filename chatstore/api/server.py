@@ -91,17 +91,18 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
 
 
 def build_app(config: Any, settings: ServerSettings) -> Any:
-    """The app over a new backend, built in a short-lived thread so that the engine thread alone
-    owns an OpenMP pool (see cpu_threads.py); `chatstore chat --local` builds it the same way."""
-    from chatstore.api.backend import build_backend
+    """The app over a new Serving (chatstore.serving.build), built in a short-lived thread so
+    that the engine thread alone owns an OpenMP pool (see cpu_threads.py); `chatstore chat
+    --local` builds it the same way."""
     from chatstore.engine.cpu_threads import in_temporary_thread, leave_cores_to_engine
+    from chatstore.serving import build
 
     cores = torch.get_num_threads()
-    backend = in_temporary_thread(build_backend, config)
-    if backend.engine.device_type == "cpu":
-        backend.engine.compute_threads = cores
+    serving = in_temporary_thread(build, config)
+    if serving.engine.device_type == "cpu":
+        serving.engine.compute_threads = cores
         leave_cores_to_engine()
-    return create_app(backend, settings)
+    return create_app(serving, settings)
 
 
 def run_server(config: Any) -> int:

@@ -35,10 +35,10 @@ from chatstore.api.schemas import (
     SessionPatchRequest,
     SessionReply,
 )
-from chatstore.api.store_port import SessionRecord
 from chatstore.api.streaming import sse, sse_response
 from chatstore.api.turn import Turn, TurnResult
 from chatstore.api.usage import timings, usage_body
+from chatstore.store.ports import SessionRecord
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 Tenant = Annotated[Principal, Depends(tenant_principal)]
@@ -90,7 +90,7 @@ def list_sessions(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Any:
     service = _service(request)
-    records, total = service.store.list(principal.tenant, offset, limit)
+    records, total = service.store.list_sessions(principal.tenant, offset, limit)
     more = offset + len(records) < total
     return {
         "object": "list",
@@ -128,7 +128,7 @@ def prefetch_session(session_id: SessionPath, request: Request, principal: Tenan
     """Start moving the session's KV up to DRAM (returns at once; see kv_location)."""
     service = _service(request)
     service.get_session(principal.tenant, session_id)  # 404 for unknown / another tenant's
-    service.store.prefetch(principal.tenant, session_id)
+    service.store.hint(principal.tenant, session_id)
     return JSONResponse(
         {"id": session_id, "object": "session.prefetch", "accepted": True}, status_code=202
     )

@@ -36,7 +36,7 @@ from chatstore.api.sampling import to_sampling
 from chatstore.api.schemas import SESSION_ID_PATTERN, SessionMessageRequest
 from chatstore.api.session_routes import reply_body
 from chatstore.api.turn import Turn
-from chatstore.store.records import RecordStoreError
+from chatstore.store.ports import RecordStoreError
 
 router = APIRouter(tags=["websocket"])
 log = logging.getLogger("chatstore.api")
@@ -94,7 +94,7 @@ class SessionSocket:
         if kind == "cancel":
             return await self.cancel()
         if kind == "typing":
-            await asyncio.to_thread(self.service.store.prefetch, self.tenant, self.sid)
+            await asyncio.to_thread(self.service.store.hint, self.tenant, self.sid)
             return None
         if kind == "ping":
             return await self.send({"type": "pong"})
@@ -171,9 +171,9 @@ async def session_ws(ws: WebSocket, session_id: str) -> None:
             raise APIError(404, f"session {session_id[:64]} not found", code="not_found")
         await asyncio.to_thread(service.get_session, principal.tenant, session_id)
     except RecordStoreError as exc:
-        exc = store_error(exc)
-        await ws.send_text(json.dumps({"type": "error", **exc.body()}))
-        await ws.close(code=4000 + exc.status)
+        error = store_error(exc)
+        await ws.send_text(json.dumps({"type": "error", **error.body()}))
+        await ws.close(code=4000 + error.status)
         return
     except APIError as exc:
         await ws.send_text(json.dumps({"type": "error", **exc.body()}))

@@ -30,6 +30,7 @@ from chatstore.store.chunks.plan import new_chunks_of, plan_chain
 from chatstore.store.chunks.reader import ChunkReader
 from chatstore.store.commit.turn_commit import CommitListener, TurnCommitter
 from chatstore.store.events import EventLog, Listener
+from chatstore.store.kv_admin import KVAdmin
 from chatstore.store.placement import ChunkPlacement, Prefetcher
 from chatstore.store.placement.policies import PolicyChooser, make_policy
 from chatstore.store.placement.session_placement import SessionPlacement
@@ -37,10 +38,10 @@ from chatstore.store.ports import (
     ChunkBuilder,
     ChunkCatalog,
     ChunkText,
+    ContextBudget,
     HintListener,
     KVPlacement,
     KVSource,
-    SessionKVAdmin,
     StoredSession,
     StoreStats,
     TurnHold,
@@ -66,7 +67,8 @@ from chatstore.store.tiers.dram import KVLayout
 
 
 class AttentionStore:
-    """Implements KVSource, SessionKVAdmin and ChunkCatalog (ports.py); the docs are there."""
+    """Implements KVSource, ChunkCatalog (ports.py) and KVAdmin (kv_admin.py); the docs are
+    there."""
 
     def __init__(
         self,
@@ -79,6 +81,7 @@ class AttentionStore:
         if settings.chunk_tokens <= 0 or settings.chunk_tokens % settings.block_size:
             raise ValueError("chunk_tokens must be a positive multiple of block_size")
         self.settings, self.fingerprint = settings, fingerprint
+        self.context = ContextBudget.of(spec.max_context, settings.max_context_tokens)
         dtype = settings.storage_dtype
         self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
         self.hasher = ChunkHasher(fingerprint, dtype, settings.chunk_tokens)
@@ -125,7 +128,8 @@ class AttentionStore:
         self.prefetcher = Prefetcher(fetch.prefetch_session, candidates, interval)
         places, retention = self.session_placement, self.retention
         self.removal = SessionRemoval(self.committer, places, retention, fetch, self.sealer)
-        self.truncation = SessionTruncation(self.reader, self.committer, self._save_key)
+        window = self.context.window
+        self.truncation = SessionTruncation(self.reader, self.committer, self._save_key, window)
 
     def _needed(self, chunk: ChunkKey) -> bool:
         return self.committer.needed(chunk)
@@ -152,12 +156,16 @@ class AttentionStore:
         return self.layout.bytes_per_token
 
     @property
-    def max_context_tokens(self) -> int:
-        return self.settings.max_context_tokens
-
-    @property
     def data_dir(self) -> Path:
         return self.settings.data_dir
+
+    @property
+    def session_lease_s(self) -> float:
+        return self.settings.session_lease_s
+
+    @property
+    def replica_id(self) -> str:
+        return self.settings.replica_id
 
     @property
     def held_bytes(self) -> int:
@@ -310,10 +318,16 @@ class AttentionStore:
         return self.removal.invalidate_all()
 
     def fit_context(
-        self, tenant: str, session_id: str | None, prompt_ids: list[int], head: int, tail: int
+        self,
+        tenant: str,
+        session_id: str | None,
+        prompt_ids: list[int],
+        head: int,
+        tail: int,
+        reserve: int = 0,
     ) -> list[int]:
         key = self.key(tenant, session_id) if session_id is not None else None
-        return self.truncation.fit_context(key, prompt_ids, head, tail)
+        return self.truncation.fit_context(key, prompt_ids, head, tail, reserve)
 
     # -- reports and lifecycle ------------------------------------------------------------------
 
@@ -322,6 +336,10 @@ class AttentionStore:
 
     def slow_tiers(self) -> Sequence[StorageTier]:
         return list(self.tiers.slow)
+
+    def open_failures(self) -> dict[str, int]:
+        counters = self.stats().counters
+        return {t.name: counters.tier(t.name).open_failures for t in self.tiers.slow}
 
     def add_listener(self, listener: Listener) -> None:
         self.events.add_listener(listener)
@@ -363,5 +381,5 @@ def create_store(
 
 if TYPE_CHECKING:  # mypy checks here that the store keeps every port it promises
 
-    def _implements_ports(store: AttentionStore) -> tuple[KVSource, SessionKVAdmin, ChunkCatalog]:
+    def _implements_ports(store: AttentionStore) -> tuple[KVSource, KVAdmin, ChunkCatalog]:
         return store, store, store

@@ -4,8 +4,13 @@ checks it); code outside `chatstore/store/` types the store as one of them, not 
 
     engine ──(WaitingQueue)──► store          the look-ahead: who runs next
     transfer ──(KVSource)────► store          find, read, plan and save a turn's chunks
-    api ──(SessionKVAdmin)───► store          open a turn, cut a context, retention, deletes
+    api ──(SessionKVAdmin)───► store          records, leases, turns' contexts, KV admin, reports
     kv_events ──(ChunkCatalog)► store         stored chunks per tier and their events
+
+`SessionKVAdmin` has two implementations (session_store.py): records only (kv_store = "off")
+and records over the KV store, which reaches the facade through `KVAdmin` (kv_admin.py). The API and
+transfer import from chatstore.store only this module (the records' value types and errors
+are re-exported here).
 
 Threads. Every method is thread-safe unless its docstring names a thread. The engine thread
 never waits on the network or on a pending write: it reads inside `foreground_reads()` (no
@@ -21,18 +26,34 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from chatstore.store.chunks.keys import ChunkKey, chunk_span, tokens_by_tier
 from chatstore.store.events import EventKind, Listener, StoreEvent, StoreStats
-from chatstore.store.records import RecordStore
-from chatstore.store.retention import Retention
+from chatstore.store.records import (
+    RecordConflict,
+    RecordStoreError,
+    RecordStoreFull,
+    RecordStoreUnavailable,
+    ResponseExists,
+    ResponseRecord,
+    ResponseRecords,
+    SessionLease,
+    SessionRecord,
+)
+from chatstore.store.retention import (
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    TTL_MAX_S,
+    Retention,
+    RetentionError,
+    check_retention,
+)
+from chatstore.store.sealing.shared_shreds import ShredNotShared
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.sessions.holds import TurnHold
-from chatstore.store.tiers.base import StorageTier
 
 # -- values ------------------------------------------------------------------------------------
 
@@ -95,6 +116,73 @@ class KVPlacement(NamedTuple):
     tokens_by_tier: dict[str, int]
     bytes_per_token: int
 
+    @property
+    def tokens(self) -> int:
+        return sum(self.tokens_by_tier.values())
+
+    @property
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {t: n * self.bytes_per_token for t, n in self.tokens_by_tier.items()}
+
+
+DEVICE_TIER = "device"
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's line. The store's tiers count chunk reads; the device tier (the engine's
+    block pool, composed by the API's admin service) counts full prompt blocks."""
+
+    name: str  # device | dram | ssd | remote
+    capacity_bytes: int
+    used_bytes: int
+    sessions: int
+    hits: int
+    misses: int
+    bytes_up: int  # moved towards the device (loads, prefetches)
+    bytes_down: int  # moved away from the device (saves, demotions)
+    evictions: int
+    prefetches: int
+    # Writes into this tier it did not take, by reason: map_full / disk_full (its LMDB map or
+    # disk is full: the chunk stays in DRAM and the write-back retries), error (it raised).
+    write_failures_by_reason: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def write_failures(self) -> int:
+        return sum(self.write_failures_by_reason.values())
+
+    @property
+    def hit_rate(self) -> float | None:
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+
+def store_hits(tiers: Sequence[TierStats]) -> tuple[int, int]:
+    """Hits and misses of the store's tiers, the overall hit rate's terms. The device tier's
+    are left out: a prompt block missed on the device and then read from DRAM would count as
+    one miss and one hit, and the device counts blocks where the store counts chunks."""
+    store = [t for t in tiers if t.name != DEVICE_TIER]
+    return sum(t.hits for t in store), sum(t.misses for t in store)
+
+
+@dataclass(frozen=True)
+class ContextBudget:
+    """A turn's context window and how its prompt and reply share it: the one place the
+    budget is computed (the API checks a prompt with it, the store's cut plans with it)."""
+
+    window: int  # tokens: the model's context, or less when the store is set smaller
+
+    @classmethod
+    def of(cls, model_max: int, store_max: int | None = None) -> ContextBudget:
+        return cls(model_max if store_max is None else min(model_max, store_max))
+
+    def reply_room(self, max_tokens: int) -> int:
+        """Tokens kept free for the reply when a prompt is cut: at most 1/8 of the window."""
+        return min(max_tokens, self.window // 8)
+
+    def fits(self, prompt_tokens: int, reserve: int = 0) -> bool:
+        return prompt_tokens + reserve <= self.window
+
 
 class ChunkText(NamedTuple):
     """A full stored chunk's token ids and the chunk before it in its chain (None: first)."""
@@ -114,18 +202,24 @@ class WaitingSession(Protocol):
     """One queued request as the look-ahead sees it (the engine's `WaitingEntry`)."""
 
     @property
+    def request_id(self) -> str: ...
+    @property
     def tenant(self) -> str: ...
     @property
     def session_id(self) -> str | None: ...
     @property
     def num_prompt_tokens(self) -> int: ...
+    @property
+    def started(self) -> bool:
+        """Part of it is computed already (its KV is in the device pool)."""
 
 
 class WaitingQueue(Protocol):
     """The scheduler's waiting queue (the engine's `AsyncEngine`): a thread-safe snapshot in
     admission order, soonest first. Placement's look-ahead and the prefetch thread read it."""
 
-    def waiting_sessions(self) -> Sequence[WaitingSession]: ...
+    def waiting_sessions(self, limit: int | None = None) -> Sequence[WaitingSession]:
+        """The requests of the first `limit` queued sequences (all when None)."""
 
 
 # -- what the store offers ---------------------------------------------------------------------
@@ -199,52 +293,97 @@ class KVSource(Protocol):
 
 
 class SessionKVAdmin(Protocol):
-    """What the API uses: opening turns, cutting contexts, retention, deletes, reports."""
+    """The API's whole view of the session store: records, leases, a turn's context, KV admin,
+    reports. Blocking calls (the API's worker threads) unless a docstring says otherwise."""
 
     @property
-    def max_context_tokens(self) -> int: ...
+    def context(self) -> ContextBudget: ...
     @property
-    def data_dir(self) -> Path: ...
-    @property
-    def fingerprint(self) -> str:
-        """The model's: KV saved by another model is not reused (its token ids are not ours)."""
+    def responses(self) -> ResponseRecords:
+        """The stored Responses (their own records)."""
 
-    @property
-    def records(self) -> RecordStore:
-        """The session records the store writes each turn's chunk list into (records/)."""
+    def get(self, tenant: str, session_id: str) -> SessionRecord | None:
+        """The live record (after its pending save), token ids empty when another model saved
+        them (the next turn renders the messages afresh)."""
 
-    def set_waiting_queue(self, queue: WaitingQueue) -> None:
-        """The engine's queue, for look-ahead placement; starts the prefetch thread. Once."""
+    def create(self, record: SessionRecord) -> bool:
+        """Write a new session's record; False when the id is taken."""
 
-    def hint(self, tenant: str, session_id: str) -> None:
-        """A client's hint that the session runs soon (typing, POST prefetch): its chunks move
-        up to DRAM and hint listeners (the read buffer) stage it. Returns at once."""
+    def update(self, tenant: str, session_id: str, **changes: object) -> SessionRecord | None:
+        """Change a session's priority, ttl_s or metadata; None when it does not exist."""
 
-    def fetch_remote(self, tenant: str, session_id: str) -> int:
-        """Open a turn (API worker thread, before the engine queues it): chunks only Redis
-        holds come up and are held until the engine reads them; how many came up."""
+    def append_turn(
+        self,
+        record: SessionRecord,
+        new_messages: list[dict[str, Any]],
+        keep: int | None = None,
+        kv_tokens: int = 0,
+        last_token: int | None = None,
+    ) -> None:
+        """Append a turn's messages on top of `record.version`, keeping the first `keep` stored
+        messages (None: all); RecordConflict when the session changed meanwhile. `record`
+        becomes what was stored."""
+
+    def acquire_lease(self, tenant: str, session_id: str) -> SessionLease | None:
+        """The session's lease for one turn or delete (shared by replicas); None when another
+        replica holds it. RecordStoreUnavailable when the store cannot be reached."""
+
+    def release_lease(self, lease: SessionLease, wait: bool = True) -> None:
+        """wait=False: returns at once (the event loop), the release goes out behind."""
+
+    def delete(self, tenant: str, session_id: str) -> bool:
+        """Forget the record and its KV in every tier; False when it did not exist."""
+
+    def list_sessions(
+        self, tenant: str | None, offset: int, limit: int
+    ) -> tuple[list[SessionRecord], int]:
+        """One page of a tenant's sessions (every user tenant's for None), newest first, and
+        the total."""
+
+    def count_sessions(self, tenant: str) -> int: ...
+    def purge_expired(self) -> int:
+        """Delete the sessions idle past their TTL (records and KV); how many went."""
+
+    def match_prefix(self, tenant: str, token_ids: list[int]) -> str | None:
+        """The tenant's session whose saved tokens (this model's) share the longest prefix."""
 
     def fit_context(
-        self, tenant: str, session_id: str | None, prompt_ids: list[int], head: int, tail: int
+        self, tenant: str, session_id: str, prompt: list[int], head: int, tail: int, reserve: int
     ) -> list[int]:
-        """The prompt cut to `max_context_tokens` (the session's chain loses the same chunks)."""
+        """`KVAdmin.fit_context` (records only: the prompt's oldest history cut, no KV)."""
 
-    def set_retention(self, tenant: str, session_id: str, retention: Retention) -> None: ...
-    def kv_by_tier(self, tenant: str, session_id: str) -> dict[str, int]: ...
-    def placement(self, tenant: str, session_id: str) -> KVPlacement: ...
-    def tier_of(self, tenant: str, session_id: str) -> str | None:
-        """The slowest tier holding a chunk of the session (waits for its pending write)."""
+    def fetch_remote(self, tenant: str, session_id: str) -> None:
+        """Before a turn: bring what only the remote tier holds up to a local tier."""
 
-    def wait_saved(self, tenant: str, session_id: str, timeout: float = ...) -> bool: ...
-    def delete_session(self, tenant: str, session_id: str) -> bool: ...
-    def purge_expired(self) -> list[SessionKey]: ...
-    def shred_tenant(self, tenant: str) -> int: ...
-    def invalidate_all(self) -> int: ...
-    def slow_tiers(self) -> Sequence[StorageTier]:
-        """The sealed tiers (SSD, remote), for the key rotation's re-seal."""
+    def hint(self, tenant: str, session_id: str) -> None:
+        """The client is typing: the session's KV moves up. Returns at once."""
 
-    def stats(self) -> StoreStats: ...
-    def close(self, flush_dram: bool = True) -> None: ...
+    def placement(self, tenant: str, session_id: str) -> KVPlacement | None:
+        """Where the session's KV is now; None without KV."""
+
+    def kv_location(self, tenant: str, session_id: str) -> str | None: ...
+    def tier_stats(self) -> list[TierStats]:
+        """The store's tiers, fastest first (none without KV)."""
+
+    def open_failures(self) -> dict[str, int]:
+        """Stored values that failed to open, per slow tier and `records`."""
+
+    def remote_health(self) -> dict[str, object] | None:
+        """The remote (Redis) tier's circuit breaker; None without one."""
+
+    def rotate_keys(self) -> dict[str, object] | None:
+        """Start (or resume) re-sealing every stored value under the newest key; its progress.
+        None: encryption at rest is off."""
+
+    def rotation_progress(self) -> dict[str, object] | None: ...
+    def shred_tenant(self, tenant: str) -> dict[str, int]:
+        """Crypto-shred tenant (its key, then its sessions, KV, Responses); how many went."""
+
+    def flush(self) -> int:
+        """Drop all cached session KV (records stay); how many sessions."""
+
+    def close(self) -> None:
+        """Persist what must survive a restart, then release the tiers and records."""
 
 
 class ChunkCatalog(Protocol):
@@ -264,24 +403,44 @@ class ChunkCatalog(Protocol):
 
 
 __all__ = [
+    "DEVICE_TIER",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "TTL_MAX_S",
     "ChunkBuilder",
     "ChunkCatalog",
     "ChunkDelta",
     "ChunkKey",
     "ChunkText",
+    "ContextBudget",
     "EventKind",
     "HintListener",
     "KVPlacement",
     "KVSource",
     "Listener",
+    "RecordConflict",
+    "RecordStoreError",
+    "RecordStoreFull",
+    "RecordStoreUnavailable",
+    "ResponseExists",
+    "ResponseRecord",
+    "ResponseRecords",
+    "Retention",
+    "RetentionError",
     "SessionKV",
     "SessionKVAdmin",
     "SessionKey",
+    "SessionLease",
+    "SessionRecord",
+    "ShredNotShared",
     "StoreEvent",
     "StoreStats",
     "StoredSession",
+    "TierStats",
     "TurnHold",
     "TurnPlan",
     "WaitingQueue",
     "WaitingSession",
+    "check_retention",
+    "store_hits",
 ]

@@ -91,3 +91,13 @@ def store_stats(tiers: ChunkTiers, breaker: CircuitBreaker | None) -> StoreStats
         counters = replace(c, tiers={n: t.copy() for n, t in c.tiers.items()})
     health = breaker.health() if breaker is not None else None
     return StoreStats(tiers.stats_occupancy(), counters, tiers.tiers[0].name, health)
+
+
+def build_records_only(settings: StoreSettings) -> RecordStore:
+    """kv_store = "off" (every turn recomputes): the session records still need a home, in
+    LMDB under data_dir (no Redis: no KV to share), sealed as the store would seal them."""
+    s = settings
+    sealer = sealer_for(s.encrypt_at_rest, s.data_dir, s.secret_key, s.secret_key_file)
+    return LmdbRecordStore(
+        s.data_dir / "records.lmdb", s.session_ttl_s, map_size=s.records_map_bytes, sealer=sealer
+    )

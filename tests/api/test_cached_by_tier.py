@@ -69,7 +69,7 @@ def http(server):
 
 
 def store_of(server) -> AttentionStore:
-    return server.app.state.service.store.store
+    return server.app.state.service.store.kv
 
 
 def split(usage: dict) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """The device tier of /admin/cache, /metrics and the dashboard is the engine's block pool and
-prefix cache, read from the engine's own counters (store_adapter.device_tier): after a second
+prefix cache, read from the engine's own counters (api cache_tiers.device_tier): after a second
 turn whose history came from the device, it shows the bytes, the session and the hits that the
 block pool reports, with the KV store on and off."""
 
@@ -9,11 +9,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from chatstore.api.cache_tiers import cache_tiers, device_tier
 from chatstore.api.launcher import local_server
 from chatstore.api.settings import ServerSettings
-from chatstore.api.store_adapter import StoreAdapter, device_tier
-from chatstore.api.store_port import TierStats, store_hits
 from chatstore.engine.engine_stats import EngineStats
+from chatstore.store.ports import ContextBudget, TierStats, store_hits
+from chatstore.store.records_only import RecordsOnlyStore
 
 SYSTEM = (
     "You are a careful assistant for a small bakery. Answer in one short sentence, name "
@@ -41,8 +42,8 @@ def test_the_device_line_is_the_engine_numbers():
 
 def test_kv_store_off_still_has_the_device_line_and_no_store_hit_rate():
     stats = engine_stats(num_blocks=10, free_blocks=10, block_bytes=8, prefix_hits=5)
-    adapter = StoreAdapter(None, None, object(), object(), engine_stats=lambda: stats)
-    (device,) = adapter.tier_stats()
+    records_only = RecordsOnlyStore(object(), ContextBudget(2048), leases=object())
+    (device,) = cache_tiers(stats, records_only)
     assert (device.name, device.hits, device.capacity_bytes) == ("device", 5, 80)
     assert store_hits([device]) == (0, 0)  # the overall rate is the store tiers'
     dram = TierStats("dram", 1, 1, 1, hits=2, misses=1, bytes_up=0, bytes_down=0, evictions=0,

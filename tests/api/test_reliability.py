@@ -110,7 +110,7 @@ def test_full_record_store_refuses_the_turn_and_keeps_the_session(client, server
 
 
 def test_deleted_session_does_not_come_back_after_a_dropped_turn(client, server):
-    store = server.app.state.service.store.store
+    store = server.app.state.service.store.kv
     for _ in range(3):
         sid = client.post("/v1/sessions", json={}).json()["id"]
         body = {"content": "Count.", "stream": True, "max_tokens": 64, "ignore_eos": True}
@@ -243,7 +243,7 @@ def test_expired_sessions_are_purged_on_a_timer(default_model, tmp_path):
         sid = client.post("/v1/sessions", json={}).json()["id"]
         r = client.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi.", **GREEDY})
         assert r.status_code == 200
-        store = srv.app.state.service.store.store
+        store = srv.app.state.service.store.kv
         key = SessionKey("local", sid)
         assert store.records._load(key) is not None and store.find("local", sid) is not None
         deadline = time.monotonic() + 10

@@ -215,7 +215,7 @@ def test_long_session_is_truncated_and_keeps_its_cache(alice):
 
 
 def _kv_store(server):
-    return server.app.state.service.store.store  # the AttentionStore behind the adapter
+    return server.app.state.service.store.kv  # the AttentionStore behind the session store
 
 
 def _poll_location(client, sid: str, want: str, timeout: float = 10.0) -> str | None:

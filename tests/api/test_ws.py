@@ -146,7 +146,7 @@ def test_ws_typing_prefetches_the_session(server, http):
         ws.send(json.dumps(turn))
         assert until(ws, "done")[0]["type"] == "done"
         assert http.get(f"/v1/sessions/{sid}").json()["kv_location"] == "dram"
-        push_down(server.app.state.service.store.store, "local", sid)  # pushed down to SSD
+        push_down(server.app.state.service.store.kv, "local", sid)  # pushed down to SSD
         assert http.get(f"/v1/sessions/{sid}").json()["kv_location"] == "ssd"
         ws.send(json.dumps({"type": "typing"}))
         deadline = time.monotonic() + 10

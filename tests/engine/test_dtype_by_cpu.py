@@ -52,7 +52,7 @@ def _served_dtypes(server) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     """(weights, device KV pool, store) dtypes of a running server."""
     engine = server.app.state.service.engine.engine
     runtime = engine.runtime
-    store = server.app.state.service.store.store
+    store = server.app.state.service.store.kv
     weights = next(runtime.model.hf_model.parameters()).dtype
     return weights, runtime.kv_cache.dtype, store.settings.storage_dtype
 

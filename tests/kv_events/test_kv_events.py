@@ -462,7 +462,7 @@ def test_the_server_publishes_its_device_cache_and_store(default_model, tmp_path
                     r = client.post(f"/v1/sessions/{sid}/messages", json=body)
                     assert r.status_code == 200, r.text
             assert client.get("/v1/models").json()["data"][0]["id"] == DEFAULT_MODEL_NAME
-            store = srv.app.state.service.store.store
+            store = srv.app.state.service.store.kv
             store.flush_writes(10)
             blocks = srv.app.state.service.engine.engine.blocks
             publisher_seq = _wait_quiet(sub)

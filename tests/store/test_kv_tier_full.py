@@ -253,7 +253,7 @@ def test_turns_succeed_on_a_full_kv_map_and_the_api_counts_the_refusals(
         max_context_tokens=512,
     )
     with srv, httpx.Client(base_url=srv.url, timeout=120) as client:
-        store = srv.app.state.service.store.store
+        store = srv.app.state.service.store.kv
         sid = client.post("/v1/sessions", json={"system_prompt": "Be brief."}).json()["id"]
         cached = []
         for i in range(4):

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from chatstore.api.store_adapter import StoreAdapter
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.records import LmdbRecordStore, RecordStoreFull, SessionRecord
 from chatstore.store.session_kv import SessionKey
+from chatstore.store.session_store import SessionStore
 from tests.store.test_attention_store import SPEC
 from tests.store.test_chunks import CHUNK, make, turn
 
@@ -72,7 +72,7 @@ def test_records_of_another_model_are_not_reused(tmp_path):
     )
     try:
         assert other.find("t", "s") is None
-        adapter = StoreAdapter(other, None)
+        adapter = SessionStore(other)
         port = adapter.get("t", "s")
         assert port is not None and port.token_ids == []  # messages stay, foreign ids do not
         assert adapter.match_prefix("t", IDS) is None

@@ -11,12 +11,11 @@ import pytest
 
 from chatstore.api.launcher import local_server
 from chatstore.api.settings import ServerSettings
-from chatstore.api.store_adapter import StoreAdapter
-from chatstore.api.store_port import SessionRecord as PortRecord
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
 from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey
+from chatstore.store.session_store import SessionStore
 from tests.store.test_attention_store import SPEC, value
 from tests.store.test_placement import BLOCK, evictions
 
@@ -34,9 +33,9 @@ def make(tmp_path, policy: str = "lru", dram_sessions: int = 3, **kw) -> Attenti
     return AttentionStore(settings, SPEC, "fp")
 
 
-def create(adapter: StoreAdapter, sid: str, priority: int = 0, ttl_s: int = 0) -> None:
+def create(adapter: SessionStore, sid: str, priority: int = 0, ttl_s: int = 0) -> None:
     now = time.time()
-    record = PortRecord(TENANT, sid, [], [], {}, now, now, priority=priority, ttl_s=ttl_s)
+    record = SessionRecord(TENANT, sid, [], [], {}, now, now, priority=priority, ttl_s=ttl_s)
     assert adapter.create(record)
 
 
@@ -46,7 +45,7 @@ def create(adapter: StoreAdapter, sid: str, priority: int = 0, ttl_s: int = 0) -
 @pytest.mark.parametrize("policy", ["lru", "fifo", "aware"])
 def test_full_dram_keeps_the_high_priority_idle_session(tmp_path, policy):
     store = make(tmp_path, policy)
-    adapter = StoreAdapter(store, None)
+    adapter = SessionStore(store)
     evicted = evictions(store)
     dram = store.tier("dram")
     assert dram is not None
@@ -69,7 +68,7 @@ def test_full_dram_keeps_the_high_priority_idle_session(tmp_path, policy):
 
 def test_per_session_ttl_purges_that_session_only(tmp_path):
     store = make(tmp_path, session_ttl_s=3600)
-    adapter = StoreAdapter(store, None)
+    adapter = SessionStore(store)
     create(adapter, "short", ttl_s=1)
     create(adapter, "long")
     store.save(TENANT, "short", value(16, 1))
@@ -93,7 +92,7 @@ def test_per_session_ttl_purges_that_session_only(tmp_path):
 
 def test_restart_keeps_retention_and_the_policy_learns_it(tmp_path):
     store = make(tmp_path)
-    adapter = StoreAdapter(store, None)
+    adapter = SessionStore(store)
     create(adapter, "a", priority=7, ttl_s=3600)
     create(adapter, "b")
     store.save(TENANT, "a", value(16, 1))
@@ -101,7 +100,7 @@ def test_restart_keeps_retention_and_the_policy_learns_it(tmp_path):
     assert adapter.update(TENANT, "b", priority=-3) is not None
     store.close()
     again = make(tmp_path)
-    adapter = StoreAdapter(again, None)
+    adapter = SessionStore(again)
     a = adapter.get(TENANT, "a")
     assert a is not None and (a.priority, a.ttl_s) == (7, 3600)
     assert again.retention.get(key("a")) == Retention(7, 3600)
@@ -166,7 +165,7 @@ def test_retention_over_http_survives_a_restart(default_model, tmp_path):
         alice = httpx.Client(base_url=server.url, headers=auth(ALICE), timeout=120)
         bob = httpx.Client(base_url=server.url, headers=auth(BOB), timeout=120)
         admin = httpx.Client(base_url=server.url, headers=auth(ADMIN), timeout=120)
-        store = server.app.state.service.store.store
+        store = server.app.state.service.store.kv
         made = alice.post("/v1/sessions", json={"id": "s1", "priority": 3, "ttl_s": 7200})
         assert made.status_code == 201, made.text
         body = made.json()
@@ -235,5 +234,5 @@ def test_retention_over_http_survives_a_restart(default_model, tmp_path):
         alice = httpx.Client(base_url=server.url, headers=auth(ALICE), timeout=120)
         again = alice.get("/v1/sessions/s1").json()
         assert (again["priority"], again["ttl_s"], again["metadata"]) == (-2, 7200, {"k": "v"})
-        store = server.app.state.service.store.store
+        store = server.app.state.service.store.kv
         assert store.session_policy.policy.priority(SessionKey("alice", "s1")) == -2

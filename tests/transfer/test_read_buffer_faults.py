@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from chatstore.api.store_adapter import StoreAdapter
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_store import SessionStore
 from chatstore.transfer import StoreConnector
 from tests.support.engine import (
     assert_pool_clean,
@@ -101,7 +101,7 @@ def test_a_hint_whose_lookup_hangs_on_redis_stalls_no_engine_step(tmp_path, own_
         tmp_path, own_redis.url, async_save=True, redis_breaker_failures=100
     )
     engine = LLMEngine(runtime, EngineConfig(enable_prefix_cache=False), conn)
-    adapter = StoreAdapter(store, conn)
+    adapter = SessionStore(store)  # the connector is the store's hint listener
     first = {sid: prompt(seed, 20) for seed, sid in enumerate(("hot", "cold"))}
     reqs = [Request(f"{s}0", ids, greedy(4), tenant="t", session_id=s) for s, ids in first.items()]
     outs, normal = _turns(engine, reqs)
@@ -110,7 +110,7 @@ def test_a_hint_whose_lookup_hangs_on_redis_stalls_no_engine_step(tmp_path, own_
     second = {r.session_id: [*r.prompt_token_ids, *tokens_of(outs[r.request_id]), 9] for r in reqs}
     key = SessionKey("t", "cold")
     with hung(own_redis):
-        adapter.prefetch("t", "cold")  # the client is typing: store prefetch + staging
+        adapter.hint("t", "cold")  # the client is typing: store prefetch + staging
         entry = conn.read_buffer._entries[key]
         time.sleep(0.05)  # the lookup is waiting on Redis
         hot = Request("hot1", second["hot"], greedy(4), tenant="t", session_id="hot")
@@ -119,7 +119,7 @@ def test_a_hint_whose_lookup_hangs_on_redis_stalls_no_engine_step(tmp_path, own_
         assert outs["hot1"][-1].usage.cached_tokens > 0
         assert engine.stats().load.kv_layerwise_loads > 0
         assert entry.looked_up.wait(5) and entry.saved is None  # Redis out of reach: nothing
-        adapter.prefetch("t", "cold")  # again, and the hinted session's turn comes now
+        adapter.hint("t", "cold")  # again, and the hinted session's turn comes now
         entry = conn.read_buffer._entries[key]
         time.sleep(0.05)
         assert not entry.looked_up.is_set()  # its lookup is in progress, on Redis

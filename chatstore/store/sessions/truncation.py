@@ -78,21 +78,22 @@ class SessionTruncation:
         reader: ChunkReader,
         committer: TurnCommitter,
         save: Callable[[SessionKey, SessionKV], object],
+        window: int,
     ) -> None:
+        """window: the context a prompt and its reply share (ports.ContextBudget)."""
         self.reader, self.committer, self._save = reader, committer, save
-        self.settings = committer.settings
+        self.settings, self.window = committer.settings, window
 
     def fit_context(
-        self, key: SessionKey | None, prompt_ids: list[int], head: int, tail: int
+        self, key: SessionKey | None, prompt_ids: list[int], head: int, tail: int, reserve: int = 0
     ) -> list[int]:
-        """The prompt cut to `max_context_tokens`: whole chunks of the oldest history after
-        the chunks holding the first `head` tokens are dropped (`tail` = new message + reply
-        budget kept); the session's chain loses the same chunks, the kept ones stay valid and
-        are re-positioned at load (K is stored before RoPE)."""
+        """The prompt cut so that it and `reserve` reply tokens fit the window: whole chunks of
+        the oldest history after the chunks holding the first `head` tokens are dropped (the
+        last `tail` kept: the new message); the session's chain loses the same chunks, the kept
+        ones stay valid and are re-positioned at load (K is stored before RoPE)."""
         s = self.settings
-        plan = plan_truncation(
-            len(prompt_ids), head, tail, s.max_context_tokens, s.truncation_ratio
-        )
+        total, kept = len(prompt_ids) + reserve, tail + reserve
+        plan = plan_truncation(total, head, kept, self.window, s.truncation_ratio)
         if plan is None:
             return list(prompt_ids)
         C = s.chunk_tokens

@@ -1,0 +1,271 @@
+"""The session store with records only (kv_store = "off": every turn recomputes its prompt).
+
+`RecordsOnlyStore` implements ports.SessionKVAdmin over the session records alone: records,
+pagination, the per-tenant session count, the leases that keep replicas sharing one Redis from
+running turns on one session at once, stored Responses, key rotation and crypto-shredding. The
+KV half of the port answers as a store without KV does (nothing saved, nothing placed, prompts
+never cut). `SessionStore` (session_store.py) is the same with the KV store behind it; the
+places it differs are the `_...` hooks at the end of this class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from chatstore.store.ports import ContextBudget, KVPlacement, TierStats
+from chatstore.store.records import (
+    RecordConflict,
+    RecordStore,
+    ResponseRecords,
+    SessionLease,
+    SessionLeases,
+    SessionRecord,
+    session_leases,
+)
+from chatstore.store.session_kv import SessionKey
+from chatstore.store.tiers.base import StorageTier
+
+if TYPE_CHECKING:
+    from chatstore.store.sealing.reseal import Resealer
+
+# Tenants starting with a NUL were the server's own namespaces (stored Responses, before they
+# had a namespace of their own): no configured tenant can hold a NUL, so users never see them.
+INTERNAL_TENANT_PREFIX = "\x00"
+
+
+class RecordsOnlyStore:
+    """ports.SessionKVAdmin without KV; the docs are on the port."""
+
+    def __init__(
+        self,
+        records: RecordStore,
+        context: ContextBudget,
+        leases: SessionLeases | None = None,
+        lease_s: float = 30.0,
+        replica_id: str = "",
+        data_dir: Path | None = None,
+    ) -> None:
+        """leases: the session leases (default: in the records' Redis, else local no-ops, held
+        lease_s by replica_id). data_dir: where the key rotation keeps its cursor (default:
+        beside the records)."""
+        self.records = records
+        self.context = context
+        self.leases = leases if leases is not None else session_leases(records, lease_s, replica_id)
+        self._data_dir = data_dir
+        self._sessions: dict[str, set[str]] = {}  # tenant -> its session ids (counted)
+        self._resealer: Resealer | None = None  # the key rotation job, once started
+        self._lock = threading.Lock()
+
+    @property
+    def responses(self) -> ResponseRecords:
+        return self.records.responses
+
+    # -- records ----------------------------------------------------------------------------
+
+    def get(self, tenant: str, session_id: str) -> SessionRecord | None:
+        self._wait_saved(tenant, session_id)
+        record = self.records.get(SessionKey(tenant, session_id))
+        return None if record is None else self._own_model(record)
+
+    def create(self, record: SessionRecord) -> bool:
+        """False when the id is taken (maybe by another replica a moment ago)."""
+        try:
+            self.records.create(record)
+        except RecordConflict:
+            return False
+        self._counted(record)
+        self._retain(record)
+        return True
+
+    def update(self, tenant: str, session_id: str, **changes: object) -> SessionRecord | None:
+        """Patched atomically, so a concurrent turn's messages are kept; the KV placement
+        learns a new priority at once."""
+        self._wait_saved(tenant, session_id)
+        saved = self.records.patch(SessionKey(tenant, session_id), **changes)
+        if saved is None:
+            return None
+        self._retain(saved)
+        return self._own_model(saved)
+
+    def append_turn(
+        self,
+        record: SessionRecord,
+        new_messages: list[dict[str, Any]],
+        keep: int | None = None,
+        kv_tokens: int = 0,
+        last_token: int | None = None,
+    ) -> None:
+        self._wait_saved(record.tenant, record.session_id)  # token_ids of the turn just ended
+        key = SessionKey(record.tenant, record.session_id)
+        saved = self.records.append_turn(
+            key, record.version, new_messages, keep, kv_tokens=kv_tokens, last_token=last_token
+        )
+        for f in dataclasses.fields(SessionRecord):
+            setattr(record, f.name, getattr(saved, f.name))
+        self._own_model(record)
+        self._counted(record)
+
+    def acquire_lease(self, tenant: str, session_id: str) -> SessionLease | None:
+        return self.leases.acquire(SessionKey(tenant, session_id))
+
+    def release_lease(self, lease: SessionLease, wait: bool = True) -> None:
+        self.leases.release(lease, wait)
+
+    def delete(self, tenant: str, session_id: str) -> bool:
+        with self._lock:
+            self._sessions.get(tenant, set()).discard(session_id)
+        return self._delete(SessionKey(tenant, session_id))
+
+    def list_sessions(
+        self, tenant: str | None, offset: int, limit: int
+    ) -> tuple[list[SessionRecord], int]:
+        records = self.records.list_sessions(tenant)
+        if tenant is None:  # all tenants: the users', not the server's own namespaces
+            records = [r for r in records if not r.tenant.startswith(INTERNAL_TENANT_PREFIX)]
+        records.sort(key=lambda r: (r.updated_at, r.session_id), reverse=True)
+        return [self._own_model(r) for r in records[offset : offset + limit]], len(records)
+
+    def count_sessions(self, tenant: str) -> int:
+        with self._lock:
+            return len(self._tenant_sessions(tenant))
+
+    def purge_expired(self) -> int:
+        gone = self._purge()
+        with self._lock:
+            for key in gone:
+                self._sessions.get(key.tenant, set()).discard(key.session_id)
+        return len(gone)
+
+    # -- a turn's KV: none kept --------------------------------------------------------------
+
+    def match_prefix(self, tenant: str, token_ids: list[int]) -> str | None:
+        return None  # no token ids are saved without KV
+
+    def fit_context(
+        self, tenant: str, session_id: str, prompt: list[int], head: int, tail: int, reserve: int
+    ) -> list[int]:
+        return prompt  # nothing to cut with: the API refuses a prompt that does not fit
+
+    def fetch_remote(self, tenant: str, session_id: str) -> None:
+        pass  # no remote tier
+
+    def hint(self, tenant: str, session_id: str) -> None:
+        pass  # no KV to move up
+
+    def placement(self, tenant: str, session_id: str) -> KVPlacement | None:
+        return None
+
+    def kv_location(self, tenant: str, session_id: str) -> str | None:
+        return None
+
+    # -- reports and keys ---------------------------------------------------------------------
+
+    def tier_stats(self) -> list[TierStats]:
+        return []
+
+    def open_failures(self) -> dict[str, int]:
+        """Values that failed to open (encryption at rest: another or a shredded key, a changed
+        byte): `records` (sessions and stored Responses)."""
+        return {"records": self.records.open_failures}
+
+    def remote_health(self) -> dict[str, object] | None:
+        return None
+
+    def flush(self) -> int:
+        return 0
+
+    def rotate_keys(self) -> dict[str, object] | None:
+        """Start (or resume, or report) re-sealing every stored value under the newest key in
+        the background (sealing/reseal.py)."""
+        resealer = self._get_resealer()
+        if resealer is None:
+            return None
+        resealer.start()
+        return self.rotation_progress()
+
+    def rotation_progress(self) -> dict[str, object] | None:
+        """As saved by the last job if none ran in this process (phase "idle": none yet under
+        the current key)."""
+        resealer = self._get_resealer()
+        if resealer is None:
+            return None
+        progress = resealer.progress
+        return {**dataclasses.asdict(progress), "done": progress.done}
+
+    def shred_tenant(self, tenant: str) -> dict[str, int]:
+        """Destroy the tenant's key first (all its sealed data stops opening at once), then
+        delete its sessions, KV and stored Responses."""
+        with self._lock:
+            self._sessions.pop(tenant, None)
+        with_kv = self._shred(tenant)
+        records = self.records.delete_tenant(tenant)
+        responses = self.records.responses.delete_tenant(tenant)
+        return {"sessions": max(with_kv, records), "responses": responses}
+
+    def close(self) -> None:
+        """The key rotation (its cursor is saved: the next rotate-keys resumes there), the
+        leases, then the records (with the KV store, when there is one)."""
+        if self._resealer is not None:
+            self._resealer.stop()
+        self.leases.close()
+        self._close()
+
+    # -- where the session store with KV differs (session_store.py) ----------------------------
+
+    def _wait_saved(self, tenant: str, session_id: str) -> None:
+        pass  # no pending KV write
+
+    def _own_model(self, record: SessionRecord) -> SessionRecord:
+        return record
+
+    def _retain(self, saved: SessionRecord) -> None:
+        pass  # no KV placement to tell
+
+    def _delete(self, key: SessionKey) -> bool:
+        return bool(self.records.delete(key))
+
+    def _purge(self) -> list[SessionKey]:
+        return self.records.purge_expired()
+
+    def _shred(self, tenant: str) -> int:
+        """Shred the tenant's key; its sessions with KV (none here)."""
+        sealer = self.records.sealer
+        if sealer is not None:
+            sealer.keyring.shred(tenant)  # first: nothing of it opens from here on
+        return 0
+
+    def _reseal_scope(self) -> tuple[list[StorageTier], Path]:
+        """The KV tiers a key rotation re-seals, and where it keeps its cursor."""
+        data_dir = self._data_dir or Path(getattr(self.records, "path", ".")).parent
+        return [], data_dir
+
+    def _close(self) -> None:
+        self.records.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _get_resealer(self) -> Resealer | None:
+        from chatstore.store.sealing.reseal import Resealer
+
+        sealer = self.records.sealer
+        if sealer is None:
+            return None
+        with self._lock:
+            if self._resealer is None:
+                tiers, data_dir = self._reseal_scope()
+                self._resealer = Resealer(sealer.sealing_id, self.records, tiers, data_dir)
+            return self._resealer
+
+    def _counted(self, record: SessionRecord) -> None:
+        with self._lock:
+            self._tenant_sessions(record.tenant).add(record.session_id)
+
+    def _tenant_sessions(self, tenant: str) -> set[str]:
+        sessions = self._sessions.get(tenant)
+        if sessions is None:
+            sessions = {r.session_id for r in self.records.list_sessions(tenant)}
+            self._sessions[tenant] = sessions
+        return sessions
