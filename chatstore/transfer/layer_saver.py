@@ -43,16 +43,17 @@ from __future__ import annotations
 import bisect
 import heapq
 import threading
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
+from chatstore.transfer.host_copies import HostCopies
 from chatstore.transfer.row_pages import (
     FIRST_SEGMENT_PAGES,
     MAX_SEGMENT_PAGES,
     PAGE_ROWS,
     Segment,
+    SegmentPart,
     new_pages,
     slice_runs,
 )
@@ -60,20 +61,8 @@ from chatstore.transfer.turn_rows import PageRows, TurnRows
 
 
 @dataclass
-class _Part:
-    """The step's rows that land in one segment: which kept rows (None: all) go to which rows."""
-
-    segment: Segment
-    batch_rows: torch.Tensor | None  # rows of the forward's batch (CPU path)
-    step_rows: torch.Tensor | None  # rows among the step's kept rows (CUDA path, on the host)
-    dest: torch.Tensor  # rows of the segment
-    runs: tuple[tuple[int, int], tuple[int, int]] | None = None  # (dest, batch) slices, if both
-    # are contiguous ranges: then two plain slice copies replace stack + index_copy_
-
-
-@dataclass
 class _Step:
-    parts: list[_Part]
+    parts: list[SegmentPart]
     kept: torch.Tensor | None  # batch rows kept, None when all (device of the batch)
     count: int
 
@@ -97,12 +86,9 @@ class LayerSaver:
         self._row_shape: tuple[int, ...] | None = None  # (Hkv, D), known at the first save
         self._page_bytes = 0
         self._step: _Step | None = None
-        self._stream = None
+        self._host_copies: HostCopies | None = None  # CUDA: rows reach the arena via host
         if self.device.type == "cuda":
-            self._stream = torch.cuda.Stream(device=self.device)
-        self._pending: deque = deque()  # CUDA: (seq, event, host rows, layer, parts)
-        self._pending_lock = threading.Lock()
-        self._seq = 0
+            self._host_copies = HostCopies(self.device, row_dtype)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -155,8 +141,8 @@ class LayerSaver:
             return
         if layer == self.num_layers - 1:
             self._step = None  # the step's plan would keep a given-back segment alive
-        if self._stream is not None:
-            self._copy_on_stream(layer, k, v, step)
+        if self._host_copies is not None:
+            self._host_copies.issue(layer, k, v, step.kept, step.count, step.parts)
             return
         both = None
         for part in step.parts:
@@ -183,8 +169,8 @@ class LayerSaver:
         """Give the step's kept rows their arena rows and write their positions there."""
         if len(request_ids) != len(query_lens):
             return None
-        if self._stream is not None:
-            self._apply_pending(wait=False)
+        if self._host_copies is not None:
+            self._host_copies.land(wait=False)
         with self._lock:
             kept: list[tuple[PageRows, int, int]] = []  # (rows, first batch row, count)
             row = total = 0
@@ -220,7 +206,7 @@ class LayerSaver:
             cpu_positions = cpu_positions.index_select(0, kept_rows)
         parts = []
         if len(segments) == 1 or int(dest.max()) < segments[0].pages * PAGE_ROWS:
-            parts.append(_Part(segments[0], kept_rows, None, dest))
+            parts.append(SegmentPart(segments[0], kept_rows, None, dest))
         else:
             first_rows = torch.tensor([s.first_row for s in segments])
             seg_of = torch.bucketize(dest, first_rows, right=True) - 1
@@ -228,7 +214,8 @@ class LayerSaver:
                 sel = (seg_of == i).nonzero().flatten()
                 seg = segments[i]
                 batch = sel if kept_rows is None else kept_rows.index_select(0, sel)
-                parts.append(_Part(seg, batch, sel, dest.index_select(0, sel) - seg.first_row))
+                part = SegmentPart(seg, batch, sel, dest.index_select(0, sel) - seg.first_row)
+                parts.append(part)
         for part in parts:
             part.runs = slice_runs(part.dest, part.batch_rows, total)
             step_pos = cpu_positions
@@ -236,50 +223,9 @@ class LayerSaver:
                 step_pos = cpu_positions.index_select(0, part.step_rows)
             part.segment.positions.index_copy_(0, part.dest, step_pos)
         device_kept = None
-        if self._stream is not None and kept_rows is not None:
-            device_kept = kept_rows.to(k.device)
-            device_kept.record_stream(self._stream)
+        if self._host_copies is not None and kept_rows is not None:
+            device_kept = self._host_copies.on_device(kept_rows, k.device)
         return _Step(parts, device_kept, total)
-
-    def _copy_on_stream(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: _Step) -> None:
-        """CUDA: the kept rows -> pinned host memory on the side stream, after the compute
-        stream produced them; landed in the arena once the event fired (_apply_pending)."""
-        assert self._stream is not None
-        host = torch.empty((step.count, 2, *k.shape[1:]), dtype=self.row_dtype, pin_memory=True)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            both = torch.stack((k, v), dim=1)
-            if step.kept is not None:
-                both = both.index_select(0, step.kept)
-            host.copy_(both.to(self.row_dtype), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        k.record_stream(self._stream)
-        v.record_stream(self._stream)
-        # No lock: deque.append is atomic and only this thread appends, so the engine never
-        # waits behind a writer thread that is waiting for an event.
-        self._seq += 1
-        self._pending.append((self._seq, event, host, layer, step.parts))
-
-    def _apply_pending(self, wait: bool) -> None:
-        """Land the CUDA copies in the arena, in issue order: those already finished (wait
-        False, never blocks), or all issued so far (wait True)."""
-        if not self._pending or not self._pending_lock.acquire(blocking=wait):
-            return
-        try:
-            upto = self._seq
-            while self._pending and self._pending[0][0] <= upto:
-                _, event, host, layer, parts = self._pending[0]
-                if not wait and not event.query():
-                    break
-                event.synchronize()
-                for part in parts:
-                    src = host if part.step_rows is None else host.index_select(0, part.step_rows)
-                    part.segment.kv[layer].index_copy_(0, part.dest, src)
-                # Only once landed: an empty queue means every copy issued is in the arena.
-                self._pending.popleft()
-        finally:
-            self._pending_lock.release()
 
     # -- allocator (call with self._lock held) --------------------------------------------
 
@@ -364,7 +310,8 @@ class LayerSaver:
 
     def read_rows(self, global_rows: torch.Tensor) -> torch.Tensor:
         """kv of these arena rows, [L, n, 2, Hkv, D] (a copy). Waits for CUDA copies first."""
-        self._apply_pending(wait=True)
+        if self._host_copies is not None:
+            self._host_copies.land(wait=True)
         return self._gather(global_rows, lambda seg, local: seg.kv.index_select(1, local), dim=1)
 
     def _gather(self, global_rows: torch.Tensor, read, dim: int = 0) -> torch.Tensor:

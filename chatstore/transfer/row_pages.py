@@ -1,7 +1,10 @@
 """The layer saver's arena in pages (layer_saver.py): its sizes, a segment of pages, how many
-pages a request needs, and when a step's rows move as two slices instead of an index copy."""
+pages a request needs, the part of a step's rows that lands in one segment, and when those rows
+move as two slices instead of an index copy."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +38,18 @@ class Segment:
 
     def nbytes(self) -> int:
         return self.kv.nbytes + self.positions.nbytes
+
+
+@dataclass
+class SegmentPart:
+    """The step's rows that land in one segment: which kept rows (None: all) go to which rows."""
+
+    segment: Segment
+    batch_rows: torch.Tensor | None  # rows of the forward's batch (CPU path)
+    step_rows: torch.Tensor | None  # rows among the step's kept rows (CUDA path, on the host)
+    dest: torch.Tensor  # rows of the segment
+    runs: tuple[tuple[int, int], tuple[int, int]] | None = None  # (dest, batch) slices, if both
+    # are contiguous ranges: then two plain slice copies replace stack + index_copy_
 
 
 def _contiguous(rows: torch.Tensor) -> tuple[int, int] | None:
