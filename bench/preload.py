@@ -194,7 +194,7 @@ def main() -> None:
     result["preload_logits_equal"] = same
     if args.jobs:
         result.update(_job_sequence(runtime, store, conn, args, max(buffers)))
-    history_bytes = args.history * store.layout.bytes_per_token
+    history_bytes = args.history * store.bytes_per_token
     load_gbps = history_bytes / (load_ms * 1e9) if load_ms > 0 else None  # load_ms: seconds
     store.close(flush_dram=False)
     result["load_hidden_pct"] = result[f"hidden_pct_b{max(buffers)}"]

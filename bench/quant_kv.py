@@ -148,7 +148,8 @@ class Rig:
 def stored_bytes(store: AttentionStore, tier: str) -> int:
     """The store's sessions where they landed: DRAM blocks (pool tensor bytes) or LMDB values
     (as stored, sealing included when it is on)."""
-    chunks = {c for key in store.index.sessions() for c in store.index.get(key).chunks}
+    # Each store has this one tier, large enough to hold every chunk the sessions name.
+    chunks = {c for held in store.chunks_by_tier().values() for c in held}
     if tier == "dram":
         dram = store.tier("dram")
         return sum(dram.size_of(c) for c in chunks)
