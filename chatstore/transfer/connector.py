@@ -139,6 +139,10 @@ class StoreConnector(KVConnector):
         """Whether queued sessions are staged too (else only hinted ones)."""
         return self.staging.stage_queued
 
+    @stage_queued.setter
+    def stage_queued(self, on: bool) -> None:
+        self.staging.stage_queued = on
+
     @property
     def load_copy_s(self) -> float:
         return self.loader.copy_s
