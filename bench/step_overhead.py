@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chatstore.api.chat_template import ChatTemplate
+from chatstore.api.common.chat_template import ChatTemplate
 from chatstore.config import load_config
 from chatstore.engine import llm_engine as llm_engine_module
 from chatstore.engine.engine_config import EngineConfig

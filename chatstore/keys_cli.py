@@ -18,8 +18,8 @@ import sys
 import time
 from dataclasses import asdict
 
-from chatstore.api.api_keys import default_keys_file
-from chatstore.api.key_file import KeyFile, KeyRecord
+from chatstore.api.common.api_keys import default_keys_file
+from chatstore.api.common.key_file import KeyFile, KeyRecord
 from chatstore.config import load_config
 
 

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatstore.api.chat_template import ChatTemplate
+from chatstore.api.common.chat_template import ChatTemplate
 from chatstore.config import Config
 from chatstore.engine.async_engine import AsyncEngine
 from chatstore.engine.engine_config import EngineConfig

@@ -13,10 +13,10 @@ import stat
 import httpx
 import pytest
 
-from chatstore.api.api_keys import HashedKeys
-from chatstore.api.key_file import KeyFile, KeyFileError, parse_key
-from chatstore.api.launcher import local_server
-from chatstore.api.settings import ServerSettings, forget_plain_keys
+from chatstore.api.common.api_keys import HashedKeys
+from chatstore.api.common.key_file import KeyFile, KeyFileError, parse_key
+from chatstore.api.common.launcher import local_server
+from chatstore.api.common.settings import ServerSettings, forget_plain_keys
 from chatstore.cli import main
 from chatstore.config import load_config
 from tests.api.test_limits import error_of

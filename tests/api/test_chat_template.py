@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from chatstore.api.chat_template import ChatTemplate
+from chatstore.api.common.chat_template import ChatTemplate
 
 
 @pytest.fixture(scope="module")

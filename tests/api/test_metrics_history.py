@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from chatstore.api.metrics_history import MetricsHistory, percentile, run_sampler
+from chatstore.api.admin.history import MetricsHistory, percentile, run_sampler
 from chatstore.store.ports import TierStats
 from chatstore.engine.engine_stats import EngineStats
 

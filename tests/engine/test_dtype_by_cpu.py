@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from chatstore import config as config_module
-from chatstore.api.launcher import local_server
+from chatstore.api.common.launcher import local_server
 from chatstore.config import Config, load_config, resolve_dtype
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]

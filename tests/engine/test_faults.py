@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from chatstore.api import admin
+from chatstore.api.admin import routes as admin
 from chatstore.engine import llm_engine
 from chatstore.engine.async_engine import AsyncEngine
 from chatstore.engine.engine_config import EngineConfig

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from chatstore.api.errors import store_error
+from chatstore.api.common.errors import store_error
 from chatstore.store.records import (
     LmdbRecordStore,
     RecordConflict,

@@ -231,7 +231,7 @@ def test_engine_steps_do_not_wait_on_hung_redis_and_hits_resume(
 def test_breaker_state_is_in_stats_admin_and_metrics(tmp_path, own_redis):
     from prometheus_client import generate_latest
 
-    from chatstore.api.metrics import RemoteBreakerCollector
+    from chatstore.api.admin.metrics import RemoteBreakerCollector
     from chatstore.store.ports import ContextBudget
     from chatstore.store.records_only import RecordsOnlyStore
     from chatstore.store.session_store import SessionStore

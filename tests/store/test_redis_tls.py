@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis as redis_lib
 
-from chatstore.api.launcher import local_server
+from chatstore.api.common.launcher import local_server
 from chatstore.config import load_config
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkKey

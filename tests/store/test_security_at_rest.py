@@ -26,8 +26,8 @@ import httpx
 import pytest
 import torch
 
-from chatstore.api.launcher import local_server
-from chatstore.api.settings import ServerSettings
+from chatstore.api.common.launcher import local_server
+from chatstore.api.common.settings import ServerSettings
 from chatstore.store import AttentionStore
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord

@@ -1,0 +1,1 @@
+"""Operators' endpoints: /admin/*, /metrics and its history, the chat page and dashboard."""

@@ -1,0 +1,162 @@
+"""The Responses API request (`POST /v1/responses`): fields, their limits, and its input items.
+
+`input` is read by hand (`input_messages`) rather than by a pydantic union: a union's errors name
+its branches ("input.str: ..."), while a client needs to hear which item and which field is wrong.
+Unknown fields are ignored, as OpenAI-compatible servers do; features this server does not have
+(tools, background runs, structured output) are refused with a 400 rather than ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from chatstore.api.common.chat_template import Message
+from chatstore.api.common.errors import bad_param
+from chatstore.api.common.protocol import INT64_MAX, SamplingFields
+from chatstore.api.sessions.service import check_text
+
+RESPONSE_ID_MAX = 128
+METADATA_KEYS = 16  # OpenAI's limits on `metadata`
+METADATA_KEY_CHARS = 64
+METADATA_VALUE_CHARS = 512
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = ("input_text", "output_text")  # output_text: a client replaying an earlier output
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str = "text"
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: Any = Field(description="a string, or a list of message items")
+    instructions: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1, max_length=RESPONSE_ID_MAX)
+    store: bool = True
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = Field(None, max_length=256)
+    max_output_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    # Beyond OpenAI's fields, the sampling knobs vLLM's Responses endpoint also takes.
+    top_k: int | None = Field(None, ge=0, le=1_000_000)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    # Accepted only in the form that asks for nothing this server lacks.
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    background: bool = False
+    text: TextConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+    def sampling_fields(self) -> SamplingFields:
+        """The fields `to_sampling` reads (max_output_tokens is Chat's max_tokens)."""
+        return SamplingFields(
+            max_tokens=self.max_output_tokens,
+            max_completion_tokens=None,  # Responses name it max_output_tokens (above)
+            n=1,  # one output per response
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            ignore_eos=self.ignore_eos,
+        )
+
+    def check_supported(self) -> None:
+        """400 for what the request asks that this server cannot do (or a metadata too big)."""
+        if self.tools:
+            raise bad_param("tools", "tools are not supported by this server", "unsupported")
+        if self.background:
+            raise bad_param("background", "background responses are not supported", "unsupported")
+        kind = self.text.format.type if self.text and self.text.format else "text"
+        if kind != "text":
+            raise bad_param("text.format", f"text format {kind!r} is not supported", "unsupported")
+        check_metadata(self.metadata or {})
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > METADATA_KEYS:
+        raise bad_param("metadata", f"at most {METADATA_KEYS} metadata keys", "too_long")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise bad_param("metadata", f"metadata keys are at most {METADATA_KEY_CHARS} chars")
+        if len(value) > METADATA_VALUE_CHARS:
+            raise bad_param(
+                f"metadata.{key}", f"metadata values are at most {METADATA_VALUE_CHARS} chars"
+            )
+
+
+def input_messages(raw: Any, max_chars: int) -> list[Message]:
+    """`input` as chat messages: a string is one user message; a list holds message items
+    whose content is a string or text parts. 400 naming the item for anything else, or for a
+    text over `max_chars` (the server's max_message_chars)."""
+    if isinstance(raw, str):
+        if not raw:
+            raise bad_param("input", "input must not be empty", "empty_input")
+        return [{"role": "user", "content": check_text("input", raw, max_chars)}]
+    if not isinstance(raw, list):
+        raise bad_param("input", "input must be a string or a list of input items", "invalid_type")
+    if not raw:
+        raise bad_param("input", "input must hold at least one item", "empty_input")
+    messages = [_message(f"input.{i}", item) for i, item in enumerate(raw)]
+    for i, m in enumerate(messages):
+        check_text(f"input.{i}.content", m["content"], max_chars)
+    return messages
+
+
+def _message(where: str, item: Any) -> Message:
+    if not isinstance(item, dict):
+        raise bad_param(
+            where, "an input item must be an object with role and content", "invalid_type"
+        )
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise bad_param(
+            f"{where}.type", f"input items of type {kind!r} are not supported", "unsupported"
+        )
+    role = item.get("role")
+    if role not in ROLES:
+        raise bad_param(f"{where}.role", f"role must be one of {', '.join(ROLES)}")
+    return {"role": ROLES[role], "content": _content(f"{where}.content", item.get("content"))}
+
+
+def _content(where: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_param(where, "content must be a string or a list of text parts", "invalid_type")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise bad_param(
+                f"{where}.{j}",
+                f"content part {kind!r} is not supported: only input_text",
+                "unsupported",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_param(f"{where}.{j}.text", "text must be a string", "invalid_type")
+        texts.append(text)
+    return "".join(texts)

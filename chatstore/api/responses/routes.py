@@ -1,0 +1,241 @@
+"""The OpenAI Responses API, over the chat service: a chain of responses is a session.
+
+    POST   /v1/responses          a response: JSON, or SSE events with stream=true
+    GET    /v1/responses/{id}     a stored response object
+    DELETE /v1/responses/{id}     forget it (its session and the rest of its chain stay)
+
+`previous_response_id` continues a conversation: the new turn runs in the chain's session when
+that session is still at the previous response, so its prompt reuses the stored KV; from an
+older response (a fork) it opens a new session (responses_chain.py). A response is stored once
+it has finished (completed or incomplete), in the tenant's records (responses_store.py), and
+survives restarts. `store=false`: the turn runs in a session of its own, deleted when the turn
+ends; the response can be neither fetched nor continued. Another tenant's response, like an
+unknown one, is "not found" (404).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from chatstore.api.common.auth import Principal, tenant_principal
+from chatstore.api.common.errors import ERRORS, APIError, bad_param, not_found
+from chatstore.api.common.sampling import to_sampling
+from chatstore.api.common.streaming import sse_response
+from chatstore.api.responses.body import ResponseHead
+from chatstore.api.responses.chain import ChainTurn, plan_turn
+from chatstore.api.responses.events import ResponseEvents
+from chatstore.api.responses.protocol import (
+    RESPONSE_ID_MAX,
+    ResponsesRequest,
+    check_text,
+    input_messages,
+)
+from chatstore.api.responses.store import ResponseStore, StoredResponse, new_response_id
+from chatstore.api.sessions.service import ChatService, TurnSpec, new_session_id
+from chatstore.api.sessions.turn import Turn, TurnResult
+from chatstore.engine.request import SamplingParams
+
+log = logging.getLogger("chatstore.api")
+router = APIRouter(prefix="/v1/responses", tags=["responses"])
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
+async def _tenant(request: Request) -> Principal:
+    """tenant_principal, on the event loop: it only compares keys, and FastAPI would run the
+    plain function in a worker thread, a hop before every turn's first token."""
+    return tenant_principal(request)
+
+
+Tenant = Annotated[Principal, Depends(_tenant)]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One POST /v1/responses, once its turn is open."""
+
+    service: ChatService
+    tenant: str
+    head: ResponseHead
+    chain: ChainTurn
+    turn: Turn
+
+    async def finish(self, result: TurnResult) -> tuple[dict[str, Any], str]:
+        """The finished response object (and as JSON), stored first when it is to be kept."""
+        keep = self.head.store
+        body = self.head.finished(result, self.turn.session_id if keep else None)
+        text = _ENCODE(body)
+        if keep:
+            reply = {"role": "assistant", "content": result.texts[0]}
+            stored = StoredResponse(text, self.turn.session_id, [*self.chain.items, reply])
+            put = _responses(self.service).put
+            await asyncio.to_thread(put, self.tenant, self.head.id, stored)
+        return body, text
+
+    def discard(self) -> asyncio.Future[None] | None:
+        """store=false: delete the turn's own session (in the background; the future)."""
+        if self.head.store:
+            return None
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(None, _discard, self.service, self.tenant, self.turn.session_id)
+
+
+def _responses(service: ChatService) -> ResponseStore:
+    return ResponseStore(service.store)
+
+
+def _discard(service: ChatService, tenant: str, session_id: str) -> None:
+    try:
+        service.delete_session(tenant, session_id)
+    except APIError as exc:
+        if exc.status != 404:  # 404: the turn failed before its record was written
+            log.warning("could not delete the store=false session %s: %s", session_id, exc)
+
+
+@router.post("", responses=ERRORS)
+async def create_response(body: ResponsesRequest, request: Request, principal: Tenant) -> Any:
+    started = request.scope.get("chatstore.started", time.perf_counter())
+    service: ChatService = request.app.state.service
+    body.check_supported()
+    max_chars = service.settings.max_message_chars
+    new_items = input_messages(body.input, max_chars)
+    check_text("instructions", body.instructions or "", max_chars)
+    sampling = to_sampling(body.sampling_fields(), service.settings.default_max_tokens)
+    plan = functools.partial(
+        plan_turn,
+        service.store,
+        principal.tenant,
+        body.previous_response_id,
+        body.instructions,
+        new_items,
+        body.store,
+    )
+    # Only a continuation reads records: a new chain skips the hop to a worker thread.
+    chain = plan() if body.previous_response_id is None else await asyncio.to_thread(plan)
+    limit = service.settings.max_messages
+    if len(chain.messages) > limit:
+        raise bad_param(
+            "input",
+            f"the conversation would hold {len(chain.messages)} messages; the limit is {limit} "
+            "(max_messages): start a new conversation",
+            "conversation_too_long",
+        )
+    spec = TurnSpec(
+        tenant=principal.tenant,
+        sampling=sampling,
+        started=started,
+        session_id=chain.session_id,
+        messages=chain.messages,
+        api="responses",
+    )
+    head = _head(body, sampling, request.app.state.settings.model_name)
+    turn = await _open(service, spec, chain)
+    request.scope["chatstore.turn"] = turn
+    call = _Call(service, principal.tenant, head, chain, turn)
+    if body.stream:
+        return sse_response(_stream(call))
+    return await _reply(call, request)
+
+
+def _head(body: ResponsesRequest, sampling: SamplingParams, default_model: str) -> ResponseHead:
+    return ResponseHead(
+        id=new_response_id(),
+        item_id="msg_" + uuid.uuid4().hex,
+        model=body.model or default_model,
+        instructions=body.instructions,
+        previous_response_id=body.previous_response_id,
+        max_output_tokens=body.max_output_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        store=body.store,
+        user=body.user,
+        metadata=body.metadata or {},
+    )
+
+
+async def _open(service: ChatService, spec: TurnSpec, chain: ChainTurn) -> Turn:
+    """Open the turn; if the chain's session is busy (another continuation of the same
+    response in flight), fork into a new session instead of refusing."""
+    try:
+        return await service.open_turn(spec)
+    except APIError as exc:
+        if exc.code != "session_busy" or not chain.continues:
+            raise
+    return await service.open_turn(replace(spec, session_id=new_session_id()))
+
+
+async def _reply(call: _Call, request: Request) -> Any:
+    try:
+        result = await call.turn.run_watching(request.is_disconnected)
+        if result is None:  # the client went away: the turn was aborted, nobody to answer
+            return Response(status_code=499)
+        if result.error is not None:
+            raise APIError(500, f"generation failed: {result.error}", code="engine_error")
+        if call.turn.save_error is not None:  # the session was not kept: never acknowledge
+            raise call.turn.save_error
+        _, text = await call.finish(result)
+        return Response(text, media_type="application/json")
+    finally:
+        discarded = call.discard()
+        if discarded is not None:
+            await discarded
+
+
+async def _stream(call: _Call) -> AsyncIterator[bytes]:
+    events = ResponseEvents(call.head)
+    turn = call.turn
+    try:
+        yield events.opening()
+        async for delta in turn.deltas():
+            if delta.text:
+                yield events.delta(delta.text)
+        result = turn.result
+        assert result is not None
+        if result.error is not None:
+            yield events.failed(call.head.finished(result, None))
+            return
+        if turn.save_error is not None:
+            yield events.error(turn.save_error)
+            return
+        try:
+            response, response_json = await call.finish(result)
+        except APIError as exc:
+            yield events.error(exc)
+            return
+        yield events.closing(response, response_json)
+    finally:
+        turn.close()
+        call.discard()  # not awaited: the stream may be cancelled (client gone)
+
+
+@router.get("/{response_id}", responses=ERRORS)
+def get_response(response_id: str, request: Request, principal: Tenant) -> Any:
+    stored = _find(request, principal, response_id)
+    return Response(stored.body_json, media_type="application/json")
+
+
+@router.delete("/{response_id}", responses=ERRORS)
+def delete_response(response_id: str, request: Request, principal: Tenant) -> Any:
+    store = _responses(request.app.state.service)
+    if len(response_id) > RESPONSE_ID_MAX or not store.delete(principal.tenant, response_id):
+        raise not_found(f"response {response_id}")
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _find(request: Request, principal: Principal, response_id: str) -> StoredResponse:
+    stored = None
+    if len(response_id) <= RESPONSE_ID_MAX:
+        stored = _responses(request.app.state.service).get(principal.tenant, response_id)
+    if stored is None:
+        raise not_found(f"response {response_id}")
+    return stored

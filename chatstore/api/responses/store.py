@@ -1,0 +1,80 @@
+"""Stored responses, kept in the records store's Responses namespace (LMDB, or Redis with
+replicas): chatstore/store/records/responses.py.
+
+A response is one `ResponseRecord` of its tenant, named by the response id: the response object
+as JSON, the session holding the conversation's KV, and the conversation through this
+response's reply, without instructions. Each holds its whole conversation, so continuing from
+any response reads one record, whatever happened to its session since (continued by another
+response, deleted, expired) and whether or not the responses before it were deleted. Records
+expire with the session TTL, like sessions. Reads and writes block on the records store: call
+them from a worker thread.
+
+At rest a response is sealed like any record, under the key of the tenant it belongs to, so
+crypto-shredding a tenant makes its stored responses unreadable with its sessions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from chatstore.api.common.chat_template import Message
+from chatstore.api.common.errors import store_error
+from chatstore.store.ports import (
+    RecordStoreError,
+    ResponseExists,
+    ResponseRecord,
+    SessionKVAdmin,
+)
+
+
+def new_response_id() -> str:
+    return "resp_" + uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    body_json: str  # the response object, as GET returns it (text: a continuation skips it)
+    session_id: str  # the session whose record and KV hold this conversation
+    items: list[Message]  # the conversation through this response's reply (no instructions)
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return json.loads(self.body_json)
+
+
+class ResponseStore:
+    def __init__(self, store: SessionKVAdmin) -> None:
+        self.responses = store.responses
+
+    def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        try:
+            record = self.responses.get(tenant, response_id)
+        except RecordStoreError as exc:
+            raise store_error(exc) from None
+        if record is None:
+            return None
+        return StoredResponse(record.body_json, record.session_id, list(record.items))
+
+    def put(self, tenant: str, response_id: str, response: StoredResponse) -> None:
+        """Keep the response durably (the records store's own guarantee); APIError 503/507
+        when it cannot be kept."""
+        items = [{"role": m["role"], "content": m["content"]} for m in response.items]
+        record = ResponseRecord(
+            tenant, response_id, response.body_json, response.session_id, items, time.time()
+        )
+        try:
+            self.responses.create(record)
+        except RecordStoreError as exc:
+            raise store_error(exc) from None
+        except ResponseExists:  # a uuid4 collision, or a client-made id: never overwrite
+            raise RuntimeError(f"response {response_id} already exists") from None
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        try:
+            return self.responses.delete(tenant, response_id)
+        except RecordStoreError as exc:
+            raise store_error(exc) from None
