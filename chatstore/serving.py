@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chatstore.api.common.chat_template import ChatTemplate
 from chatstore.config import Config
@@ -127,3 +128,10 @@ def start_kv_events(
 
 def model_name(name_or_path: str) -> str:
     return DEFAULT_MODEL_NAME if name_or_path in DEFAULT_MODEL_ALIASES else Path(name_or_path).name
+
+
+if TYPE_CHECKING:  # mypy checks here that a Serving is what the app serves
+    from chatstore.api.common.app import Served
+
+    def _is_served(serving: Serving) -> Served:
+        return serving

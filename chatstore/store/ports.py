@@ -350,7 +350,9 @@ class SessionKVAdmin(Protocol):
     def fit_context(
         self, tenant: str, session_id: str, prompt: list[int], head: int, tail: int, reserve: int
     ) -> list[int]:
-        """`KVAdmin.fit_context` (records only: the prompt's oldest history cut, no KV)."""
+        """The prompt cut so that it and `reserve` reply tokens fit `context` (the oldest
+        history after `head` tokens dropped, the last `tail` kept), the saved KV cut alike; a
+        ValueError when it cannot fit. Records only: the prompt whole (nothing to cut with)."""
 
     def fetch_remote(self, tenant: str, session_id: str) -> None:
         """Before a turn: bring what only the remote tier holds up to a local tier."""

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from chatstore.api.common.chat_template import Message
 from chatstore.api.common.errors import bad_param
 from chatstore.api.common.protocol import INT64_MAX, SamplingFields
-from chatstore.api.sessions.service import check_text
+from chatstore.api.sessions.limits import check_text
 
 RESPONSE_ID_MAX = 128
 METADATA_KEYS = 16  # OpenAI's limits on `metadata`

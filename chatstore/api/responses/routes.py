@@ -35,13 +35,9 @@ from chatstore.api.common.streaming import sse_response
 from chatstore.api.responses.body import ResponseHead
 from chatstore.api.responses.chain import ChainTurn, plan_turn
 from chatstore.api.responses.events import ResponseEvents
-from chatstore.api.responses.protocol import (
-    RESPONSE_ID_MAX,
-    ResponsesRequest,
-    check_text,
-    input_messages,
-)
+from chatstore.api.responses.protocol import RESPONSE_ID_MAX, ResponsesRequest, input_messages
 from chatstore.api.responses.store import ResponseStore, StoredResponse, new_response_id
+from chatstore.api.sessions.limits import check_text
 from chatstore.api.sessions.service import ChatService, TurnSpec, new_session_id
 from chatstore.api.sessions.turn import Turn, TurnResult
 from chatstore.engine.request import SamplingParams

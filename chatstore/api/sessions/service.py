@@ -26,18 +26,17 @@ conversation is rendered afresh and the store reuses the longest common prefix.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import threading
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
 from chatstore.api.common.chat_template import ChatTemplate, Message
 from chatstore.api.common.errors import APIError, bad_param, not_found, store_error
 from chatstore.api.common.settings import ServerSettings
+from chatstore.api.sessions.limits import check_metadata, check_retention_fields, check_text
+from chatstore.api.sessions.reservations import SessionReservations
 from chatstore.api.sessions.turn import Turn
 from chatstore.engine.request import (
     EngineDeadError,
@@ -48,10 +47,8 @@ from chatstore.engine.request import (
 )
 from chatstore.store.ports import (
     RecordStoreError,
-    RetentionError,
     SessionKVAdmin,
     SessionRecord,
-    check_retention,
 )
 
 log = logging.getLogger("chatstore.api")
@@ -103,10 +100,7 @@ class ChatService:
         self.vocab_size = vocab_size
         self.on_turn_end = on_turn_end
         self.draining = False
-        self._busy: set[tuple[str, str]] = set()  # sessions with a turn (or a delete) running
-        self._leases: dict[tuple[str, str], Any] = {}  # their leases (shared with replicas)
-        self._turns: Counter[str] = Counter()  # turns in flight per tenant
-        self._lock = threading.Lock()  # _busy and _turns: turns open in worker threads
+        self.reservations = SessionReservations(store, settings)
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -120,7 +114,7 @@ class ChatService:
         ttl_s: int = 0,
     ) -> SessionRecord:
         self._check_metadata(metadata)
-        self._check_retention({"priority": priority, "ttl_s": ttl_s})
+        check_retention_fields({"priority": priority, "ttl_s": ttl_s})
         if sid is not None and self.store.get(tenant, sid) is not None:
             raise self._exists(sid)
         self._check_session_quota(tenant)
@@ -146,7 +140,7 @@ class ChatService:
         for name in ("priority", "ttl_s"):
             if name in changes and changes[name] is None:
                 raise bad_param(name, f"{name} must be an integer")
-        self._check_retention(changes)
+        check_retention_fields(changes)
         try:
             record = self.store.update(tenant, sid, **changes)
         except RecordStoreError as exc:
@@ -162,21 +156,9 @@ class ChatService:
         return record
 
     def delete_session(self, tenant: str, sid: str) -> None:
-        key = (tenant, sid)
-        with self._lock:  # held busy while deleting: no turn opens in between
-            if key in self._busy:
-                raise self._busy_error(sid)
-            self._busy.add(key)
-        try:
-            lease = self._lease(key)
-            try:
-                if not self.store.delete(tenant, sid):
-                    raise not_found(f"session {sid}")
-            finally:
-                self.store.release_lease(lease)
-        finally:
-            with self._lock:
-                self._busy.discard(key)
+        with self.reservations.deleting((tenant, sid)):
+            if not self.store.delete(tenant, sid):
+                raise not_found(f"session {sid}")
 
     def purge_expired(self) -> int:
         """Delete the sessions idle past the TTL (records and KV); how many went."""
@@ -202,7 +184,7 @@ class ChatService:
             )
             stream = self._submit(request)
         except BaseException:
-            self._release(key)
+            self.reservations.release_turn(key)
             raise
         turn = Turn(
             request, stream, sampling.n, spec.started, self._finish, self._end, self.engine.abort
@@ -215,78 +197,18 @@ class ChatService:
         """`_prepare`, with the session reserved for this turn (released if it fails)."""
         if spec.session_id is not None:
             key = (spec.tenant, spec.session_id)
-            self._reserve(key)
+            self.reservations.reserve_turn(key)
             try:
                 return self._prepare(spec)
             except BaseException:
-                self._release(key)
+                self.reservations.release_turn(key)
                 raise
         prep = self._prepare(spec)
-        self._reserve((spec.tenant, prep.record.session_id))
+        self.reservations.reserve_turn((spec.tenant, prep.record.session_id))
         return prep
 
     def turns_in_flight(self, tenant: str) -> int:
-        with self._lock:
-            return self._turns[tenant]
-
-    def _reserve(self, key: tuple[str, str]) -> None:
-        tenant = key[0]
-        with self._lock:
-            if key in self._busy:
-                raise self._busy_error(key[1])
-            limit = self.settings.turns_per_tenant
-            if limit is not None and self._turns[tenant] >= limit:
-                raise APIError(
-                    429,
-                    f"tenant has {limit} turns in flight (max_turns_per_tenant)",
-                    code="tenant_busy",
-                    headers=self._retry(),
-                )
-            self._busy.add(key)
-            self._turns[tenant] += 1
-        try:
-            lease = self._lease(key)
-        except BaseException:
-            self._release(key)
-            raise
-        with self._lock:
-            self._leases[key] = lease
-
-    def _lease(self, key: tuple[str, str]) -> Any:
-        """The session's lease across replicas (after the local busy check, which settles
-        turns within this process without a round trip)."""
-        try:
-            lease = self.store.acquire_lease(*key)
-        except RecordStoreError as exc:
-            raise store_error(exc) from None
-        if lease is None:
-            raise APIError(
-                409,
-                f"session {key[1]}: a turn is in progress on another replica",
-                code="session_busy",
-            )
-        return lease
-
-    def _release(self, key: tuple[str, str]) -> None:
-        """Free the session here; its lease goes back in the background (this may run on the
-        event loop, which must not wait on Redis)."""
-        with self._lock:
-            lease = self._leases.pop(key, None)
-            if key in self._busy:
-                self._busy.discard(key)
-                self._turns[key[0]] -= 1
-                if self._turns[key[0]] <= 0:
-                    del self._turns[key[0]]
-        if lease is not None:
-            self.store.release_lease(lease, wait=False)
-
-    def _release_lease(self, key: tuple[str, str]) -> None:
-        """Give the lease back now (a worker thread), before the turn is acknowledged: the
-        client's next turn may go to another replica."""
-        with self._lock:
-            lease = self._leases.pop(key, None)
-        if lease is not None:
-            self.store.release_lease(lease)
+        return self.reservations.turns_in_flight(tenant)
 
     def _prepare(self, spec: TurnSpec) -> _Prepared:
         if spec.new_message is not None:
@@ -345,8 +267,7 @@ class ChatService:
         """The tenant's session this resent history continues, if one is idle and matches."""
         sid = self.store.match_prefix(tenant, prompt)
         record = self.store.get(tenant, sid) if sid else None
-        with self._lock:
-            busy = record is not None and (tenant, record.session_id) in self._busy
+        busy = record is not None and self.reservations.is_busy((tenant, record.session_id))
         if record is None or busy:
             return None
         if messages[: len(record.messages)] != plain(record.messages):
@@ -421,11 +342,11 @@ class ChatService:
             log.error("saving session %s failed: %s", record.session_id, exc)
             raise store_error(exc) from None
         finally:
-            self._release_lease((record.tenant, record.session_id))
+            self.reservations.release_lease((record.tenant, record.session_id))
 
     def _end(self, turn: Turn) -> None:
         record: SessionRecord = turn.log["record"]
-        self._release((record.tenant, record.session_id))
+        self.reservations.release_turn((record.tenant, record.session_id))
         if self.on_turn_end is not None:
             self.on_turn_end(turn)
 
@@ -458,18 +379,7 @@ class ChatService:
         check_text(param, text, self.settings.max_message_chars)
 
     def _check_metadata(self, metadata: dict[str, str]) -> None:
-        size, limit = len(json.dumps(metadata)), self.settings.max_metadata_bytes
-        if size > limit:
-            raise bad_param(
-                "metadata", f"metadata is {size} bytes as JSON; the limit is {limit}", "too_long"
-            )
-
-    def _check_retention(self, fields: dict[str, Any]) -> None:
-        """The schema bounds them already; this guards callers that bypass it."""
-        try:
-            check_retention(fields.get("priority"), fields.get("ttl_s"))
-        except RetentionError as exc:
-            raise bad_param(exc.field, str(exc)) from None
+        check_metadata(metadata, self.settings.max_metadata_bytes)
 
     def _check_session_quota(self, tenant: str) -> None:
         limit = self.settings.max_sessions_per_tenant
@@ -484,27 +394,8 @@ class ChatService:
     def _exists(self, sid: str) -> APIError:
         return APIError(409, f"session {sid} already exists", param="id", code="conflict")
 
-    def _busy_error(self, sid: str) -> APIError:
-        return APIError(409, f"session {sid} has a turn in progress", code="session_busy")
-
     def _draining(self) -> APIError:
         return APIError(503, "server is shutting down", code="draining", headers=self._retry())
 
     def _retry(self) -> dict[str, str]:
         return {"Retry-After": str(self.settings.retry_after_s)}
-
-
-def check_text(param: str, text: str, max_chars: int) -> str:
-    """A message's text within the service's limits (length, valid Unicode), or a 400 naming
-    `param` as the calling API names it."""
-    if len(text) > max_chars:
-        raise bad_param(
-            param, f"message is {len(text)} characters; the limit is {max_chars}", "too_long"
-        )
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): JSON allows it
-        raise bad_param(
-            param, f"text is not valid Unicode at character {exc.start}", "invalid_text"
-        ) from None
-    return text
