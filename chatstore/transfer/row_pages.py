@@ -29,8 +29,11 @@ class Segment:
         self.first_page = first_page
         self.pages = pages
         self.used = 0  # pages handed out
-        self.kv = torch.empty((layers, rows, 2, *row_shape), dtype=dtype)
-        self.positions = torch.full((rows,), -1, dtype=torch.long)
+        # Made during a forward (inference mode) but written later by other threads too (CUDA
+        # copies land on the writer thread): storage, not an inference result.
+        with torch.inference_mode(False):
+            self.kv = torch.empty((layers, rows, 2, *row_shape), dtype=dtype)
+            self.positions = torch.full((rows,), -1, dtype=torch.long)
 
     @property
     def first_row(self) -> int:

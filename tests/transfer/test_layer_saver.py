@@ -13,6 +13,7 @@ import torch
 
 from chatstore.transfer import layer_saver as ls
 from chatstore.transfer.layer_saver import PAGE_ROWS, LayerSaver, TurnRows
+from chatstore.transfer.row_pages import Segment
 
 LAYERS, HKV, D = 3, 3, 8
 
@@ -335,3 +336,14 @@ def test_writer_thread_reads_while_engine_runs(device: str) -> None:
     for rid in list(live):
         saver.drop(rid)
     assert saver.held_bytes() == 0
+
+
+def test_an_arena_made_during_a_forward_takes_rows_outside_it():
+    # The engine's forward runs in inference mode and grows the arena there; on CUDA the rows
+    # land later on the writer thread, outside it (host_copies.py): the arena must take them.
+    with torch.inference_mode():
+        segment = Segment(0, 1, LAYERS, (1, 2), torch.float32)
+    rows = torch.ones(3, 2, 1, 2)
+    segment.kv[0].index_copy_(0, torch.tensor([0, 1, 2]), rows)
+    segment.positions.index_copy_(0, torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7]))
+    assert torch.equal(segment.kv[0, :3], rows) and segment.positions[:3].tolist() == [5, 6, 7]
