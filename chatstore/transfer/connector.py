@@ -378,30 +378,3 @@ class StoreConnector(KVConnector):
         saved = pending.saved if pending is not None else None
         reusable = pending.reusable if pending is not None and saved is not None else 0
         self.turn_saver.save(request, saved, reusable, rows, token_ids, block_table)
-
-
-def create_connector(
-    store: KVSource | None,
-    kv_cache: PagedKVCache,
-    rope: RotaryEmbedding,
-    read_buffer_layers: int = 0,
-    read_buffer_bytes: int = 512 << 20,
-    read_buffer_queue: str = "auto",
-):
-    """StoreConnector over `store`, or the recompute baseline (NullConnector) when it is None.
-    read_buffer_queue: stage queued sessions too ("on"), only hinted ones ("off"), or "auto"
-    (queued ones only when the pool is on a GPU)."""
-    from chatstore.engine.kv_connector import NullConnector
-
-    if store is None:
-        return NullConnector()
-    if read_buffer_layers < 0:  # -1: every layer
-        read_buffer_layers = kv_cache.spec.num_layers
-    return StoreConnector(
-        store,
-        kv_cache,
-        rope,
-        read_buffer_layers=read_buffer_layers,
-        read_buffer_bytes=read_buffer_bytes,
-        stage_queued={"on": True, "off": False}.get(read_buffer_queue),
-    )
