@@ -25,6 +25,7 @@ from chatstore.engine.runtime import Runtime
 from chatstore.engine.sampling import sample_batch
 from chatstore.engine.scheduler import ScheduledSeq, Scheduler, WaitingEntry
 from chatstore.engine.sequence import RequestState, Sequence, SequenceStatus
+from chatstore.engine.step_loads import StepLoads
 from chatstore.engine.swap import HostSwapSpace
 
 log = logging.getLogger(__name__)
@@ -113,27 +114,15 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for seq, message in plan.failed:
             self._finish_group(seq.group, "error", message, touched)
-        # Layer-wise pre-load when the connector has it: the copies run during the forward,
-        # which waits per layer (layer_ready); they are all joined in this step, before any
-        # block can be freed (aborts are applied at the start of a step).
-        connector = self.connector
-        loading: list[RequestState] = []
-        for load in plan.loads:
-            args = (load.seq.request, load.start, load.num_tokens, load.seq.block_table)
-            try:
-                if connector.layerwise:
-                    connector.start_load(*args)
-                    loading.append(load.seq.group)
-                else:
-                    connector.load(*args)
-            except Exception as exc:
-                self._load_failed(load.seq.group, exc, touched)
+        loads = StepLoads(self.connector)  # joined in this step, before any block is freed
+        for group, exc in loads.start(plan.loads):
+            self._load_failed(group, exc, touched)
         self._look_ahead()
         items = [s for s in plan.scheduled if not s.seq.finished]
         if items:
-            self._run_step(items, touched, loading)
-        elif loading:
-            self._finish_loads(touched, loading)
+            self._run_step(items, touched, loads)
+        else:
+            self._finish_loads(touched, loads)
         outputs = [self._make_output(g) for g in touched.values()]
         return [o for o in outputs if o is not None]
 
@@ -148,15 +137,9 @@ class LLMEngine:
         log.error("KV load failed for %s", group.request_id, exc_info=exc)
         self._finish_group(group, "error", f"KV load failed: {exc}", touched)
 
-    def _finish_loads(self, touched: dict[str, RequestState], loading: list[RequestState]) -> None:
+    def _finish_loads(self, touched: dict[str, RequestState], loads: StepLoads) -> None:
         """Join the step's pre-loads; a request whose load failed ends with an error."""
-        try:
-            errors = self.connector.finish_loads()
-        except Exception as exc:
-            log.exception("connector.finish_loads failed")
-            # Unknown state for the requests loading this step; nobody else's blocks are touched.
-            errors = {g.request_id: exc for g in loading}
-        for rid, error in errors.items():
+        for rid, error in loads.finish().items():
             group = self._groups.get(rid)
             if group is not None:
                 self._load_failed(group, error, touched)
@@ -165,19 +148,16 @@ class LLMEngine:
         self,
         items: list[ScheduledSeq],
         touched: dict[str, RequestState],
-        loading: list[RequestState],
+        loads: StepLoads,
     ) -> None:
-        layer_ready = self.connector.wait_for_layer if loading else None
         try:
-            logits = self._forward(items, layer_ready)
+            logits = self._forward(items, loads.layer_ready)
         except Exception as exc:
             log.exception("forward of %d sequences failed", len(items))
-            if loading:
-                self._finish_loads(touched, loading)  # before any of their blocks is freed
+            self._finish_loads(touched, loads)  # before any of their blocks is freed
             self._isolate(items, exc, touched)
             return
-        if loading:
-            self._finish_loads(touched, loading)
+        self._finish_loads(touched, loads)
         self._advance(items, logits, touched)
 
     def _isolate(
