@@ -26,9 +26,8 @@ def busy_error(sid: str) -> APIError:
 
 
 class SessionReservations:
-    def __init__(self, store: SessionKVAdmin, settings: ServerSettings) -> None:
+    def __init__(self, store: SessionKVAdmin) -> None:
         self.store = store
-        self.settings = settings
         self._busy: set[SessionRef] = set()  # sessions with a turn (or a delete) running
         self._leases: dict[SessionRef, SessionLease] = {}  # their leases (shared with replicas)
         self._turns: Counter[str] = Counter()  # turns in flight per tenant
@@ -42,20 +41,20 @@ class SessionReservations:
         with self._lock:
             return self._turns[tenant]
 
-    def reserve_turn(self, key: SessionRef) -> None:
+    def reserve_turn(self, key: SessionRef, settings: ServerSettings) -> None:
         """The session for one turn, here and (its lease) across replicas; APIError when it
-        or its tenant is busy."""
+        or its tenant is busy (settings: the service's now, they may change while it runs)."""
         tenant = key[0]
         with self._lock:
             if key in self._busy:
                 raise busy_error(key[1])
-            limit = self.settings.turns_per_tenant
+            limit = settings.turns_per_tenant
             if limit is not None and self._turns[tenant] >= limit:
                 raise APIError(
                     429,
                     f"tenant has {limit} turns in flight (max_turns_per_tenant)",
                     code="tenant_busy",
-                    headers={"Retry-After": str(self.settings.retry_after_s)},
+                    headers={"Retry-After": str(settings.retry_after_s)},
                 )
             self._busy.add(key)
             self._turns[tenant] += 1

@@ -100,7 +100,7 @@ class ChatService:
         self.vocab_size = vocab_size
         self.on_turn_end = on_turn_end
         self.draining = False
-        self.reservations = SessionReservations(store, settings)
+        self.reservations = SessionReservations(store)
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -197,14 +197,14 @@ class ChatService:
         """`_prepare`, with the session reserved for this turn (released if it fails)."""
         if spec.session_id is not None:
             key = (spec.tenant, spec.session_id)
-            self.reservations.reserve_turn(key)
+            self.reservations.reserve_turn(key, self.settings)
             try:
                 return self._prepare(spec)
             except BaseException:
                 self.reservations.release_turn(key)
                 raise
         prep = self._prepare(spec)
-        self.reservations.reserve_turn((spec.tenant, prep.record.session_id))
+        self.reservations.reserve_turn((spec.tenant, prep.record.session_id), self.settings)
         return prep
 
     def turns_in_flight(self, tenant: str) -> int:
