@@ -48,6 +48,7 @@ from chatstore.store.tiers.base import (
     StorageTier,
     TierOccupancy,
 )
+from chatstore.store.tiers.dram import DramTier
 from chatstore.store.tiers.dram_admission import DramAdmission
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,8 @@ class ChunkTiers(DramAdmission):
         only rows [start, end) are wanted (from DRAM only those are copied)."""
         with self._lock:
             top = self.top
-            if rows is not None and top is not None and top.contains(key):
-                value = top.get_rows(key, *rows)  # type: ignore[attr-defined]
+            if rows is not None and isinstance(top, DramTier) and top.contains(key):
+                value = top.get_rows(key, *rows)
                 if value is not None and count:
                     self._hit(top.name, key, value.nbytes)
                 return value

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from chatstore.store.chunks.keys import ChunkKey
+from chatstore.store.events import EventKind
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers.background import BackgroundIO
 from chatstore.store.tiers.base import TierFull
@@ -31,7 +32,7 @@ class DramAdmission(SlowTierWrites):
     def _in_foreground(self) -> bool:
         return getattr(self._local, "foreground", False)
 
-    def _insert_top(self, key: ChunkKey, value: SessionKV, kind: str) -> bool | str:
+    def _insert_top(self, key: ChunkKey, value: SessionKV, kind: EventKind) -> bool | str:
         """value into DRAM, evicting by the placement; victims without a copy below are
         written down before this returns. True when inserted, "present" when DRAM held it
         already, False when it does not fit (or is no longer wanted: a delete raced with the

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterable
 
 from chatstore.store.chunks.keys import ChunkKey
-from chatstore.store.events import EventLog, StoreCounters, StoreEvent
+from chatstore.store.events import EventKind, EventLog, StoreCounters, StoreEvent
 from chatstore.store.placement.victims import VictimChooser
 from chatstore.store.sealing import OpenError
 from chatstore.store.session_kv import SessionKV
@@ -149,5 +149,7 @@ class SlowTierWrites:
             self.counters.dropped += 1
         self._emit("dropped", key, None, nbytes)
 
-    def _emit(self, kind: str, key: ChunkKey, tier: str | None = None, nbytes: int = 0) -> None:
-        self.events.emit(StoreEvent(kind, key, tier, nbytes))  # type: ignore[arg-type]
+    def _emit(
+        self, kind: EventKind, key: ChunkKey, tier: str | None = None, nbytes: int = 0
+    ) -> None:
+        self.events.emit(StoreEvent(kind, key, tier, nbytes))
