@@ -7,8 +7,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chatstore.api.common.launcher import local_server
 from chatstore.api.admin.metrics import GatewayCollector
+from chatstore.api.common.launcher import local_server
 from chatstore.engine.engine_stats import EngineStats
 
 

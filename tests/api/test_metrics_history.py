@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from chatstore.api.admin.history import MetricsHistory, percentile, run_sampler
-from chatstore.store.ports import TierStats
 from chatstore.engine.engine_stats import EngineStats
+from chatstore.store.ports import TierStats
 
 ENGINE = EngineStats(
     **{

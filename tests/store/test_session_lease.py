@@ -12,9 +12,6 @@ import httpx
 import pytest
 
 from chatstore.store.records import LmdbRecordStore, RecordStoreUnavailable, RedisRecordStore
-from chatstore.store.sealing import Keyring, Sealer
-from chatstore.store.sealing.keyring import new_secret_line, parse_secrets
-from chatstore.store.session_kv import SessionKey
 from chatstore.store.records.leases import (
     LocalLeases,
     RedisLeases,
@@ -22,6 +19,9 @@ from chatstore.store.records.leases import (
     session_leases,
     session_tag,
 )
+from chatstore.store.sealing import Keyring, Sealer
+from chatstore.store.sealing.keyring import new_secret_line, parse_secrets
+from chatstore.store.session_kv import SessionKey
 
 KEY = SessionKey("t", "s")
 
