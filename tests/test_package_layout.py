@@ -1,0 +1,157 @@
+"""The package layout's rules (DESIGN.md's data flow, issue 24), read from the source itself.
+
+- No import cycle among chatstore's modules. Every import counts: a deferred one inside a function
+  and one under TYPE_CHECKING too (a cycle dodged by importing late, or for types only, is still
+  two modules that need each other).
+- transfer/ and api/ see the store through its ports (chatstore.store.ports) and the plain value
+  modules named below, never through its parts.
+- Every package under chatstore/ is in pyproject's package list (a non-editable install would
+  leave a missing one out).
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "chatstore"
+
+# What transfer/ and api/ may import from chatstore.store: the ports, and value modules (keys,
+# the KV container and its int8 format, records' value types and errors) that are data, not parts.
+STORE_SEAMS = (
+    "chatstore.store.ports",
+    "chatstore.store.session_kv",
+    "chatstore.store.kv_quant",
+    "chatstore.store.records",
+)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The chatstore modules `name` imports, at module level or in its functions."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def resolve(target: str) -> None:
+        # `from a.b import c` may import module a.b.c or name c of a.b: take the longest known.
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    resolve(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                for alias in node.names:
+                    resolve(f"{base}.{alias.name}")
+            else:
+                visit([c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)])
+
+    visit(tree.body)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    graph = {name: imports_of(name, path, known) for name, path in mods.items()}
+    # Importing a.b.c runs a/__init__ and a/b/__init__ first.
+    for name in list(graph):
+        parent = name.rpartition(".")[0]
+        while parent:
+            if parent in graph and parent != name:
+                graph[name].add(parent)
+            parent = parent.rpartition(".")[0]
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (as a path that returns to its start), or None. A package's __init__
+    importing its own submodules, which import the package back, is how Python packages
+    export names and no cycle: edges from a module to a package that contains it are dropped."""
+    edges = {a: {b for b in bs if not a.startswith(b + ".")} for a, bs in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_a_planted_cycle() -> None:
+    graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p"}, "p": {"p.d"}}
+    assert find_cycle(graph) == ["p.a", "p.b", "p.c", "p.a"]
+    assert find_cycle({"p": {"p.d"}, "p.d": {"p"}}) is None  # a package exporting its module
+
+
+def test_no_import_cycle() -> None:
+    assert find_cycle(import_graph()) is None
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every chatstore.store module path a file names in an import, wherever the import is."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update(
+                {node.module}
+                if node.module != "chatstore.store"
+                else {f"chatstore.store.{a.name}" for a in node.names}
+            )
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.startswith("chatstore.store")}
+
+
+def test_transfer_and_api_see_the_store_through_its_ports() -> None:
+    crossings = []
+    for folder in ("transfer", "api"):
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            for name in sorted(_all_imports(path)):
+                if not any(name == s or name.startswith(s + ".") for s in STORE_SEAMS):
+                    crossings.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert crossings == []
+
+
+def test_pyproject_lists_every_package() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    on_disk = {module_name(p.parent / "__init__.py") for p in PACKAGE.rglob("__init__.py")}
+    on_disk |= {"chatstore.kernels"}  # kernels/ is mapped in by package-dir
+    assert on_disk - listed == set(), "packages missing from pyproject"
+    assert listed - on_disk == set(), "pyproject lists packages that do not exist"
