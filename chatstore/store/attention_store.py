@@ -314,8 +314,8 @@ class AttentionStore:
     def purge_expired(self) -> list[SessionKey]:
         return self.removal.purge_expired()
 
-    def invalidate_all(self) -> int:
-        return self.removal.invalidate_all()
+    def invalidate_all(self, shared: bool = False) -> int:
+        return self.removal.invalidate_all(shared)
 
     def fit_context(
         self,

@@ -381,8 +381,9 @@ class SessionKVAdmin(Protocol):
     def shred_tenant(self, tenant: str) -> dict[str, int]:
         """Crypto-shred tenant (its key, then its sessions, KV, Responses); how many went."""
 
-    def flush(self) -> int:
-        """Drop all cached session KV (records stay); how many sessions."""
+    def flush(self, shared: bool = False) -> int:
+        """Drop this replica's cached session KV (records stay); how many sessions. With
+        `shared`, every chunk of the model in the shared tier (Redis) too, for every replica."""
 
     def close(self) -> None:
         """Persist what must survive a restart, then release the tiers and records."""

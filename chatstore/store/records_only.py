@@ -174,7 +174,7 @@ class RecordsOnlyStore:
     def remote_health(self) -> dict[str, object] | None:
         return None
 
-    def flush(self) -> int:
+    def flush(self, shared: bool = False) -> int:
         return 0
 
     def rotate_keys(self) -> dict[str, object] | None:

@@ -98,8 +98,8 @@ class SessionStore(RecordsOnlyStore):
         health = self.kv.stats().remote
         return dataclasses.asdict(health) if health is not None else None
 
-    def flush(self) -> int:
-        return self.kv.invalidate_all()
+    def flush(self, shared: bool = False) -> int:
+        return self.kv.invalidate_all(shared)
 
     # -- RecordsOnlyStore's hooks -------------------------------------------------------------
 

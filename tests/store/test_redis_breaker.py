@@ -138,7 +138,7 @@ def _kv(n: int) -> torch.Tensor:
 
 
 def test_engine_reads_do_not_wait_for_a_save_stuck_on_hung_redis(tmp_path, own_redis):
-    """A save (here: a freed chunk's delete) stuck on hung Redis holds the tiers' I/O lock.
+    """A save (here: a chunk's write to Redis) stuck on hung Redis holds the tiers' I/O lock.
     The engine thread's read of a session on SSD promotes it to DRAM, evicting the DRAM
     session, whose write-down needs that lock: it must be left to the background, and both
     sessions read while the save is still stuck (its client waits up to a minute here, and
@@ -152,12 +152,17 @@ def test_engine_reads_do_not_wait_for_a_save_stuck_on_hung_redis(tmp_path, own_r
     store.save("t", "ssd", SessionKV(ids["ssd"], _kv(16)))
     push_down(store, "t", "ssd")
     store.save("t", "dram", SessionKV(ids["dram"], _kv(16)))  # DRAM is full now
-    store.tier("remote").put(K("freed"), SessionKV(list(range(4)), _kv(4)))
     assert store.tier_of("t", "ssd") == "ssd" and store.tier_of("t", "dram") == "dram"
-    saver = threading.Thread(target=store.tiers.delete, args=(K("freed"),), daemon=True)
+    remote, shared = store.tier("remote"), SessionKV(list(range(4)), _kv(4))
+
+    def stuck_save() -> None:  # a chunk written to Redis (a delete sends nothing there)
+        with store.tiers._io_lock:
+            store.tiers._write_down(K("shared"), shared, [remote], drop=False)
+
+    saver = threading.Thread(target=stuck_save, daemon=True)
     with hung(own_redis, max_s=30):
         saver.start()
-        _wait_for(store.tiers._io_lock.locked)  # the delete waits on Redis, holding the lock
+        _wait_for(store.tiers._io_lock.locked)  # the write waits on Redis, holding the lock
         assert _admit(conn, "ssd", [*ids["ssd"], 7], "r1") == 16
         assert saver.is_alive(), "the SSD read returned only after the stuck save"
         assert _admit(conn, "dram", [*ids["dram"], 7], "r2") == 16

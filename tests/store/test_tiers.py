@@ -70,12 +70,18 @@ def test_put_get_delete_round_trip(tier_factory):
     assert tier.get(b).equal(value(3, seed=2))
     assert tier.contains(a) and sorted(tier.keys(), key=str) == [a, b]
     assert tier.used_bytes() == tier.size_of(a) + tier.size_of(b) > 0
-    assert tier.delete(a) and not tier.contains(a) and tier.get(a) is None
+    assert tier.delete(a) and not tier.contains(a)
+    if isinstance(tier, RedisTier):  # shared: delete forgets it here, Redis keeps it
+        assert tier.get(a).equal(value(7, seed=1)) and tier.contains(a)
+        assert tier.delete_shared(a) and not tier.contains(a)
+    assert tier.get(a) is None
     assert not tier.delete(a)
     assert tier.used_bytes() == tier.size_of(b) == tier.footprint(value(3, seed=2))
 
 
 def test_capacity_is_never_exceeded(tier_factory):
+    if isinstance(tier_factory(1), RedisTier):
+        pytest.skip("the shared tier has no budget here: test_redis_put_never_refuses_for_budget")
     one = value(8)
     probe = tier_factory(1 << 20)
     capacity = 3 * probe.footprint(one)
@@ -202,8 +208,71 @@ def test_redis_keys_are_namespaced_by_fingerprint_and_tenant(redis_client):
     names = [n.decode() for n in redis_client.keys("*")]
     assert names and all(n.startswith("chatstore:kv:model-a:acme:") for n in names)
     assert all(0 < redis_client.ttl(n) <= 60 for n in names)
-    # A second process with the same model finds what the first wrote.
-    assert RedisTier(redis_client, 1 << 20, "model-a").keys() == [K("s1", "acme")]
+    # A second process with the same model reads what the first wrote, though it starts
+    # knowing nothing (no SCAN at start): a read or a discover teaches it.
+    other = RedisTier(redis_client, 1 << 20, "model-a")
+    assert other.keys() == []
+    assert other.discover([K("s1", "acme"), K("s2", "acme")]) == 1
+    assert other.keys() == [K("s1", "acme")]
+
+
+def _commands(client) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(s["calls"]) for name, s in stats.items()}
+
+
+def test_redis_start_costs_no_round_trip_per_key(redis_client):
+    writer = RedisTier(redis_client, 1 << 20, "fp", ttl_s=60)
+    writer.put_many([(K(str(i)), value(4, seed=i)) for i in range(20)])
+    redis_client.config_resetstat()
+    RedisTier(redis_client, 1 << 20, "fp", ttl_s=60)
+    calls = _commands(redis_client)
+    assert not {"scan", "strlen", "keys", "get"} & set(calls), calls
+
+
+def test_redis_put_never_refuses_for_budget(redis_client):
+    """redis_bytes is a planning number: Redis's maxmemory policy evicts, not this replica."""
+    one = value(8)
+    tier = RedisTier(redis_client, 2 * encoded_footprint(one), "fp", ttl_s=60)
+    for i in range(5):
+        tier.put(K(str(i)), value(8, seed=i))
+    assert all(tier.get(K(str(i))).equal(value(8, seed=i)) for i in range(5))
+    assert tier.used_bytes() > tier.capacity
+
+
+def test_redis_read_and_put_refresh_the_ttl(redis_client):
+    tier = RedisTier(redis_client, 1 << 20, "fp", ttl_s=100)
+    a, b = K("a"), K("b")
+    tier.put_many([(a, value(4, seed=1)), (b, value(4, seed=2))])
+    for key in (a, b):
+        redis_client.expire(tier._name(key), 5)
+    assert tier.get(a).equal(value(4, seed=1))  # GETEX: the read refreshes it
+    assert redis_client.ttl(tier._name(a)) > 90
+    tier.put(b, value(4, seed=2))  # a known chunk: EXPIRE, no rewrite
+    assert redis_client.ttl(tier._name(b)) > 90
+    redis_client.delete(tier._name(b))  # evicted by Redis meanwhile: the put writes it back
+    tier.put(b, value(4, seed=2))
+    assert tier.get(b).equal(value(4, seed=2))
+    assert tier.refresh([a, K("never")]) == 1 and not tier.contains(K("never"))
+
+
+def test_redis_evicted_chunk_is_a_miss_and_forgotten(redis_client):
+    tier = RedisTier(redis_client, 1 << 20, "fp", ttl_s=60)
+    tier.put(K("a"), value(4))
+    redis_client.delete(tier._name(K("a")))  # as maxmemory's LRU would
+    assert tier.contains(K("a"))  # still believed there, until read
+    assert tier.get(K("a")) is None and not tier.contains(K("a"))
+
+
+def test_redis_clear_shared_scoped_to_model_and_tenant(redis_client):
+    a = RedisTier(redis_client, 1 << 20, "model-a", ttl_s=60)
+    b = RedisTier(redis_client, 1 << 20, "model-b", ttl_s=60)
+    a.put_many([(K("1", "acme"), value(4)), (K("2", "beta"), value(4))])
+    b.put(K("1", "acme"), value(4))
+    assert a.clear_shared("acme") == 1
+    assert a.get(K("1", "acme")) is None and a.get(K("2", "beta")) is not None
+    assert a.clear_shared() == 1 and a.get(K("2", "beta")) is None
+    assert b.get(K("1", "acme")) is not None  # another model's chunks stay
 
 
 def test_redis_expired_value_is_a_miss(redis_client):

@@ -2,7 +2,11 @@
 product): free loopback ports, no persistence.
 
 `start_local_redis` starts one server; `start_local_redis_cluster` a Redis Cluster of several;
-`LocalRedis.stop` also stops support/redis_tls.py's TLS server."""
+`LocalRedis.stop` also stops support/redis_tls.py's TLS server.
+
+Eviction as deploy/redis-kv.conf sets it for the KV tier: `maxmemory-policy allkeys-lru` (Redis
+owns eviction of the shared tier); `maxmemory` 0 (no limit) unless a test asks for one. A
+records server (`start_local_redis(policy="noeviction")`) never evicts."""
 
 from __future__ import annotations
 
@@ -38,8 +42,14 @@ def redis_server_binary() -> str | None:
     return found or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
 
 
-def start_local_redis(timeout_s: float = 10.0) -> LocalRedis:
-    """Start `redis-server` on 127.0.0.1:<free port> and wait until it answers PING."""
+KV_POLICY = "allkeys-lru"  # deploy/redis-kv.conf's
+
+
+def start_local_redis(
+    timeout_s: float = 10.0, maxmemory: int = 0, policy: str = KV_POLICY
+) -> LocalRedis:
+    """Start `redis-server` on 127.0.0.1:<free port> and wait until it answers PING;
+    maxmemory bytes (0: no limit) under `policy`."""
     binary = redis_server_binary()
     if binary is None:
         raise FileNotFoundError("redis-server is not installed")
@@ -47,7 +57,8 @@ def start_local_redis(timeout_s: float = 10.0) -> LocalRedis:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
-    process = subprocess.Popen([*args, "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args += ["no", "--maxmemory", str(maxmemory), "--maxmemory-policy", policy]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = LocalRedis(port, process)
     try:
         _wait_for_ping(port, timeout_s)
@@ -109,6 +120,7 @@ class LocalRedisCluster:
             raise FileNotFoundError("redis-server is not installed")
         args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", "no", "--cluster-enabled", "yes", "--dir", self.workdir]
+        args += ["--maxmemory-policy", KV_POLICY]
         args += ["--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "1000"]
         # A replica that never finished its first sync does not take over; the default 5 s
         # diskless-sync delay would leave a fresh cluster with unsynced replicas that long.

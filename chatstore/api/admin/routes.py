@@ -13,7 +13,8 @@ GET  /admin/cache        per tier: capacity, used bytes, sessions, hits, misses,
 GET  /admin/cache/sessions  per session (newest first, paginated, ?tenant=): retention
                          (priority, ttl_s, expires_at) and where its KV is, tokens/bytes per tier
 GET  /admin/sessions     every tenant's sessions (paginated)
-POST /admin/cache/flush  drop all cached session KV (records stay; next turns recompute)
+POST /admin/cache/flush  drop this replica's cached session KV (records stay; next turns
+                         recompute); ?shared=true: the shared tier's (Redis) chunks too
 DELETE /admin/tenants/{tenant}/data  crypto-shred: destroy the tenant's data key (every sealed
                          copy of its data stops opening at once), then purge its sessions, KV
                          and stored Responses
@@ -171,9 +172,11 @@ def _listed_session(service: ChatService, record: SessionRecord) -> dict[str, An
 
 
 @router.post("/admin/cache/flush")
-def flush_cache(request: Request, _: Admin) -> dict[str, Any]:
+def flush_cache(request: Request, _: Admin, shared: bool = False) -> dict[str, Any]:
+    """This replica's tiers only; `?shared=true` also empties the shared tier (Redis) of the
+    model's chunks, for every replica (they recompute)."""
     service: ChatService = request.app.state.service
-    return {"flushed_sessions": service.store.flush()}
+    return {"flushed_sessions": service.store.flush(shared), "shared": shared}
 
 
 @router.delete("/admin/tenants/{tenant}/data")

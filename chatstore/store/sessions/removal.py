@@ -69,6 +69,9 @@ class SessionRemoval:
         with self.committer.mutate:
             held = [c for t in self.tiers.tiers for c in list(t.keys())]
             self.committer.delete_unneeded(list({c for c in held if c.tenant == tenant}))
+        # No replica deletes a shared chunk it merely stopped using; a shred removes the
+        # tenant's from the shared tier explicitly (its key is gone: they open nowhere).
+        self.tiers.delete_tenant_shared(tenant)
         return len(sessions)
 
     def purge_expired(self) -> list[SessionKey]:
@@ -81,8 +84,10 @@ class SessionRemoval:
             self.versions.bump(key)
         return gone
 
-    def invalidate_all(self) -> int:
-        """Drop every session's KV (records keep their messages); how many sessions had KV."""
+    def invalidate_all(self, shared: bool = False) -> int:
+        """Drop every session's KV (records keep their messages) from this replica's tiers,
+        and with `shared` every chunk of the model from the shared tier (Redis) too; how many
+        sessions had KV."""
         self.writer.flush(WAIT_SAVED_S)
         with self.committer.lock:
             dropped = len(self.index)
@@ -91,7 +96,7 @@ class SessionRemoval:
                 self.placement.tell("forget", key)
             self.versions.bump_all()
         with self.committer.mutate:
-            self.tiers.clear()
+            self.tiers.clear(shared)
         for record in self.records.list_sessions():
             self.records.upsert(record.key, token_ids=[], chunks=[])
         return dropped

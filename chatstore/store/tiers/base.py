@@ -84,6 +84,11 @@ class FootprintIndex:
     def size_of(self, key: ChunkKey) -> int:
         return self._sizes.get(key, 0)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._sizes.clear()
+            self._total = 0
+
     def keys(self) -> list[ChunkKey]:
         with self._lock:
             return list(self._sizes)

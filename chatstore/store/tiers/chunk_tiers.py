@@ -227,12 +227,12 @@ class ChunkTiers(DramAdmission):
         return remote is not None and self._copy_down(key, remote)
 
     def _copy_down(self, key: ChunkKey, tier: StorageTier) -> bool:
-        if tier.contains(key):
+        if tier.contains(key) and not tier.remote:
             return True
         with self._lock:
             value = self._get_memory_quiet(key)
         if value is None:
-            return False
+            return tier.contains(key)
         with self._io_lock:  # a copy: the chunk stays in DRAM if the tier refuses it
             return self._write_down(key, value, [tier], drop=False) is not None
 
@@ -243,7 +243,9 @@ class ChunkTiers(DramAdmission):
         return top.get(key) if top.contains(key) else self._transit.get(key)
 
     def delete(self, key: ChunkKey) -> bool:
-        """Remove key from every tier; True if it was stored."""
+        """Remove key from every local tier; the shared tier (Redis) only forgets it here, as
+        another replica may still use it (Redis's maxmemory policy and TTL evict it). True if
+        it was stored."""
         with self._lock:
             found = False
             if self.top is not None:
@@ -262,7 +264,36 @@ class ChunkTiers(DramAdmission):
             self._emit("deleted", key)
         return found
 
-    def clear(self) -> None:
+    def clear(self, shared: bool = False) -> int:
+        """Drop every chunk of this replica's tiers; with `shared`, every chunk of this model
+        in the shared tier too (every replica's: an explicit flush). How many chunks the
+        shared tier removed."""
+        removed = 0
+        if shared:
+            for tier in self.slow:
+                if tier.remote:
+                    removed += self._clear_shared(tier)
+        self._clear_local()
+        return removed
+
+    def _clear_shared(self, tier: StorageTier, tenant: str | None = None) -> int:
+        clear = getattr(tier, "clear_shared", None)
+        if clear is None:
+            return 0
+        with self._io_lock:
+            try:
+                return int(clear(tenant))
+            except Exception:
+                log.exception("clearing the %s tier failed", tier.name)
+                with self._lock:
+                    self.counters.tier(tier.name).errors += 1
+                return 0
+
+    def delete_tenant_shared(self, tenant: str) -> int:
+        """Remove every chunk of tenant from the shared tier (a crypto-shred); how many."""
+        return sum(self._clear_shared(t, tenant) for t in self.slow if t.remote)
+
+    def _clear_local(self) -> None:
         keys: set[ChunkKey] = set()
         with self._lock:
             for tier in self.tiers:
@@ -298,6 +329,8 @@ class ChunkTiers(DramAdmission):
 
     def check_capacity(self) -> None:
         for tier in self.tiers:
+            if tier.remote:
+                continue  # Redis's maxmemory bounds the shared tier, not our count
             used = tier.used_bytes()
             assert used <= tier.capacity, f"{tier.name}: {used} bytes used > {tier.capacity}"
 

@@ -3,20 +3,30 @@
     chatstore:kv:<fingerprint>:<tenant>:{<digest>}   the encoded chunk (codec.py), with a TTL
 
 One key per chunk; the hash tag `{<digest>}` pins everything of a chunk to one Redis Cluster
-slot. Chunks are content-addressed, so a chunk another replica wrote is as good as our own, and
-writing a key that exists changes nothing. Occupancy is this process's view of what it wrote
-(rebuilt by SCAN at start), bounded by `capacity_bytes`. A chunk Redis expired or evicted reads
-as a miss. `get_many` / `put_many` batch chunks in one pipeline.
+slot. Chunks are content-addressed, so a chunk another replica wrote is as good as our own.
+
+One owner of eviction: Redis. No replica deletes a shared chunk: Redis's own `maxmemory`
+policy (allkeys-lru, deploy/redis-kv.conf) evicts, and its TTL expires what nobody reads. Every
+read refreshes a chunk's TTL (GETEX … EX) and so does a put of a chunk that is there already
+(EXPIRE, and a SET only if Redis had evicted it), so a hot shared system prompt stays while it
+is used. `delete` forgets the key here and sends nothing; only `delete_shared` (a corrupt value,
+a crypto-shredded tenant, an explicit shared flush) removes keys from Redis.
+
+The index is this process's view of which chunks Redis holds (written or read here, or found
+by `discover`): no SCAN at start, no round trip per key. A chunk Redis evicted reads as a miss
+(the caller recomputes). `capacity_bytes` (redis_bytes) is a planning number shown as the tier's
+capacity: a put never makes room here, and `used_bytes` (the bytes this replica knows of) may
+pass it. `get_many` / `put_many` batch chunks in one pipeline.
 
 Outages: every call goes through a CircuitBreaker (breaker.py) and, on a client made by
 `connect_redis`, gives up after `timeout_s` without retrying. A failed or refused call raises
 TierUnavailable (the hierarchy reads a miss, or writes elsewhere); while the breaker is open the
-tier holds nothing as far as `contains` is concerned, and a delete only forgets the key here
-(Redis expires it by TTL).
+tier holds nothing as far as `contains` is concerned. A write Redis refuses for memory (OOM:
+maxmemory with noeviction) raises TierFull.
 
 Redis Cluster: `connect_redis` returns a RedisCluster for a `redis+cluster://h:p,h:p` URL (or
 `cluster=True`). Every call here names keys of one slot or goes through a non-transactional
-pipeline, which RedisCluster splits per node; SCAN at start walks every master.
+pipeline, which RedisCluster splits per node; a SCAN (shared flush, shred) walks every master.
 
 TLS and ACL: `rediss://` and `rediss+cluster://` URLs, a CA, a client certificate, an ACL user
 and password (redis_security.py) apply to a single server and a cluster alike. The keys used
@@ -26,8 +36,7 @@ Threads: the client is thread-safe (a connection pool), the index is a Footprint
 
 Encryption at rest: with a `sealer` every chunk is sealed under its tenant's key, (tenant,
 digest) its associated data (sealing/sealer.py), so neither a dump nor Redis' memory holds KV
-in the clear and a value copied under another key fails to open (dropped, a miss). The
-sealed size is what STRLEN reports: the index at start counts it as before.
+in the clear and a value copied under another key fails to open (dropped, a miss).
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from chatstore.store.chunks import ChunkKey
 from chatstore.store.sealing import KV_PURPOSE, OpenError, Sealer
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
-from chatstore.store.tiers.base import IndexedTier, TierUnavailable
+from chatstore.store.tiers.base import IndexedTier, TierFull, TierUnavailable
 from chatstore.store.tiers.breaker import BreakerHealth, CircuitBreaker
 from chatstore.store.tiers.redis_security import RedisSecurity
 
@@ -151,16 +160,13 @@ class RedisTier(IndexedTier):
         self.ttl_s = ttl_s
         self.breaker = breaker or CircuitBreaker()
         self._outage = outage_errors()
-        try:
-            self._call(self._rebuild_index)
-        except TierUnavailable as exc:
-            log.warning("remote tier unreachable at start (%s): its index starts empty", exc)
 
     def _name(self, key: ChunkKey) -> str:
         return f"{NAMESPACE}:{self.fingerprint}:{quote(key.tenant, safe='')}:{{{key.digest}}}"
 
     def _call(self, fn: Callable[[], T]) -> T:
-        """fn() (socket I/O) through the breaker; TierUnavailable when refused or failed."""
+        """fn() (socket I/O) through the breaker; TierUnavailable when refused or failed,
+        TierFull when Redis refused a write for memory (OOM)."""
         if not self.breaker.allow():
             raise TierUnavailable("remote tier: circuit open")
         try:
@@ -168,34 +174,39 @@ class RedisTier(IndexedTier):
         except self._outage as exc:
             self.breaker.failure(exc)
             raise TierUnavailable(f"remote tier: {exc}") from exc
-        except BaseException:
+        except BaseException as exc:
             self.breaker.success()  # the server answered (an error reply, not an outage)
+            if str(exc).startswith("OOM"):
+                raise TierFull(f"remote tier: {exc}") from exc
             raise
         self.breaker.success()
         return out
-
-    def _rebuild_index(self) -> None:
-        prefix = f"{NAMESPACE}:{self.fingerprint}:"
-        for raw in self.client.scan_iter(match=prefix + "*", count=1000):
-            name = raw.decode() if isinstance(raw, bytes) else raw
-            tenant, _, tagged = name[len(prefix) :].rpartition(":")
-            size = self.client.strlen(name)
-            if tagged.startswith("{") and tagged.endswith("}") and size:
-                self._index.set(ChunkKey(unquote(tenant), tagged[1:-1]), int(size))
 
     def contains(self, key: ChunkKey) -> bool:
         # No I/O: the index, unless the breaker says the server is out (then absent).
         return key in self._index and not self.breaker.is_open()
 
+    def check_fits(self, key: ChunkKey, value: SessionKV) -> int:
+        return self.footprint(value)  # Redis makes room (maxmemory policy), not us
+
+    def can_put(self, value: SessionKV) -> bool:
+        return True
+
     def put(self, key: ChunkKey, value: SessionKV) -> None:
         self.put_many([(key, value)])
 
     def put_many(self, items: list[tuple[ChunkKey, SessionKV]]) -> None:
+        """Store the chunks with a fresh TTL: one Redis has already (as far as we know) gets
+        an EXPIRE, and is written only if Redis had evicted it meanwhile."""
+        ttl = self.ttl_s if self.ttl_s > 0 else None
+        known = [(k, v) for k, v in items if k in self._index]
         todo = [(k, v) for k, v in items if k not in self._index]
+        if known:
+            alive = self._call(lambda: self._expire([k for k, _ in known]))
+            todo += [item for item, ok in zip(known, alive, strict=True) if not ok]
         if not todo:
             return
-        needs = [self.check_fits(k, v) for k, v in todo]
-        ttl = self.ttl_s if self.ttl_s > 0 else None
+        needs = [self.footprint(v) for _, v in todo]
         blobs = [(self._name(k), self._seal(k, codec.encode(v, self.fingerprint))) for k, v in todo]
 
         def write() -> None:
@@ -208,16 +219,42 @@ class RedisTier(IndexedTier):
         for (key, _), need in zip(todo, needs, strict=True):
             self._index.set(key, need)
 
+    def _expire(self, keys: list[ChunkKey]) -> list[bool]:
+        """Refresh keys' TTL (PERSIST-free: without a TTL, EXISTS); whether each is there."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                if self.ttl_s > 0:
+                    pipe.expire(self._name(key), self.ttl_s)
+                else:
+                    pipe.exists(self._name(key))
+            return [bool(r) for r in pipe.execute()]
+
+    def refresh(self, keys: list[ChunkKey]) -> int:
+        """Refresh the TTL of keys Redis holds (a use that read no value); how many are
+        there. One Redis evicted is forgotten here (a miss)."""
+        if not keys:
+            return 0
+        alive = self._call(lambda: self._expire(keys))
+        for key, ok in zip(keys, alive, strict=True):
+            if not ok:
+                self._index.pop(key)
+        return sum(alive)
+
     def get(self, key: ChunkKey) -> SessionKV | None:
         return self.get_many([key])[0]
 
     def get_many(self, keys: list[ChunkKey]) -> list[SessionKV | None]:
         """The chunks (None: Redis no longer has it); TierUnavailable when out of reach."""
 
-        def read() -> list[Any]:
+        ttl = self.ttl_s if self.ttl_s > 0 else None
+
+        def read() -> list[Any]:  # GETEX: every read refreshes the chunk's TTL
             with self.client.pipeline(transaction=False) as pipe:
                 for key in keys:
-                    pipe.get(self._name(key))
+                    if ttl is None:
+                        pipe.get(self._name(key))
+                    else:
+                        pipe.getex(self._name(key), ex=ttl)
                 return pipe.execute()
 
         raws = self._call(read)
@@ -230,8 +267,9 @@ class RedisTier(IndexedTier):
             try:
                 out.append(self._decode(key, raw))
             except (codec.CorruptValueError, codec.FingerprintMismatch):
-                self.delete(key)
+                self.delete_shared(key)  # garbage for every replica
                 raise
+            self._index.set(key, self._index.size_of(key) or len(raw))
         return out
 
     def _seal(self, key: ChunkKey, blob: bytearray) -> bytes | bytearray:
@@ -263,18 +301,50 @@ class RedisTier(IndexedTier):
         try:
             codec.decode(plain, self.fingerprint)  # beneath the seal: checksum and model
         except (codec.CorruptValueError, codec.FingerprintMismatch):
-            self.delete(key)
+            self.delete_shared(key)
             return False
         sealed = sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), plain)
         return bool(self._call(lambda: self.client.set(name, sealed, xx=True, keepttl=True)))
 
     def delete(self, key: ChunkKey) -> bool:
+        """Forget key here; Redis keeps it (another replica may use it: Redis's maxmemory
+        policy and the TTL decide when it goes). Whether it was known."""
+        return self._index.pop(key)
+
+    def delete_shared(self, key: ChunkKey) -> bool:
+        """Remove key from Redis itself (a corrupt value, a shredded tenant); whether it was
+        stored. Not for a chunk this replica merely stopped using."""
         known = self._index.pop(key)
         try:
             removed = bool(self._call(lambda: self.client.delete(self._name(key))))
         except TierUnavailable:
             removed = False  # out of reach: Redis expires it by TTL
         return known or removed
+
+    def clear_shared(self, tenant: str | None = None) -> int:
+        """Remove every chunk of this model (of one tenant) from Redis, for every replica: an
+        explicit shared flush or a tenant's shred. A SCAN of the model's keys (every master
+        of a cluster), UNLINK in batches; how many keys went."""
+        self._index.clear()
+        match = f"{NAMESPACE}:{self.fingerprint}:"
+        match += f"{quote(tenant, safe='')}:*" if tenant is not None else "*"
+
+        def unlink_all() -> int:
+            removed, batch = 0, []
+            for raw in self.client.scan_iter(match=match, count=1000):
+                batch.append(raw)
+                if len(batch) >= 500:
+                    removed += self._unlink(batch)
+                    batch = []
+            return removed + (self._unlink(batch) if batch else 0)
+
+        return self._call(unlink_all)
+
+    def _unlink(self, names: list[Any]) -> int:
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in names:  # one key a command: a cluster splits the pipeline by node
+                pipe.unlink(name)
+            return sum(int(r) for r in pipe.execute())
 
     def discover(self, keys: list[ChunkKey]) -> int:
         """Learn which of keys another replica stored since our index was built (one

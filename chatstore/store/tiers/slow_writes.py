@@ -83,11 +83,14 @@ class SlowTierWrites:
         none does, the chunk is dropped, unless `drop` is False (a copy of a chunk that stays
         in DRAM). A write the storage refuses is counted (TierCounters.write_failures)."""
         for tier in levels:
-            if tier.contains(key):
+            if tier.contains(key) and not tier.remote:
                 return tier.name
             need = tier.footprint(value)
             try:
-                if need > tier.capacity or not self._make_room(tier, key, need):
+                # The shared tier is Redis's to evict (its maxmemory policy): no room made
+                # there, no budget; a put of a chunk it has refreshes the chunk's TTL.
+                local = not tier.remote
+                if local and (need > tier.capacity or not self._make_room(tier, key, need)):
                     continue
                 tier.put(key, value)
             except StorageFull as exc:  # the tier logged it and now counts as full
@@ -113,6 +116,8 @@ class SlowTierWrites:
                 counters.errors += 1
 
     def _make_room(self, tier: StorageTier, key: ChunkKey, need: int) -> bool:
+        """Evict from a local tier (its budget) until need fits; never called for the shared
+        tier, whose chunks no replica picks as victims."""
         below = self.slow[self.slow.index(tier) + 1 :]
         while tier.used_bytes() + need > tier.capacity:
             with self._lock:
@@ -138,6 +143,7 @@ class SlowTierWrites:
         return True
 
     def _delete_slow(self, key: ChunkKey) -> None:
+        """key leaves the local slow tiers; the shared tier only forgets it (tier.delete)."""
         for tier in self.slow:
             try:
                 tier.delete(key)
