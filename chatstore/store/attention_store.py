@@ -103,6 +103,7 @@ class AttentionStore:
         slow = list(self.tiers.slow)
         retain = self.retainer.retain
         restore_index(self.records, self.index, self.hasher, fingerprint, slow, retain)
+        self.tiers.discover_shared(list(self.index.chunks()))  # no SCAN of the shared tier
 
     def _build_parts(self, tiers: list[StorageTier], chooser: Any) -> None:
         top = tiers[0].name if tiers and tiers[0].in_memory else None
@@ -203,12 +204,12 @@ class AttentionStore:
     def release_hold(self, hold: TurnHold | None) -> None:
         self.remote_fetch.release(hold)
 
-    def remote_only(self, chunk: ChunkKey) -> bool:
-        where = self.tiers.where(chunk)
-        return any(t.remote and t.name == where for t in self.tiers.slow)
+    def stored_below(self, chunk: ChunkKey) -> bool:
+        where = self.remote_fetch.chunk_tier(chunk)
+        return any(t.name == where for t in self.tiers.slow)
 
     def foreground_reads(self) -> AbstractContextManager[None]:
-        return self.tiers.foreground()
+        return self.reader.foreground()  # host memory only: no SSD, no Redis read
 
     def set_retention(self, tenant: str, session_id: str, retention: Retention) -> None:
         self.retainer.set(self.key(tenant, session_id), retention)

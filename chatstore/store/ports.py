@@ -13,11 +13,11 @@ transfer import from chatstore.store only this module (the records' value types 
 are re-exported here).
 
 Threads. Every method is thread-safe unless its docstring names a thread. The engine thread
-never waits on the network or on a pending write: it reads inside `foreground_reads()` (no
-remote tier there), and the methods that may wait (`fetch_remote`, `delete_session`,
-`purge_expired`, `wait_saved`, ...) are for the API's worker threads. Listeners and hint
-listeners are called on the thread that caused the event: keep them short, never call back
-into the store from one.
+never waits on the network, a disk or a pending write: it reads inside `foreground_reads()`
+(host memory only: no SSD, no remote tier), and the methods that may wait (`fetch_remote`,
+`delete_session`, `purge_expired`, `wait_saved`, ...) are for the API's worker threads.
+Listeners and hint listeners are called on the thread that caused the event: keep them short,
+never call back into the store from one.
 """
 
 from __future__ import annotations
@@ -254,10 +254,12 @@ class KVSource(Protocol):
         """The chunks' KV (None: gone); rows: per chunk, only rows [start, end)."""
 
     def foreground_reads(self) -> AbstractContextManager[None]:
-        """The engine thread's reads: no remote tier inside (a miss there, not a wait)."""
+        """The engine thread's reads: host memory only inside (write buffer, held copies,
+        DRAM); a chunk only SSD or Redis holds reads as None there (a miss, not a wait)."""
 
-    def remote_only(self, chunk: ChunkKey) -> bool:
-        """Only the remote tier holds the chunk (a foreground read cannot reach it)."""
+    def stored_below(self, chunk: ChunkKey) -> bool:
+        """Only SSD or Redis holds the chunk, not host memory (a foreground read cannot
+        reach it)."""
 
     def prefetch(self, tenant: str, session_id: str) -> None:
         """Move the session's chunks up to DRAM on the prefetch thread; returns at once."""

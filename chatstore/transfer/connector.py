@@ -20,14 +20,16 @@ Load, three ways (CachedAttention §3.2.1):
     rotated, before their job starts (session_staging.py, ReadBuffer); a job never waits for a
     lookup still running.
 
-Remote (Redis) chunks: the admission read runs on the engine thread, so it reads local tiers
-only (`store.foreground_reads()`). The API thread that opened the turn (`store.fetch_remote`) has
-brought them up and holds them (turn_hold.py: pinned in DRAM, or kept beside it when DRAM cannot
-take them) until this read: the connector takes that hold when the request starts and releases
-it once the chunks are read (or the request ends). Where a chunk only Redis holds still cuts
-the reuse (no turn opened it, or its hold lapsed), the rest is recomputed and the session is
-hinted to the store's prefetch thread, which brings its chunks to DRAM for the next turn
-(queued sessions' chunks come up ahead of their turn the same way).
+Chunks below DRAM (SSD, Redis): the admission read runs on the engine thread, so it reads host
+memory only (`store.foreground_reads()`: write buffer, held copies, DRAM), never a disk or the
+network. The API thread that opened the turn (`store.fetch_remote`) has brought them up and
+holds them (holds.py: pinned in DRAM, or kept beside it when DRAM cannot take them or there is
+no DRAM tier) until this read: the connector takes that hold when the request starts and
+releases it once the chunks are read (or the request ends). Where a chunk only SSD or Redis
+holds still cuts the reuse (no turn opened it, or its hold lapsed), the rest is recomputed and
+the session is hinted to the store's prefetch thread, which brings its chunks to DRAM for the
+next turn (queued sessions' chunks come up ahead of their turn the same way); a staged session
+(read buffer) was read on the loader's lookup thread, from any tier.
 
 Save (§3.2.2): save_layer copies each tracked request's rows once per layer (LayerSaver); at the
 end of the turn the engine thread copies only what lives in the device pool alone (rows never
@@ -178,16 +180,16 @@ class StoreConnector(KVConnector):
         return max(0, pending.reusable - num_computed)
 
     def _read_available(self, pending: _Pending, start: int) -> ChunkedKV | None:
-        """The engine thread's read: local tiers only (`foreground`), so a chunk only Redis
-        holds ends the reuse here (recomputed) and is prefetched to DRAM for the next turn,
-        rather than make the step wait on the network."""
+        """The engine thread's read: host memory only (`foreground`), so a chunk only SSD or
+        Redis holds ends the reuse here (recomputed) and is prefetched to DRAM for the next
+        turn, rather than make the step wait on a disk or the network."""
         stored = pending.saved
         assert stored is not None
         with self.store.foreground_reads():
             parts, reached = read_span(self.store, stored, start, pending.reusable)
         self.store.release_hold(pending.hold)  # read: the parts own their rows now
         pending.hold = None
-        if reached < pending.reusable and self._only_remote(stored, reached):
+        if reached < pending.reusable and self._stored_below(stored, reached):
             self.store.prefetch(stored.key.tenant, stored.key.session_id)
         pending.reusable = reached  # a chunk that is gone: reuse stops where it starts
         if reached <= start:
@@ -202,8 +204,9 @@ class StoreConnector(KVConnector):
             return {}
         return pending.saved.tokens_by_origin(start, start + num_tokens)
 
-    def _only_remote(self, stored: StoredSession, position: int) -> bool:
-        return self.store.remote_only(stored.chunks[position // stored.chunk_tokens])
+    def _stored_below(self, stored: StoredSession, position: int) -> bool:
+        """The chunk at position is still stored, below host memory (SSD or Redis)."""
+        return self.store.stored_below(stored.chunks[position // stored.chunk_tokens])
 
     def _start(self, request: Request) -> _Pending:
         saved, staged = None, None

@@ -1,10 +1,19 @@
 """Finding a session's stored chunks and reading them: from the write buffer (pending turns),
-the copies held for opened turns, or the fastest tier (moved up to DRAM)."""
+the copies held for opened turns, or the fastest tier (moved up to DRAM).
+
+Inside `foreground()` (the engine's thread) a read is served from host memory only: the write
+buffer, the held copies, DRAM (or a chunk on its way down from it). A chunk that only a slow
+tier holds (SSD or Redis) reads as None there: the engine's step never waits on a disk or the
+network. The turn's opening (remote_fetch.py, an API thread) brings such chunks up first; what
+it could not is recomputed and prefetched for the next turn.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -32,6 +41,18 @@ class ChunkReader:
         self.retention = retention
         self.tiers, self.index, self.lock = committer.tiers, committer.index, committer.lock
         self.settings = committer.settings
+        self._local = threading.local()  # .foreground: reads from host memory only
+
+    @contextmanager
+    def foreground(self) -> Iterator[None]:
+        """The calling thread's reads, inside, touch no slow tier (see the module's doc)."""
+        before = getattr(self._local, "foreground", False)
+        self._local.foreground = True
+        try:
+            with self.tiers.foreground():
+                yield
+        finally:
+            self._local.foreground = before
 
     def find(self, key: SessionKey) -> StoredSession | None:
         """The session's leading tokens whose chunks are all available (stored in a tier or
@@ -74,7 +95,8 @@ class ChunkReader:
         rows: Sequence[tuple[int, int] | None] | None = None,
     ) -> list[SessionKV | None]:
         """count: a load (hits and misses counted), not a re-read; rows: per chunk, only rows
-        [start, end) (None: all)."""
+        [start, end) (None: all). In `foreground()`: host memory only."""
+        memory_only = getattr(self._local, "foreground", False)
         out: list[SessionKV | None] = []
         for i, key in enumerate(keys):
             span = rows[i] if rows is not None else None
@@ -88,9 +110,22 @@ class ChunkReader:
                         value.token_ids[span[0] : span[1]], value.kv[:, :, span[0] : span[1]]
                     )
                 out.append(value)
+            elif memory_only:
+                out.append(self._in_memory(key, count, span))
             else:
                 out.append(self.tiers.get(key, count=count, rows=span))
         return out
+
+    def _in_memory(
+        self, key: ChunkKey, count: bool, span: tuple[int, int] | None
+    ) -> SessionKV | None:
+        """key's chunk from DRAM (or on its way down from it), else None: no slow tier is
+        read. Under the tiers' lock, so that no eviction moves it down between the two."""
+        tiers = self.tiers
+        with tiers.lock:
+            if tiers.top is None or tiers.where(key) != tiers.top.name:
+                return None
+            return tiers.get(key, count=count, rows=span)
 
     def _pending_value(self, memo: Memo, key: ChunkKey) -> SessionKV | None:
         """A chunk still in the write buffer, whole (a delta joined to its base); None if

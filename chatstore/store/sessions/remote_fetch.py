@@ -1,6 +1,13 @@
-"""Opening a turn: the session's chunks made readable by the engine's thread, which reads no
-remote tier, and kept so until it has read them (holds.py); where each chunk was noted first
-(origins.py). With records in Redis, a chain another replica saved after us is adopted first.
+"""Opening a turn: the session's chunks made readable by the engine's thread, which reads host
+memory only (no SSD, no Redis), and kept so until it has read them (holds.py); where each chunk
+was noted first (origins.py). With records in Redis, a chain another replica saved after us is
+adopted first, whether or not this replica has a DRAM or SSD tier of its own.
+
+    chunk in DRAM / write buffer / held      pinned, nothing to read
+    chunk only SSD or Redis holds            read here (this API thread), promoted into DRAM,
+                                             or kept beside it (held) when there is no DRAM
+                                             tier or it cannot take it; bounded by
+                                             write_buffer_bytes, past it the rest is recomputed
 """
 
 from __future__ import annotations
@@ -50,19 +57,18 @@ class RemoteFetch:
     def fetch(self, key: SessionKey) -> int:
         """In chain order, stopping at the first chunk that is gone or cannot be held (the
         rest is recomputed): every chunk is pinned (no DRAM eviction picks it), and one only
-        Redis holds is promoted to DRAM, or kept beside it when DRAM cannot take it. The
-        connector takes the hold at admission and releases it once read; one never taken
-        lapses after HOLD_TTL_S. How many chunks came up from the remote tier."""
-        remote = self.remote is not None and self.tiers.top is not None
-        if remote:
+        SSD or Redis holds is promoted to DRAM, or kept beside it when DRAM cannot take it
+        (or there is none). The connector takes the hold at admission and releases it once
+        read; one never taken lapses after HOLD_TTL_S. How many came up from the remote tier."""
+        if self.remote is not None:
             self._adopt(key)
         chain = self.index.get(key)
         if chain is not None:  # this turn's cached tokens count where it found them
             self.origins.note(key, {c: w for c in chain.chunks if (w := self.chunk_tier(c))})
         else:
             self.origins.drop(key)
-        if not remote:
-            return 0
+        if not self.tiers.slow:
+            return 0  # every chunk is in DRAM (or gone): the engine reads it there
         hold = TurnHold(key)
         moved = 0
         try:
@@ -80,27 +86,28 @@ class RemoteFetch:
         return moved
 
     def _hold_chunk(self, chunk: ChunkKey) -> int | None:
-        """Make a pinned chunk readable without the remote tier: 1 when it came up from there,
-        0 when it was readable already, None when it is gone or cannot be held."""
+        """Make a pinned chunk readable from host memory: 1 when it came up from the remote
+        tier, 0 when from SSD or readable already, None when it is gone or cannot be held."""
         top = self.tiers.top
-        assert top is not None
         if chunk in self.committer.pending or chunk in self.held:
             return 0  # the write buffer's (pinned: it stays in DRAM once it lands), or held
-        with self.tiers.lock:
-            if top.contains(chunk):
-                return 0  # pinned there now
+        if top is not None:
+            with self.tiers.lock:
+                if top.contains(chunk):
+                    return 0  # pinned there now
         where = self.tiers.where(chunk)
         if where is None:
             return None
-        if where != top.name and where != "remote":
-            return 0  # a local tier (SSD): the engine's thread reads it there
-        # Only Redis holds it, or it is on its way down from DRAM: brought up (the engine's
-        # read counts the hit), into DRAM if it makes room without evicting a pinned chunk.
+        # Only SSD or Redis holds it, or it is on its way down from DRAM: read here (the
+        # engine's read counts the hit), into DRAM if it makes room without evicting a pinned
+        # chunk, else kept beside it.
         value = self.tiers.get(chunk, promote=True, count=False)
         if value is None:
             return None
-        with self.tiers.lock:
-            in_dram = top.contains(chunk)
+        in_dram = False
+        if top is not None:
+            with self.tiers.lock:
+                in_dram = top.contains(chunk)
         if not in_dram:
             with self.lock:
                 if self.held_bytes + value.nbytes > self.committer.settings.write_buffer_bytes:
@@ -165,18 +172,17 @@ class RemoteFetch:
         self._retain(record)  # another replica may have changed it
         if record.fingerprint != self.committer.fingerprint or not record.chunks:
             return
-        current = self.index.get(key)
-        digests = [c.digest for c in current.chunks] if current is not None else []
-        if digests == record.chunks:
-            return
         if self.hasher.num_chunks(len(record.token_ids)) != len(record.chunks):
             return
         keys = [ChunkKey(key.tenant, d) for d in record.chunks]
-        try:
+        try:  # those our Redis tier does not know yet (stored by another replica), one round
             self.remote.discover(keys)  # type: ignore[union-attr]
         except Exception as exc:  # TierUnavailable
             log.debug("could not look up %s's chunks: %s", key, exc)
             return
+        current = self.index.get(key)
+        if current is not None and current.chunks == keys:
+            return  # the chain we know (read from the record at start, or our own)
         chain = SessionChain(list(record.token_ids), keys, record.updated_at)
         with self.lock:
             freed = self.index.set(key, chain)
