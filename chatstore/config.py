@@ -101,7 +101,8 @@ class Config:
     dram_bytes: int = 4 << 30
     ssd_bytes: int = 32 << 30
     redis_url: str = ""
-    redis_bytes: int = 4 << 30
+    records_url: str = ""  # records' home: "" = redis_url's Redis (else LMDB), "lmdb", a Redis URL
+    redis_bytes: int = 4 << 30  # the shared tier's planned size (reported); Redis evicts, not us
     redis_cluster: bool = False  # redis_url names a Redis Cluster (or use redis+cluster://)
     redis_timeout_s: float = 0.25  # socket timeout of every Redis call
     redis_tls_ca_file: str = ""  # rediss://: CA of Redis's certificate ("" = the system's CAs)
@@ -223,6 +224,12 @@ class Config:
         from chatstore.store.tiers.redis_security import RedisSecurity
 
         RedisSecurity.from_config(self).validate(self.redis_url)
+        if self.records_url not in ("", "lmdb"):
+            if not self.records_url.split("://", 1)[0].lower().startswith("redis"):
+                raise ValueError(
+                    f"records_url must be '', 'lmdb' or a redis:// URL, got {self.records_url!r}"
+                )
+            RedisSecurity.from_config(self).validate(self.records_url)
         if not 0 < self.tenant_queue_share <= 1:
             raise ValueError(f"tenant_queue_share must be in (0, 1], got {self.tenant_queue_share}")
         if self.max_context_tokens <= 0:

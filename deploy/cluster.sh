@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# chatstore replicas behind nginx on a 3-master Redis Cluster, all on loopback.
+# chatstore replicas behind nginx on a 3-master Redis Cluster for KV and one Redis for the
+# session records, all on loopback.
 #
 #   deploy/cluster.sh up     [--replicas N] [--dir DIR]   start; writes DIR/cluster.env
 #   deploy/cluster.sh status [--dir DIR]                  what runs, ready or not
@@ -8,8 +9,14 @@
 # The same topology as tests/support/replicas.py and docker/compose.yaml; nginx's config is
 # rendered from deploy/nginx.conf.template. Replicas run in local mode (no keys), so they
 # only bind and answer on loopback. Environment: CHATSTORE_BIN (default .venv/bin/chatstore),
-# PROXY_PORT (8080), REPLICA_BASE_PORT (8001), REDIS_BASE_PORT (7001), any CHATSTORE_* for
-# the replicas (CHATSTORE_REDIS_URL and CHATSTORE_REPLICA_ID are set here).
+# PROXY_PORT (8080), REPLICA_BASE_PORT (8001), REDIS_BASE_PORT (7001; the records' Redis on
+# the port after the masters), KV_MAXMEMORY (1gb per KV master), any CHATSTORE_* for the
+# replicas (CHATSTORE_REDIS_URL, CHATSTORE_RECORDS_URL and CHATSTORE_REPLICA_ID are set here).
+#
+# KV and records have separate Redis with their own settings (docs/replicas.md, "The shared
+# tier"): the KV cluster evicts by itself (deploy/redis-kv.conf: allkeys-lru at its
+# maxmemory, no persistence); the records' Redis never evicts and is durable
+# (deploy/redis-records.conf: noeviction, append-only).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,7 +35,9 @@ CHATSTORE_BIN="${CHATSTORE_BIN:-$ROOT/.venv/bin/chatstore}"
 PROXY_PORT="${PROXY_PORT:-8080}"
 REPLICA_BASE_PORT="${REPLICA_BASE_PORT:-8001}"
 REDIS_BASE_PORT="${REDIS_BASE_PORT:-7001}"
+KV_MAXMEMORY="${KV_MAXMEMORY:-1gb}"
 MASTERS=3
+RECORDS_PORT=$((REDIS_BASE_PORT + MASTERS))
 NGINX="$(command -v nginx || echo /usr/sbin/nginx)"
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
@@ -51,9 +60,9 @@ start_redis() {
     for ((i = 0; i < MASTERS; i++)); do
         local port=$((REDIS_BASE_PORT + i)) dir="$DIR/redis-$((REDIS_BASE_PORT + i))"
         mkdir -p "$dir"
-        # Append-only: with the session records in Redis, this is what makes them durable.
-        redis-server --port "$port" --bind 127.0.0.1 --dir "$dir" --save '' \
-            --appendonly yes --appendfsync everysec \
+        # KV only (deploy/redis-kv.conf): Redis owns eviction, nothing to persist.
+        redis-server "$ROOT/deploy/redis-kv.conf" --port "$port" --bind 127.0.0.1 \
+            --dir "$dir" --maxmemory "$KV_MAXMEMORY" \
             --cluster-enabled yes --cluster-config-file nodes.conf \
             --daemonize no >"$dir/redis.log" 2>&1 &
         echo $! >"$dir/pid"
@@ -71,6 +80,14 @@ start_redis() {
         wait_for "cluster state on $((REDIS_BASE_PORT + i))" 20 cluster_ok $((REDIS_BASE_PORT + i))
     done
     REDIS_URL="redis+cluster://$(IFS=,; echo "${nodes[*]}")"
+    # The records (and leases, shred list): never evicted, append-only (redis-records.conf).
+    local dir="$DIR/redis-$RECORDS_PORT"
+    mkdir -p "$dir"
+    redis-server "$ROOT/deploy/redis-records.conf" --port "$RECORDS_PORT" --bind 127.0.0.1 \
+        --dir "$dir" --daemonize no >"$dir/redis.log" 2>&1 &
+    echo $! >"$dir/pid"
+    wait_for "redis $RECORDS_PORT" 15 redis-cli -p "$RECORDS_PORT" ping
+    RECORDS_URL="redis://127.0.0.1:$RECORDS_PORT/0"
 }
 
 shared_secret() {
@@ -89,7 +106,8 @@ start_replicas() {
     for ((i = 0; i < REPLICAS; i++)); do
         local port=$((REPLICA_BASE_PORT + i)) dir="$DIR/replica-$i"
         mkdir -p "$dir/data"
-        CHATSTORE_REDIS_URL="$REDIS_URL" CHATSTORE_REPLICA_ID="r$i" \
+        CHATSTORE_REDIS_URL="$REDIS_URL" CHATSTORE_RECORDS_URL="$RECORDS_URL" \
+            CHATSTORE_REPLICA_ID="r$i" \
             CHATSTORE_DATA_DIR="$dir/data" CHATSTORE_API_KEYS="" CHATSTORE_ADMIN_KEY="" \
             "$CHATSTORE_BIN" serve --host 127.0.0.1 --port "$port" >"$dir/server.log" 2>&1 &
         echo $! >"$dir/pid"
@@ -122,6 +140,7 @@ write_env() {
 CHATSTORE_PROXY_URL=http://127.0.0.1:$PROXY_PORT
 CHATSTORE_REPLICA_URLS=$(IFS=,; echo "${urls[*]}")
 CHATSTORE_REDIS_URL=$REDIS_URL
+CHATSTORE_RECORDS_URL=$RECORDS_URL
 CHATSTORE_CLUSTER_PIDS="${pids[*]}"
 ENV
 }

@@ -25,6 +25,7 @@ class StoreSettings:
     dram_bytes: int = 4 << 30
     ssd_bytes: int = 32 << 30
     redis_url: str = ""
+    records_url: str = ""  # "" = the KV Redis (or LMDB without one), "lmdb", or a Redis URL
     redis_bytes: int = 4 << 30
     redis_cluster: bool = False
     redis_timeout_s: float = 0.25
@@ -59,6 +60,7 @@ class StoreSettings:
             dram_bytes=config.dram_bytes,
             ssd_bytes=config.ssd_bytes,
             redis_url=config.redis_url,
+            records_url=config.records_url,
             redis_bytes=config.redis_bytes,
             redis_cluster=config.redis_cluster,
             redis_timeout_s=config.redis_timeout_s,

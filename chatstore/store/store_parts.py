@@ -3,6 +3,7 @@ tiers (DRAM, LMDB, Redis), the session records; and its stats, read from the tie
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,16 +19,54 @@ from chatstore.store.tiers.dram import DramTier, KVLayout
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier, connect_redis
 
+log = logging.getLogger(__name__)
+
+EVICTING = ("allkeys-", "volatile-")  # maxmemory-policy prefixes that evict keys
+
 
 @dataclass(frozen=True)
 class RemoteParts:
-    """One sealer for the records and the slow tiers (DRAM stays in the clear), and one Redis
-    client and breaker for the KV tier and the records: they fail (and recover) together."""
+    """One sealer for the records and the slow tiers (DRAM stays in the clear); the KV Redis
+    client and breaker; and where records live (records_url): the same client (they fail and
+    recover together), a Redis of their own (`records_client`, its own breaker), or LMDB."""
 
     sealer: Sealer | None
-    client: Any  # a Redis client, or None without Redis
+    client: Any  # the KV tier's Redis client, or None without Redis
     breaker: CircuitBreaker
     shared_shreds: SharedShreds | None
+    records_client: Any = None  # the records' Redis (leases, shreds too), or None: LMDB
+    records_breaker: CircuitBreaker | None = None
+
+
+def records_backend(settings: StoreSettings) -> str:
+    """Where records go: "kv-redis" (records_url "" with redis_url set: as before), "lmdb"
+    (records_url "lmdb", or neither URL set), or "redis" (records_url a Redis URL)."""
+    url = settings.records_url
+    if url == "lmdb" or (not url and not settings.redis_url):
+        return "lmdb"
+    return "redis" if url else "kv-redis"
+
+
+def warn_if_evicting(client: Any, what: str) -> str | None:
+    """Log a warning when the Redis holding records evicts keys under memory pressure (its
+    maxmemory-policy); the policy, or None where CONFIG GET is not allowed or failed."""
+    try:
+        reply = client.config_get("maxmemory-policy")
+    except Exception as exc:  # ACL without +config, a managed Redis, an outage
+        log.info("%s: maxmemory-policy not readable (%s): make sure it is noeviction", what, exc)
+        return None
+    if isinstance(reply, dict) and reply and "maxmemory-policy" not in reply:
+        reply = next(iter(reply.values()))  # a cluster: {node: {...}}
+    policy = str(reply.get("maxmemory-policy", "")) if isinstance(reply, dict) else ""
+    if policy.startswith(EVICTING):
+        log.warning(
+            "%s: session records are in a Redis whose maxmemory-policy is %s: under memory "
+            "pressure it may evict records (acknowledged turns lost). Give records a Redis of "
+            "their own with noeviction and AOF (records_url), or records_url = \"lmdb\" on "
+            "a single node.",
+            what, policy,
+        )  # fmt: skip
+    return policy or None
 
 
 def build_remote(settings: StoreSettings, redis_client: Any = None) -> RemoteParts:
@@ -44,12 +83,32 @@ def build_remote(settings: StoreSettings, redis_client: Any = None) -> RemotePar
             cluster=settings.redis_cluster,
             security=settings.redis_security,
         )
-    # Replicas share the shred list in Redis as they share the secret (shared_shreds.py).
-    shreds = (
-        SharedShreds(remote, sealer.keyring) if remote is not None and sealer is not None else None
-    )
     breaker = CircuitBreaker(settings.redis_breaker_failures, settings.redis_breaker_reset_s)
-    return RemoteParts(sealer, remote, breaker, shreds)
+    backend = records_backend(settings)
+    records, records_breaker = None, None
+    if backend == "kv-redis" and remote is not None:
+        records, records_breaker = remote, breaker
+        warn_if_evicting(remote, "redis_url")
+    elif backend == "redis":
+        records = connect_redis(
+            settings.records_url,
+            settings.redis_timeout_s,
+            cluster=settings.redis_cluster,
+            security=settings.redis_security,
+        )
+        records_breaker = CircuitBreaker(
+            settings.redis_breaker_failures, settings.redis_breaker_reset_s
+        )
+        warn_if_evicting(records, "records_url")
+    # Replicas share the shred list in Redis as they share the secret (shared_shreds.py): in
+    # the records' Redis, which never evicts it (else a KV-only Redis, else none).
+    shred_client = records if records is not None else remote
+    shreds = (
+        SharedShreds(shred_client, sealer.keyring)
+        if shred_client is not None and sealer is not None
+        else None
+    )
+    return RemoteParts(sealer, remote, breaker, shreds, records, records_breaker)
 
 
 def build_tiers(
@@ -75,10 +134,11 @@ def build_tiers(
 
 def build_records(settings: StoreSettings, remote: RemoteParts) -> RecordStore:
     s = settings
-    if remote.client is not None:
+    if remote.records_client is not None:
         return RedisRecordStore(
-            remote.client, s.session_ttl_s, s.redis_timeout_s, remote.breaker, remote.sealer
-        )
+            remote.records_client, s.session_ttl_s, s.redis_timeout_s, remote.records_breaker,
+            remote.sealer,
+        )  # fmt: skip
     return LmdbRecordStore(
         s.data_dir / "records.lmdb", s.session_ttl_s, map_size=s.records_map_bytes,
         sealer=remote.sealer,

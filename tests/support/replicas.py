@@ -28,7 +28,7 @@ from tests.chaos.harness import (
     terminate,
     wait_until,
 )
-from tests.support.redis_server import start_local_redis_cluster
+from tests.support.redis_server import start_local_redis, start_local_redis_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "deploy" / "nginx.conf.template"
@@ -103,8 +103,10 @@ REPLICA_ENV = {
 
 
 class ReplicaCluster:
-    """N `chatstore serve` replicas (own data dir, port, replica id) sharing one Redis Cluster,
-    and an nginx for each balance mode asked for (affine by default)."""
+    """N `chatstore serve` replicas (own data dir, port, replica id) sharing one Redis Cluster
+    for KV (allkeys-lru, as deploy/redis-kv.conf) and one Redis for the session records
+    (noeviction, records_url: as deploy/cluster.sh), and an nginx for each balance mode asked
+    for (affine by default)."""
 
     def __init__(
         self,
@@ -123,6 +125,7 @@ class ReplicaCluster:
         self.env = {**REPLICA_ENV, **shared_secret, **(env or {})}
         self.balances = balances
         self.redis: Any = None
+        self.records_redis: Any = None
         self.replicas: list[ServerProcess] = []
         self.proxies: list[NginxProcess] = []
 
@@ -136,10 +139,12 @@ class ReplicaCluster:
                 self.redis = start_local_redis_cluster(masters=3)
             else:  # one Redis: the baseline bench/replicas.py compares the cluster with
                 self.redis = RedisProcess(self.work / "redis").start()
+            self.records_redis = start_local_redis(policy="noeviction")
             for i in range(self.n):
                 env = {
                     **self.env,
                     "CHATSTORE_REDIS_URL": self.redis.url,
+                    "CHATSTORE_RECORDS_URL": self.records_redis.url,
                     "CHATSTORE_REPLICA_ID": f"r{i}",
                 }
                 self.replicas.append(ServerProcess(self.work / f"r{i}" / "data", env))
@@ -166,6 +171,8 @@ class ReplicaCluster:
                 replica.stop(30.0)
         if self.redis is not None:
             self.redis.stop()
+        if self.records_redis is not None:
+            self.records_redis.stop()
 
     def client(self, timeout_s: float = 60.0) -> Any:
         return http_client(self.proxy_url, timeout_s)

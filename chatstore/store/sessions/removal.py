@@ -97,6 +97,10 @@ class SessionRemoval:
             self.versions.bump_all()
         with self.committer.mutate:
             self.tiers.clear(shared)
-        for record in self.records.list_sessions():
-            self.records.upsert(record.key, token_ids=[], chunks=[])
+        if shared or not any(t.remote for t in self.tiers.slow):
+            # The chunks are gone everywhere: no record lists them. A flush of this
+            # replica's tiers alone leaves the records (shared with the replicas, whose
+            # chunks Redis still holds) as they are: what is gone reads as a miss.
+            for record in self.records.list_sessions():
+                self.records.upsert(record.key, token_ids=[], chunks=[])
         return dropped

@@ -289,6 +289,26 @@ class ChunkTiers(DramAdmission):
                     self.counters.tier(tier.name).errors += 1
                 return 0
 
+    def discover_shared(self, keys: list[ChunkKey], batch: int = 1000) -> int:
+        """Learn which of keys the shared tier holds (after a restart: the chunks the records
+        list and no local tier holds), one pipelined round per `batch`; how many it has. Not
+        for the engine's thread; an unreachable Redis learns nothing (they read as misses)."""
+        found = 0
+        for tier in self.slow:
+            discover = getattr(tier, "discover", None)
+            if not tier.remote or discover is None:
+                continue
+            todo = [k for k in keys if not self.contains(k)]
+            for start in range(0, len(todo), batch):
+                try:
+                    found += int(discover(todo[start : start + batch]))
+                except Exception as exc:  # TierUnavailable: a miss each, recomputed
+                    log.warning(
+                        "could not look up %d chunks in the %s tier: %s", len(todo), tier.name, exc
+                    )
+                    break
+        return found
+
     def delete_tenant_shared(self, tenant: str) -> int:
         """Remove every chunk of tenant from the shared tier (a crypto-shred); how many."""
         return sum(self._clear_shared(t, tenant) for t in self.slow if t.remote)
