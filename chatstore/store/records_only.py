@@ -1,11 +1,12 @@
 """The session store with records only (kv_store = "off": every turn recomputes its prompt).
 
 `RecordsOnlyStore` implements ports.SessionKVAdmin over the session records alone: records,
-pagination, the per-tenant session count, the leases that keep replicas sharing one Redis from
-running turns on one session at once, stored Responses, key rotation and crypto-shredding. The
-KV half of the port answers as a store without KV does (nothing saved, nothing placed, prompts
-never cut). `SessionStore` (session_store.py) is the same with the KV store behind it; the
-places it differs are the `_...` hooks at the end of this class.
+pagination, the per-tenant session count (the records' own, shared by replicas), the leases that
+keep replicas sharing one Redis from running turns on one session at once, stored Responses, key
+rotation and crypto-shredding. The KV half of the port answers as a store without KV does
+(nothing saved, nothing placed, prompts never cut). `SessionStore` (session_store.py) is the
+same with the KV store behind it; the places it differs are the `_...` hooks at the end of this
+class.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ class RecordsOnlyStore:
         self.context = context
         self.leases = leases if leases is not None else session_leases(records, lease_s, replica_id)
         self._data_dir = data_dir
-        self._sessions: dict[str, set[str]] = {}  # tenant -> its session ids (counted)
         self._resealer: Resealer | None = None  # the key rotation job, once started
         self._lock = threading.Lock()
 
@@ -76,7 +76,6 @@ class RecordsOnlyStore:
             self.records.create(record)
         except RecordConflict:
             return False
-        self._counted(record)
         self._retain(record)
         return True
 
@@ -106,7 +105,6 @@ class RecordsOnlyStore:
         for f in dataclasses.fields(SessionRecord):
             setattr(record, f.name, getattr(saved, f.name))
         self._own_model(record)
-        self._counted(record)
 
     def acquire_lease(self, tenant: str, session_id: str) -> SessionLease | None:
         return self.leases.acquire(SessionKey(tenant, session_id))
@@ -115,8 +113,6 @@ class RecordsOnlyStore:
         self.leases.release(lease, wait)
 
     def delete(self, tenant: str, session_id: str) -> bool:
-        with self._lock:
-            self._sessions.get(tenant, set()).discard(session_id)
         return self._delete(SessionKey(tenant, session_id))
 
     def list_sessions(
@@ -129,15 +125,12 @@ class RecordsOnlyStore:
         return [self._own_model(r) for r in records[offset : offset + limit]], len(records)
 
     def count_sessions(self, tenant: str) -> int:
-        with self._lock:
-            return len(self._tenant_sessions(tenant))
+        """The records' own count (a counter or an index they keep with the sessions): every
+        replica sharing them sees the same, so the tenant's quota holds across replicas."""
+        return self.records.count_sessions(tenant)
 
     def purge_expired(self) -> int:
-        gone = self._purge()
-        with self._lock:
-            for key in gone:
-                self._sessions.get(key.tenant, set()).discard(key.session_id)
-        return len(gone)
+        return len(self._purge())
 
     # -- a turn's KV: none kept --------------------------------------------------------------
 
@@ -198,8 +191,6 @@ class RecordsOnlyStore:
     def shred_tenant(self, tenant: str) -> dict[str, int]:
         """Destroy the tenant's key first (all its sealed data stops opening at once), then
         delete its sessions, KV and stored Responses."""
-        with self._lock:
-            self._sessions.pop(tenant, None)
         with_kv = self._shred(tenant)
         records = self.records.delete_tenant(tenant)
         responses = self.records.responses.delete_tenant(tenant)
@@ -258,14 +249,3 @@ class RecordsOnlyStore:
                 tiers, data_dir = self._reseal_scope()
                 self._resealer = Resealer(sealer.sealing_id, self.records, tiers, data_dir)
             return self._resealer
-
-    def _counted(self, record: SessionRecord) -> None:
-        with self._lock:
-            self._tenant_sessions(record.tenant).add(record.session_id)
-
-    def _tenant_sessions(self, tenant: str) -> set[str]:
-        sessions = self._sessions.get(tenant)
-        if sessions is None:
-            sessions = {r.session_id for r in self.records.list_sessions(tenant)}
-            self._sessions[tenant] = sessions
-        return sessions

@@ -102,11 +102,13 @@ def test_legacy_record_names_are_renamed_once(redis_client):
         legacy = store._name(record.key).replace("{", "").replace("}", "")
         redis_client.set(legacy, record.to_json())
     store.put(SessionRecord("acme", "s2", token_ids=[4]))  # the tagged one is newer
+    redis_client.delete(RedisRecordStore.FACTS_BUILT)  # as a Redis an older version wrote
     store = RedisRecordStore(redis_client, ttl_s=0)
     assert store.get(old.key).token_ids == [1, 2] and store.get(both.key).token_ids == [4]
-    assert sorted(n.decode() for n in redis_client.keys("*")) == sorted(
-        store._name(r.key) for r in (old, both)
-    )
+    records = sorted(n.decode() for n in redis_client.keys(f"{RedisRecordStore.PREFIX}*"))
+    assert records == sorted(store._name(r.key) for r in (old, both))
+    assert store.count_sessions("acme") == 2  # counted once, the renamed one included
+    assert redis_client.exists(RedisRecordStore.FACTS_BUILT)  # the next start scans nothing
 
 
 @pytest.mark.parametrize("how", ["scheme", "flag"])

@@ -232,16 +232,37 @@ class RecordStore(ABC):
             if (tenant is None or r.tenant == tenant) and self._live(r) is not None
         ]
 
+    @abstractmethod
     def count_sessions(self, tenant: str) -> int:
-        return len(self.list_sessions(tenant))
+        """The tenant's live sessions, as every replica sharing the store counts them (a
+        counter or an index kept with the records, not a listing)."""
 
     def purge_expired(self, now: float | None = None) -> list[SessionKey]:
-        """Delete the sessions (and stored Responses) idle past their TTL; the sessions' keys."""
-        gone = [r.key for r in self._all() if self.expired(r, now)]
-        for key in gone:
-            self.delete(key)
+        """Delete the sessions (and stored Responses) idle past their TTL; the sessions' keys
+        (those whose record already went by itself too, so their KV goes). Reads only the
+        expiry index's due entries and their records, never the live ones."""
+        now = time.time() if now is None else now
+        gone = []
+        for key in self._due(now):
+            record = self._load(key)
+            if record is not None and not self.expired(record, now):
+                self._drop_due(key, record)  # an entry left behind: the record is live
+                continue
+            if record is not None:
+                self.delete(key)
+            else:
+                self._drop_due(key, None)
+            gone.append(key)
         self.responses.purge_expired(self.ttl_s, now)
         return gone
+
+    @abstractmethod
+    def _due(self, now: float) -> list[SessionKey]:
+        """The sessions whose expiry entry is before now (the index, not the records)."""
+
+    @abstractmethod
+    def _drop_due(self, key: SessionKey, record: SessionRecord | None) -> None:
+        """Drop key's due entries (left behind); record: live, its own entry is written."""
 
     def match_prefix(self, tenant: str, token_ids: list[int], fingerprint: str) -> str | None:
         """The tenant's live session a client that resent its history continues (made by the

@@ -5,6 +5,7 @@
     p:<tenant>/<hash>     a prefix index entry (prefix_index.py), written in the same
                           transaction as the record whose token ids it follows
     m:<name>              markers of one-time migrations
+    c:, x:                the per-tenant session counts and the expiry index (lmdb_facts.py)
 
 The directory is 0700 and its files 0600: they hold every tenant's chat history.
 """
@@ -17,7 +18,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from chatstore.store.keys import key_digest
-from chatstore.store.records import prefix_index
+from chatstore.store.records import lmdb_facts, prefix_index
 from chatstore.store.records.base import (
     Change,
     RecordStore,
@@ -96,6 +97,7 @@ class LmdbRecordStore(RecordStore):
                 if b":" not in bytes(name)[:2]:
                     old.append((bytes(name), bytes(raw)))
             indexed = txn.get(INDEX_BUILT) is not None
+            facts_ttl = lmdb_facts.ttl_marker(txn)
         if old:
             with self.env.begin(write=True) as txn:
                 for name, raw in old:
@@ -109,6 +111,34 @@ class LmdbRecordStore(RecordStore):
                 for record in records:
                     self._index(txn, record.key, None, _saved(record))
                 txn.put(INDEX_BUILT, b"1")
+        if facts_ttl != self.ttl_s:
+            self._build_facts()
+
+    def _build_facts(self) -> None:
+        """The counts and the expiry index from every record: once for the records written
+        before them, and again when the server's TTL changed (the deadlines move)."""
+        records = self._all()
+        with self.env.begin(write=True) as txn:
+            for tenant in lmdb_facts.tenants(txn):
+                lmdb_facts.drop_tenant(txn, tenant)
+            for record in records:
+                self._facts(txn, record.key, False, record)
+            lmdb_facts.set_ttl_marker(txn, self.ttl_s)
+
+    def _state(self, raw: Any, record: SessionRecord | None) -> lmdb_facts.Deadline | bool:
+        """What the facts know of a stored value: False absent, True stored but failed to open,
+        else its deadline (read before a change, which may edit the record in place)."""
+        if record is None:
+            return raw is not None
+        return self.expires_at(record)
+
+    def _facts(
+        self, txn: Any, key: SessionKey, was: lmdb_facts.Deadline | bool, now: SessionRecord | None
+    ) -> None:
+        """The tenant's count and the session's expiry entry follow it from `was` (_state) to
+        `now` (None: deleted)."""
+        new = self.expires_at(now) if now is not None else False
+        lmdb_facts.moved(txn, key.tenant, key.session_id, key_digest(key), was, new)
 
     # -- room and errors --------------------------------------------------------------------
 
@@ -152,7 +182,10 @@ class LmdbRecordStore(RecordStore):
         name = self._name(key)
 
         def drop(txn: Any) -> bool:
-            self._index(txn, key, _saved(self._decode(key.tenant, name, txn.get(name))), None)
+            raw = txn.get(name)
+            old = self._decode(key.tenant, name, raw)
+            self._index(txn, key, _saved(old), None)
+            self._facts(txn, key, self._state(raw, old), None)
             return bool(txn.delete(name))
 
         return bool(self._write(drop))
@@ -164,12 +197,13 @@ class LmdbRecordStore(RecordStore):
         def update(txn: Any) -> None:  # LMDB serialises write transactions
             raw = txn.get(name)
             old = self._decode(key.tenant, name, raw)
-            was = _saved(old)
+            was, state = _saved(old), self._state(raw, old)
             record = change(old)
             encoded = self._encode(key.tenant, name, record)
             self._check_room(len(encoded) - (len(raw) if raw is not None else 0))
             txn.put(name, encoded)
             self._index(txn, key, was, _saved(record))
+            self._facts(txn, key, state, record)
             done.append(record)
 
         self._write(update)
@@ -196,9 +230,43 @@ class LmdbRecordStore(RecordStore):
             names = [n for n, _ in _range(txn, self._prefix(tenant))]
             for name in [*names, *(n for n, _ in _range(txn, self._prefix(tenant, INDEX)))]:
                 txn.delete(name)
+            lmdb_facts.drop_tenant(txn, tenant)
             return len(names)
 
         return int(self._write(drop))
+
+    # -- counts and expiry (lmdb_facts.py) ---------------------------------------------------
+
+    def count_sessions(self, tenant: str) -> int:
+        """The tenant's live sessions: its counter less its entries already due."""
+        now = time.time()
+        with self.env.begin() as txn:
+            return max(0, lmdb_facts.count_of(txn, tenant) - lmdb_facts.due_count(txn, tenant, now))
+
+    def _due(self, now: float) -> list[SessionKey]:
+        with self.env.begin() as txn:
+            return [
+                SessionKey(tenant, session_id)
+                for tenant in lmdb_facts.tenants(txn)
+                for _, _, session_id in lmdb_facts.due(txn, tenant, now)
+            ]
+
+    def _drop_due(self, key: SessionKey, record: SessionRecord | None) -> None:
+        """Due entries that outlived their record's change (it failed to open then), or
+        their record (None): they go; a live record gets its own entry back."""
+
+        def drop(txn: Any) -> None:
+            digest = key_digest(key)
+            for name, d, _ in list(lmdb_facts.due(txn, key.tenant, time.time())):
+                if d == digest:
+                    txn.delete(name)
+            if record is not None:
+                txn.put(
+                    lmdb_facts.entry_name(key.tenant, self.expires_at(record), key_digest(key)),
+                    key.session_id.encode(),
+                )
+
+        self._write(drop)
 
     # -- the prefix index -------------------------------------------------------------------
 

@@ -4,17 +4,24 @@
     chatstore:resp:{<tenant>:<digest>}   a stored Response (responses.py)
     chatstore:prefix:{<tenant>}          the tenant's prefix index, a hash: entry key -> entry,
                                          and `built` once the records written before it are in
+    chatstore:exp:{<tenant>}             the tenant's sessions by expiry, a sorted set: session
+                                         id -> deadline (inf: never); its live count is a ZCOUNT
+    chatstore:tenants                    the tenants with sessions (the purge's list)
+    chatstore:facts-built                set once the records written before those are in
 
 The hash tags put a record and anything named after it (its lease, `leases.py`) in one Redis
 Cluster slot, so one transaction covers them. The prefix index is written after the record,
 in a transaction of its own (another slot): a lookup verifies every candidate on its record,
-so an entry that lags behind or outlives its record costs a read, never a wrong match.
+so an entry that lags behind or outlives its record costs a read, never a wrong match. The
+expiry set is written the same way, after the record: a member that outlives its record is
+dropped by the purge when it comes due (it reads the record to confirm).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import time
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -26,7 +33,7 @@ from chatstore.store.records.base import (
 )
 from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch
 from chatstore.store.records.record import RecordStoreUnavailable, SessionRecord
-from chatstore.store.records.responses import ResponseRecords
+from chatstore.store.records.redis_responses import RedisResponses
 from chatstore.store.sealing import Sealer
 from chatstore.store.session_kv import SessionKey
 
@@ -52,6 +59,9 @@ class RedisRecordStore(RecordStore):
     PREFIX = "chatstore:rec:"
     INDEX_PREFIX = "chatstore:prefix:"
     INDEX_BUILT = "built"  # a field of a tenant's index hash: its older records are in it
+    EXPIRY_PREFIX = "chatstore:exp:"
+    TENANTS = "chatstore:tenants"
+    FACTS_BUILT = "chatstore:facts-built"
 
     def __init__(
         self,
@@ -74,7 +84,7 @@ class RedisRecordStore(RecordStore):
         else:
             self.client = url_or_client
         self.responses = RedisResponses(self)
-        self._rename_legacy_records()
+        self._start()
 
     def _name(self, key: SessionKey) -> str:
         return f"{self.PREFIX}{{{quote(key.tenant, safe='')}:{key_digest(key)}}}"
@@ -82,7 +92,29 @@ class RedisRecordStore(RecordStore):
     def _index_name(self, tenant: str) -> str:
         return f"{self.INDEX_PREFIX}{{{quote(tenant, safe='')}}}"
 
+    def _expiry_name(self, tenant: str) -> str:
+        return f"{self.EXPIRY_PREFIX}{{{quote(tenant, safe='')}}}"
+
     # -- start ------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Once per Redis (not per start: a SCAN reads every key): legacy names renamed and
+        the records written before the expiry sets put in them."""
+        try:
+            if self._call(self.client.exists, self.FACTS_BUILT):
+                return
+        except RecordStoreUnavailable as exc:
+            log.warning("session records: start checks skipped (%s)", exc)
+            return
+        self._rename_legacy_records()
+        try:
+            records = self._call(self._all)
+            for record in records:
+                self._facts(record.key, record)
+            self._call(self.client.set, self.FACTS_BUILT, b"1")
+            log.info("counted %d session records by tenant and expiry", len(records))
+        except RecordStoreUnavailable as exc:
+            log.warning("session records: expiry sets not built (%s)", exc)
 
     def _rename_legacy_records(self) -> None:
         """Records named before the hash tag (`chatstore:rec:<tenant>:<digest>`, single-node
@@ -166,6 +198,7 @@ class RedisRecordStore(RecordStore):
             old = self._decode(key.tenant, name.encode(), self.client.get(name))
             gone = bool(self.client.delete(name))
             self._index(key, _saved(old), None)
+            self._facts(key, None)
             return gone
 
         return bool(self._call(drop))
@@ -186,6 +219,7 @@ class RedisRecordStore(RecordStore):
 
         self.client.transaction(attempt, name)
         self._index(key, was[0], _saved(done[0]))
+        self._facts(key, done[0])
         return done[0]
 
     def _load(self, key: SessionKey) -> SessionRecord | None:
@@ -210,6 +244,8 @@ class RedisRecordStore(RecordStore):
             for name in names:  # one by one: the names lie in many cluster slots
                 self.client.delete(name)
             self.client.delete(self._index_name(tenant))
+            self.client.delete(self._expiry_name(tenant))
+            self.client.srem(self.TENANTS, tenant)
             return len(names)
 
         return int(self._call(drop))
@@ -226,6 +262,42 @@ class RedisRecordStore(RecordStore):
             for name, raw in zip(names, raws, strict=True)
         ]
         return [r for r in records if r is not None]
+
+    # -- counts and expiry ------------------------------------------------------------------
+
+    def _facts(self, key: SessionKey, record: SessionRecord | None) -> None:
+        """The session in its tenant's expiry set at its deadline (None: out of it)."""
+        zname = self._expiry_name(key.tenant)
+        with self.client.pipeline(transaction=False) as pipe:
+            if record is None:
+                pipe.zrem(zname, key.session_id)
+            else:
+                deadline = self.expires_at(record)
+                score = float("inf") if deadline is None else deadline
+                pipe.zadd(zname, {key.session_id: score})
+                pipe.sadd(self.TENANTS, key.tenant)
+            pipe.execute()
+
+    def count_sessions(self, tenant: str) -> int:
+        """The tenant's members not yet due: one ZCOUNT, the same on every replica."""
+        return int(self._call(self.client.zcount, self._expiry_name(tenant), time.time(), "+inf"))
+
+    def _due(self, now: float) -> list[SessionKey]:
+        def due() -> list[SessionKey]:
+            keys = []
+            for raw in self.client.smembers(self.TENANTS):
+                tenant = _text(raw)
+                ids = self.client.zrangebyscore(self._expiry_name(tenant), "-inf", f"({now}")
+                keys += [SessionKey(tenant, _text(i)) for i in ids]
+            return keys
+
+        return list(self._call(due))
+
+    def _drop_due(self, key: SessionKey, record: SessionRecord | None) -> None:
+        self._call(self._facts, key, record)
+
+    def purge_expired(self, now: float | None = None) -> list[SessionKey]:
+        return list(self._call(super().purge_expired, now))
 
     # -- the prefix index -------------------------------------------------------------------
 
@@ -321,30 +393,3 @@ class RedisRecordStore(RecordStore):
 
     def close(self) -> None:
         self.client.close()
-
-
-class RedisResponses(ResponseRecords):
-    PREFIX = "chatstore:resp:"
-    records: RedisRecordStore
-
-    def _name(self, tenant: str, response_id: str) -> bytes:
-        digest = key_digest(SessionKey(tenant, response_id))
-        return f"{self.PREFIX}{{{quote(tenant, safe='')}:{digest}}}".encode()
-
-    def _get(self, name: bytes) -> bytes | None:
-        return self.records._call(self.records.client.get, name)
-
-    def _add(self, name: bytes, raw: bytes, expiry_s: int | None) -> bool:
-        return bool(self.records._call(self.records.client.set, name, raw, nx=True, ex=expiry_s))
-
-    def _delete(self, name: bytes) -> bool:
-        return bool(self.records._call(self.records.client.delete, name))
-
-    def _delete_tenant(self, tenant: str) -> int:
-        def drop() -> int:
-            names = self.records._names(tenant, self.PREFIX)
-            for name in names:  # one by one: the names lie in many cluster slots
-                self.records.client.delete(name)
-            return len(names)
-
-        return int(self.records._call(drop))

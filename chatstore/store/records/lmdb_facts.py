@@ -1,0 +1,128 @@
+"""The LMDB record store's cluster facts: per-tenant session counts and the expiry index.
+
+    c:<tenant>                         how many session records the tenant has stored (ascii)
+    x:<tenant>/<deadline>/<digest>     a session's expiry entry -> its session id; deadline:
+                                       16 hex digits of milliseconds (`ffff...`: never)
+    m:expiry-ttl                       the server TTL the deadlines were counted with
+
+Both change in the write transaction of the record they follow (create, turn, delete), so
+they are exact after any crash. A record's deadline depends on the server's TTL (a record
+with no TTL of its own): when the TTL changes between starts, the index is rebuilt once.
+The purge reads only the entries that are due (and their records, to confirm); the live
+count is the counter less the tenant's due entries.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote, unquote
+
+COUNTS, EXPIRY = b"c:", b"x:"
+EXPIRY_TTL = b"m:expiry-ttl"
+NEVER = b"f" * 16
+
+Deadline = float | None
+
+
+def _tenant_part(tenant: str) -> bytes:
+    return quote(tenant, safe="").encode()
+
+
+def stamp(deadline: Deadline) -> bytes:
+    """A deadline as it sorts in the index (None: after every time)."""
+    return NEVER if deadline is None else b"%016x" % max(0, int(deadline * 1000))
+
+
+def entry_name(tenant: str, deadline: Deadline, digest: str) -> bytes:
+    return EXPIRY + _tenant_part(tenant) + b"/" + stamp(deadline) + b"/" + digest.encode()
+
+
+def count_of(txn: Any, tenant: str) -> int:
+    raw = txn.get(COUNTS + _tenant_part(tenant))
+    return int(bytes(raw)) if raw is not None else 0
+
+
+def add_count(txn: Any, tenant: str, delta: int) -> None:
+    name = COUNTS + _tenant_part(tenant)
+    value = count_of(txn, tenant) + delta
+    if value > 0:
+        txn.put(name, b"%d" % value)
+    else:
+        txn.delete(name)
+
+
+def moved(
+    txn: Any,
+    tenant: str,
+    session_id: str,
+    digest: str,
+    was: Deadline | bool,
+    now: Deadline | bool,
+) -> None:
+    """The session's facts from `was` to `now`: False when absent, else its deadline (None:
+    never). A record that was stored but failed to open is `was=None`-like: its old entry is
+    unknown, and the purge drops it when it comes due (it checks the record)."""
+    if was is False and now is not False:
+        add_count(txn, tenant, 1)
+    elif was is not False and now is False:
+        add_count(txn, tenant, -1)
+    if was is not False and was is not True and was != now:
+        txn.delete(entry_name(tenant, was, digest))
+    if now is not False and now is not True:
+        txn.put(entry_name(tenant, now, digest), session_id.encode())
+
+
+def tenants(txn: Any) -> list[str]:
+    """Every tenant with a stored session (one counter each)."""
+    found = []
+    cursor = txn.cursor()
+    if cursor.set_range(COUNTS):
+        for name in cursor.iternext(keys=True, values=False):
+            if not bytes(name).startswith(COUNTS):
+                break
+            found.append(unquote(bytes(name)[2:].decode()))
+    return found
+
+
+def due(txn: Any, tenant: str, now: float) -> Iterator[tuple[bytes, str, str]]:
+    """The tenant's entries due before now: (entry name, digest, session id), soonest first;
+    reads nothing past the first entry not due."""
+    base = EXPIRY + _tenant_part(tenant) + b"/"
+    limit = base + stamp(now)
+    cursor = txn.cursor()
+    if not cursor.set_range(base):
+        return
+    for name, value in cursor:
+        name = bytes(name)
+        if not name.startswith(base) or name >= limit:
+            return
+        yield name, name.rsplit(b"/", 1)[1].decode(), bytes(value).decode()
+
+
+def due_count(txn: Any, tenant: str, now: float) -> int:
+    return sum(1 for _ in due(txn, tenant, now))
+
+
+def drop_tenant(txn: Any, tenant: str) -> None:
+    txn.delete(COUNTS + _tenant_part(tenant))
+    base = EXPIRY + _tenant_part(tenant) + b"/"
+    cursor = txn.cursor()
+    names = []
+    if cursor.set_range(base):
+        for name in cursor.iternext(keys=True, values=False):
+            if not bytes(name).startswith(base):
+                break
+            names.append(bytes(name))
+    for name in names:
+        txn.delete(name)
+
+
+def ttl_marker(txn: Any) -> int | None:
+    raw = txn.get(EXPIRY_TTL)
+    return None if raw is None else int(struct.unpack(">q", bytes(raw))[0])
+
+
+def set_ttl_marker(txn: Any, ttl_s: int) -> None:
+    txn.put(EXPIRY_TTL, struct.pack(">q", ttl_s))
