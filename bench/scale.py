@@ -35,12 +35,15 @@ else beside it); the CPU and the dtypes are named in the output.
                 writer_cpu_ratio_turn40 (the largest size's conversation runs --turns turns:
                                          writer CPU of turns 38-40 over turns 4-6, means)
   replicas    two servers (replica ids a and b, DRAM 256 MiB each) over one local Redis with
-              maxmemory --redis-mb and --redis-policy; a ~1,000-token system prompt shared by
+              maxmemory = --redis-chunks chunks' bytes (8: fewer than the two replicas' sessions
+              need) and --redis-policy; a ~1,000-token system prompt shared by
               every session. A serves --replica-sessions sessions (one turn each), then B as
               many (same system prompt, other messages):
-                shared_prompt_reuse_share  B's cached tokens / the chunk-aligned prefix B's
-                                           prompts share with A's (rendered by the chat
-                                           template), mean over B's sessions (capped at 1)
+                shared_prompt_reuse_share  the tokens B's first session reused from the store
+                                           (cached tokens outside the device tier: B has seen
+                                           no prompt yet, so they are A's chunks via Redis) /
+                                           the chunk-aligned prefix B's prompts share with
+                                           A's (rendered by the chat template)
                 cross_replica_deletes      chunks B's records reference that were in Redis
                                            before A deleted its sessions and are gone after,
                                            less Redis's own evictions meanwhile (raw counts
@@ -323,10 +326,13 @@ def prefix_len(args: argparse.Namespace) -> dict:
     """Tokens two sessions with SHARED_SYSTEM and different first messages share."""
     from chatstore.api.common.chat_template import ChatTemplate
     from chatstore.config import load_config
+    from chatstore.engine.runtime import runtime_config
     from chatstore.model.loader import load_model
 
     config = load_config(env=os.environ)
     model = load_model(config.model, dtype=config.torch_dtype, device="cpu")
+    spec, dtype = model.spec, runtime_config(config, model).storage_torch_dtype
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype.itemsize
     template = ChatTemplate(model.tokenizer, model.spec.eos_token_ids)
     a, b = (
         template.render(
@@ -335,7 +341,8 @@ def prefix_len(args: argparse.Namespace) -> dict:
         for q in (replica_question("a", 0), replica_question("b", 0))
     )
     common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
-    return {"common_tokens": common, "reusable_tokens": common // CHUNK * CHUNK}
+    reusable = common // CHUNK * CHUNK
+    return {"common_tokens": common, "reusable_tokens": reusable, "chunk_bytes": CHUNK * per_token}
 
 
 # -- the parent: servers and clients ------------------------------------------------------------
@@ -357,17 +364,24 @@ class Server:
                 cmd, env=child_env(data_dir, env), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
             )
         self.url = f"http://127.0.0.1:{self.port}"
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.perf_counter() - t0
+
+    def _wait_ready(self) -> None:
         with http_client(self.url, 1.0) as http:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"server exited: {self.log_path.read_text()[-3000:]}")
                 try:
                     if http.get("/readyz").status_code == 200:
-                        break
+                        return
                 except Exception:
                     pass
                 time.sleep(0.02)
-        self.start_s = time.perf_counter() - t0
 
     def commits(self) -> list[dict]:
         if not self.cpu_log.exists():
@@ -503,12 +517,13 @@ def replicas(args: argparse.Namespace, work: Path) -> dict:
     shared = run_child("prefix-len", work / "tokens")
     local = start_local_redis()
     client = redis_lib.Redis.from_url(local.url)
-    client.config_set("maxmemory", f"{args.redis_mb}mb")
+    maxmemory = args.redis_chunks * shared["chunk_bytes"]
+    client.config_set("maxmemory", str(maxmemory))
     client.config_set("maxmemory-policy", args.redis_policy)
     secret = new_secret_line("k1")  # the replicas share a cluster's key: each opens the other's
     env = {"CHATSTORE_REDIS_URL": local.url, "CHATSTORE_PERSIST_LAG_S": "0.2"}
     env["CHATSTORE_SECRET_KEY"] = secret
-    n, out = args.replica_sessions, {"redis_maxmemory_mb": args.redis_mb}
+    n, out = args.replica_sessions, {"redis_maxmemory_mb": maxmemory / 2**20}
     out |= {"redis_policy": args.redis_policy, **shared}
     servers: list[Server] = []
     try:
@@ -517,7 +532,7 @@ def replicas(args: argparse.Namespace, work: Path) -> dict:
         b = Server(work / "b", {**env, "CHATSTORE_REPLICA_ID": "b"})
         servers.append(b)
         body = {"system_prompt": SHARED_SYSTEM}
-        cached: list[float] = []
+        by_tier: list[dict[str, int]] = []
         for name, server in (("a", a), ("b", b)):
             with http_client(server.url, 300.0) as http:
                 for i in progress.track(range(n), f"replica {name} sessions"):
@@ -528,10 +543,13 @@ def replicas(args: argparse.Namespace, work: Path) -> dict:
                     reply.raise_for_status()
                     usage = reply.json()["usage"]
                     if name == "b":
-                        got = usage["prompt_tokens_details"]["cached_tokens"]
-                        cached.append(min(1.0, got / max(1, shared["reusable_tokens"])))
+                        by_tier.append(usage["cached_tokens_by_tier"])
             time.sleep(1.0)  # write-back (persist_lag_s 0.2) reaches Redis
-        out["shared_prompt_reuse_share"] = statistics.mean(cached)
+        # b0 is the first prompt b sees: all it reuses is the store's (a's chunks, via Redis);
+        # b's later sessions also find the prompt in b's own device prefix cache.
+        reused = sum(n for tier, n in by_tier[0].items() if tier != "device")
+        out["shared_prompt_reuse_share"] = min(1.0, reused / max(1, shared["reusable_tokens"]))
+        out["b_cached_tokens_by_tier"] = by_tier
         records = RedisRecordStore(local.url, sealer=sealer_for(True, work, secret))
         referenced: set[str] = set()
         for i in range(n):
@@ -594,7 +612,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache", default=str(ROOT / "bench" / "out" / "scale"), help="populated dirs")
     p.add_argument("--skip-replicas", action="store_true")
     p.add_argument("--replica-sessions", type=int, default=4)
-    p.add_argument("--redis-mb", type=int, default=96, help="Redis maxmemory (pressure)")
+    p.add_argument("--redis-chunks", type=int, default=8, help="Redis maxmemory, in chunks")
     p.add_argument("--redis-policy", default="allkeys-lru")
     p.add_argument(
         "--child", choices=["populate", "probe", "serve", "prefix-len"], help=argparse.SUPPRESS
@@ -622,6 +640,8 @@ def main(argv: list[str] | None = None) -> None:
         children = {"populate": populate, "probe": probe, "prefix-len": prefix_len}
         print(json.dumps(children[args.child](args)), flush=True)
         return
+    # A SIGTERM unwinds like ^C: the servers and the Redis this run started stop with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = sorted({int(s) for s in args.sizes.split(",")})
     say(f"CPU: {cpu_name()} ({os.cpu_count()} cores); cache {args.cache}")
     per_size: dict[int, dict] = {}
