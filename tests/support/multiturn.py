@@ -1,7 +1,8 @@
-"""A conversation with the real default model driven through ModelRunner the way the engine does
-(num_external_tokens -> load -> prefill with the connector as kv_sink -> decode ->
-request_finished), one request at a time, and the store it restores from: shared by the
-multi-turn restore tests (tests/transfer) and encryption at rest (tests/store)."""
+"""A conversation with the real default model driven through ModelRunner the way the server does
+(the API opens the turn: fetch_remote; then the engine: num_external_tokens -> load -> prefill
+with the connector as kv_sink -> decode -> request_finished), one request at a time, and the
+store it restores from: shared by the multi-turn restore tests (tests/transfer) and encryption
+at rest (tests/store)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ class MiniEngine:
             self.runner.forward(
                 ForwardBatch.build([SequenceChunk(prompt[:on_device], 0, blocks)], BLOCK)
             )
+        if conn and session is not None:  # the API opens the turn first (SSD, Redis -> host)
+            conn.store.fetch_remote("acme", session)  # type: ignore[attr-defined]
         cached = conn.num_external_tokens(req, on_device) if conn else 0
         if cached:
             conn.load(req, on_device, cached, blocks)

@@ -1,14 +1,15 @@
 """What an opened turn holds of its session's KV until the engine has read it.
 
-The engine's thread reads no remote tier, so the API thread that opens a turn
-(`AttentionStore.fetch_remote`) brings the chunks only Redis holds up first. Between that and
-the engine's admission read, nothing may push them back down: with a DRAM tier smaller than the
-session, or shared with other turns opened meanwhile, each promotion would otherwise evict the
-chunks promoted just before it (KV moved up for nothing, then recomputed).
+The engine's thread reads host memory only (no SSD, no Redis), so the API thread that opens a
+turn (`AttentionStore.fetch_remote`) brings the chunks only LMDB or Redis holds up first.
+Between that and the engine's admission read, nothing may push them back down: with a DRAM tier
+smaller than the session, or shared with other turns opened meanwhile, each promotion would
+otherwise evict the chunks promoted just before it (KV moved up for nothing, then recomputed).
 
     open (API thread)        pin every chunk of the chain: no DRAM eviction picks a pinned one
-                             Redis-only chunk -> promoted into DRAM; where DRAM cannot take
-                             it (too small, or full of pinned chunks) -> kept beside it (held)
+                             LMDB/Redis-only chunk -> promoted into DRAM; where DRAM cannot
+                             take it (none, too small, full of pinned chunks) -> kept beside
+                             it (held)
     admission (engine)       the connector takes the hold, reads the chunks (DRAM or held)
     read done / turn ended   released: pins dropped, held copies freed
     never admitted           released by the next opening after HOLD_TTL_S
