@@ -49,15 +49,16 @@ def records_backend(settings: StoreSettings) -> str:
 
 def warn_if_evicting(client: Any, what: str) -> str | None:
     """Log a warning when the Redis holding records evicts keys under memory pressure (its
-    maxmemory-policy); the policy, or None where CONFIG GET is not allowed or failed."""
+    maxmemory-policy, from INFO memory: the ACL of deploy/redis-users.acl.template allows it,
+    CONFIG GET would also show passwords); the policy, or None where INFO is refused."""
     try:
-        reply = client.config_get("maxmemory-policy")
-    except Exception as exc:  # ACL without +config, a managed Redis, an outage
+        info = client.info("memory")
+    except Exception as exc:  # an ACL without +info, a managed Redis, an outage
         log.info("%s: maxmemory-policy not readable (%s): make sure it is noeviction", what, exc)
         return None
-    if isinstance(reply, dict) and reply and "maxmemory-policy" not in reply:
-        reply = next(iter(reply.values()))  # a cluster: {node: {...}}
-    policy = str(reply.get("maxmemory-policy", "")) if isinstance(reply, dict) else ""
+    if isinstance(info, dict) and "maxmemory_policy" not in info and info:
+        info = next(iter(info.values()))  # a cluster: {node: {...}}
+    policy = str(info.get("maxmemory_policy", "")) if isinstance(info, dict) else ""
     if policy.startswith(EVICTING):
         log.warning(
             "%s: session records are in a Redis whose maxmemory-policy is %s: under memory "

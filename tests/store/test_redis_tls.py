@@ -18,6 +18,7 @@ from chatstore.config import load_config
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.records.leases import session_leases
+from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.redis import RedisTier, connect_redis
 from chatstore.store.tiers.redis_security import RedisSecurity
@@ -100,7 +101,9 @@ def test_a_session_round_trips_through_tls_redis_as_the_acl_user(tmp_path, tls_s
     assert names and all(n.startswith("chatstore:") for n in names), names
     assert any(n.startswith("chatstore:kv:") for n in names)
     assert reader.delete_session("acme", "s1")
-    assert writer.lookup("acme", "s1") is None
+    assert writer.records.get(writer.key("acme", "s1")) is None  # the shared record went
+    # its chunks stay: no replica deletes a shared chunk (Redis's maxmemory policy evicts)
+    assert any(n.startswith(b"chatstore:kv:") for n in admin.scan_iter(count=1000))
     for store in (writer, reader):
         store.close()
     assert refusals(admin) == []  # every command the store, records and leases sent was allowed
@@ -152,7 +155,9 @@ def test_a_wrong_ca_refuses_and_the_store_serves_from_local_tiers(tmp_path, tls_
         client.ping()
     breaker = CircuitBreaker(failures=2, reset_s=60)
     remote = RedisTier(client, 1 << 20, "fp", ttl_s=60, timeout_s=2.0, breaker=breaker)
-    health = breaker.health()  # the index rebuild at start failed: one outage, counted
+    with pytest.raises(TierUnavailable):  # refused (the hierarchy reads a miss)
+        remote.get(ChunkKey("acme", "ab" * 16))
+    health = breaker.health()  # one outage, counted
     assert health.state == "closed" and health.failures == 1
     assert "CERTIFICATE_VERIFY_FAILED" in (health.last_error or "")
 
