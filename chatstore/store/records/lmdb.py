@@ -1,6 +1,7 @@
 """Session records in one LMDB environment (the embedded default), synchronous commits.
 
-    t:<tenant>/<digest>   a session's record (one tenant = one key range)
+    t:<tenant>/<digest>   a session's record header (one tenant = one key range), and
+    u:<tenant>/<digest>/  its log of turns (lmdb_log.py): a write appends, it never rewrites
     r:<tenant>/<digest>   a stored Response (responses.py)
     p:<tenant>/<hash>     a prefix index entry (prefix_index.py), written in the same
                           transaction as the record whose token ids it follows
@@ -12,37 +13,30 @@ The directory is 0700 and its files 0600: they hold every tenant's chat history.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 from chatstore.store.keys import key_digest
-from chatstore.store.records import lmdb_facts, prefix_index
+from chatstore.store.records import lmdb_facts, lmdb_log, prefix_index
 from chatstore.store.records.base import (
     Change,
     RecordStore,
 )
+from chatstore.store.records.lmdb_facts import key_range as _range
+from chatstore.store.records.lmdb_facts import tenant_of as _tenant_of
+from chatstore.store.records.lmdb_responses import LmdbResponses
 from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch
 from chatstore.store.records.record import RecordStoreFull, RecordStoreUnavailable, SessionRecord
-from chatstore.store.records.responses import ResponseRecords
 from chatstore.store.sealing import Sealer
 from chatstore.store.session_kv import SessionKey
 
+log = logging.getLogger(__name__)
+
 SESSIONS, RESPONSES, INDEX = b"t:", b"r:", b"p:"
 INDEX_BUILT = b"m:prefix-index"
-
-
-def _range(txn: Any, prefix: bytes) -> list[tuple[bytes, bytes]]:
-    """Every (name, value) whose name starts with prefix, in order."""
-    cursor = txn.cursor()
-    found: list[tuple[bytes, bytes]] = []
-    if cursor.set_range(prefix):
-        for name, raw in cursor:
-            if not name.startswith(prefix):
-                break
-            found.append((bytes(name), bytes(raw)))
-    return found
 
 
 Saved = tuple[tuple[int, ...], str]  # a record's saved token ids and fingerprint
@@ -50,10 +44,6 @@ Saved = tuple[tuple[int, ...], str]  # a record's saved token ids and fingerprin
 
 def _saved(record: SessionRecord | None) -> Saved | None:
     return None if record is None else (tuple(record.token_ids), record.fingerprint)
-
-
-def _tenant_of(name: bytes) -> str:
-    return unquote(name[2:].decode().rsplit("/", 1)[0])
 
 
 class LmdbRecordStore(RecordStore):
@@ -77,6 +67,7 @@ class LmdbRecordStore(RecordStore):
         # that a full store can still delete sessions and recover.
         self._headroom = min(map_size // 16, 8 << 20)
         self.responses = LmdbResponses(self)
+        self.bytes_put = 0  # names and values of the session records written (headers, logs)
         self._migrate()
 
     @staticmethod
@@ -183,9 +174,11 @@ class LmdbRecordStore(RecordStore):
 
         def drop(txn: Any) -> bool:
             raw = txn.get(name)
-            old = self._decode(key.tenant, name, raw)
+            old, _ = self._read(txn, key.tenant, name, raw)
             self._index(txn, key, _saved(old), None)
             self._facts(txn, key, self._state(raw, old), None)
+            for entry, _ in _range(txn, lmdb_log.entry_prefix(name)):
+                txn.delete(entry)
             return bool(txn.delete(name))
 
         return bool(self._write(drop))
@@ -196,12 +189,11 @@ class LmdbRecordStore(RecordStore):
 
         def update(txn: Any) -> None:  # LMDB serialises write transactions
             raw = txn.get(name)
-            old = self._decode(key.tenant, name, raw)
+            old, entries = self._read(txn, key.tenant, name, raw)
             was, state = _saved(old), self._state(raw, old)
+            lists = lmdb_log.lists_of(old) if old is not None and entries is not None else None
             record = change(old)
-            encoded = self._encode(key.tenant, name, record)
-            self._check_room(len(encoded) - (len(raw) if raw is not None else 0))
-            txn.put(name, encoded)
+            self._append(txn, name, record, lists, entries)
             self._index(txn, key, was, _saved(record))
             self._facts(txn, key, state, record)
             done.append(record)
@@ -209,18 +201,66 @@ class LmdbRecordStore(RecordStore):
         self._write(update)
         return done[0]
 
+    def _append(
+        self,
+        txn: Any,
+        name: bytes,
+        record: SessionRecord,
+        lists: dict[str, list[Any]] | None,
+        entries: int | None,
+    ) -> None:
+        """The header, and one log entry of what the change added (lists: the record's lists
+        before it; None, or a full log: a new base, the old entries dropped)."""
+        tenant = record.tenant
+        if lists is None or entries is None or entries >= lmdb_log.MAX_ENTRIES:
+            for old_entry, _ in _range(txn, lmdb_log.entry_prefix(name)):
+                txn.delete(old_entry)
+            lists, entries = None, 0
+        entry = lmdb_log.entry_json(lists, record)
+        values = []
+        if entry is not None:
+            entry_name = lmdb_log.entry_name(name, entries)
+            values.append((entry_name, self.seal(tenant, entry_name, entry)))
+            entries += 1
+        values.append((name, self.seal(tenant, name, lmdb_log.header_json(record, entries))))
+        self._check_room(sum(len(v) for _, v in values))
+        for value_name, value in values:
+            txn.put(value_name, value)
+        self.bytes_put += sum(len(n) + len(v) for n, v in values)
+
+    def _read(
+        self, txn: Any, tenant: str, name: bytes, raw: Any
+    ) -> tuple[SessionRecord | None, int | None]:
+        """The record stored as raw under name, assembled from its header and log, and how
+        many entries its log has (None: a whole record of the older layout, or none)."""
+        plain = self.unseal(tenant, name, None if raw is None else bytes(raw))
+        if plain is None:
+            return None, None
+        try:
+            entries = lmdb_log.entries_of(plain)
+            record = SessionRecord.from_json(plain)
+            if entries is None:
+                return record, None
+            found = _range(txn, lmdb_log.entry_prefix(name))
+            logged = [self.unseal(tenant, n, v) for n, v in found]
+            if len(logged) != entries or any(p is None for p in logged):
+                raise ValueError(f"its log has {len(logged)} entries, not {entries}")
+            return lmdb_log.assemble(record, [p for p in logged if p is not None]), entries
+        except (ValueError, TypeError, KeyError) as exc:
+            self.open_failures += 1
+            log.warning("session record %r failed to open (%s): read as absent", name, exc)
+            return None, None
+
     def _load(self, key: SessionKey) -> SessionRecord | None:
         name = self._name(key)
         with self.env.begin() as txn:
-            raw = txn.get(name)
-        return self._decode(key.tenant, name, raw)
+            return self._read(txn, key.tenant, name, txn.get(name))[0]
 
     def _all(self, tenant: str | None = None) -> list[SessionRecord]:
         prefix = SESSIONS if tenant is None else self._prefix(tenant)
         with self.env.begin() as txn:
-            found = _range(txn, prefix)
-        # The tenant is in the name (quoted); opening happens outside the read transaction.
-        records = [self._decode(_tenant_of(n), n, raw) for n, raw in found]
+            # The tenant is in the name (quoted).
+            records = [self._read(txn, _tenant_of(n), n, raw)[0] for n, raw in _range(txn, prefix)]
         return [r for r in records if r is not None]
 
     def delete_tenant(self, tenant: str) -> int:
@@ -228,7 +268,11 @@ class LmdbRecordStore(RecordStore):
 
         def drop(txn: Any) -> int:
             names = [n for n, _ in _range(txn, self._prefix(tenant))]
-            for name in [*names, *(n for n, _ in _range(txn, self._prefix(tenant, INDEX)))]:
+            others = [
+                *_range(txn, self._prefix(tenant, INDEX)),
+                *_range(txn, self._prefix(tenant, lmdb_log.LOG)),
+            ]
+            for name in [*names, *(n for n, _ in others)]:
                 txn.delete(name)
             lmdb_facts.drop_tenant(txn, tenant)
             return len(names)
@@ -300,8 +344,7 @@ class LmdbRecordStore(RecordStore):
         def load(digest: str) -> tuple[str, list[int], str] | None:
             name = self._prefix(tenant) + digest.encode()
             with self.env.begin() as txn:
-                raw = txn.get(name)
-            record = self._live(self._decode(tenant, name, raw))
+                record = self._live(self._read(txn, tenant, name, txn.get(name))[0])
             if record is None:
                 return None
             return record.session_id, record.token_ids, record.fingerprint
@@ -321,7 +364,9 @@ class LmdbRecordStore(RecordStore):
                 for name, raw in cursor:
                     if name == after:
                         continue
-                    if bytes(name)[:2] not in (RESPONSES, SESSIONS) or len(todo) >= batch:
+                    if bytes(name)[:2] not in (RESPONSES, SESSIONS, lmdb_log.LOG):
+                        break
+                    if len(todo) >= batch:
                         break
                     todo.append((bytes(name), bytes(raw)))
         if not todo:
@@ -342,49 +387,3 @@ class LmdbRecordStore(RecordStore):
 
     def close(self) -> None:
         self.env.close()
-
-
-class LmdbResponses(ResponseRecords):
-    records: LmdbRecordStore
-
-    def _name(self, tenant: str, response_id: str) -> bytes:
-        digest = key_digest(SessionKey(tenant, response_id))
-        return self.records._prefix(tenant, RESPONSES) + digest.encode()
-
-    def _get(self, name: bytes) -> bytes | None:
-        with self.records.env.begin() as txn:
-            raw = txn.get(name)
-        return None if raw is None else bytes(raw)
-
-    def _add(self, name: bytes, raw: bytes, expiry_s: int | None) -> bool:
-        self.records._check_room(len(raw))
-        return bool(self.records._write(lambda txn: txn.put(name, raw, overwrite=False)))
-
-    def _delete(self, name: bytes) -> bool:
-        return bool(self.records._write(lambda txn: txn.delete(name)))
-
-    def _delete_tenant(self, tenant: str) -> int:
-        prefix = self.records._prefix(tenant, RESPONSES)
-
-        def drop(txn: Any) -> int:
-            names = [n for n, _ in _range(txn, prefix)]
-            for name in names:
-                txn.delete(name)
-            return len(names)
-
-        return int(self.records._write(drop))
-
-    def purge_expired(self, ttl_s: int, now: float | None = None) -> int:
-        if ttl_s <= 0:
-            return 0
-        now = time.time() if now is None else now
-        with self.records.env.begin() as txn:
-            found = _range(txn, RESPONSES)
-        gone = []
-        for name, raw in found:
-            response = self._parse(name, self.records.unseal(_tenant_of(name), name, raw))
-            if response is not None and self._expired(response, now):
-                gone.append(name)
-        for name in gone:
-            self._delete(name)
-        return len(gone)

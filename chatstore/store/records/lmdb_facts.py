@@ -126,3 +126,19 @@ def ttl_marker(txn: Any) -> int | None:
 
 def set_ttl_marker(txn: Any, ttl_s: int) -> None:
     txn.put(EXPIRY_TTL, struct.pack(">q", ttl_s))
+
+
+def key_range(txn: Any, prefix: bytes) -> list[tuple[bytes, bytes]]:
+    """Every (name, value) whose name starts with prefix, in order."""
+    cursor = txn.cursor()
+    found: list[tuple[bytes, bytes]] = []
+    if cursor.set_range(prefix):
+        for name, raw in cursor:
+            if not name.startswith(prefix):
+                break
+            found.append((bytes(name), bytes(raw)))
+    return found
+
+
+def tenant_of(name: bytes) -> str:
+    return unquote(name[2:].decode().split("/", 1)[0])  # quote() left no "/" in the tenant

@@ -1,0 +1,119 @@
+"""An LMDB session record as a small header plus an append-only log of what each write added.
+
+    t:<tenant>/<digest>              the header: the record's fields but its three growing lists
+                                     (messages, token ids, chunk digests), and `log`, how many
+                                     entries follow
+    u:<tenant>/<digest>/<seq>        log entry seq (8 hex digits), for each list that changed:
+                                     how many of its items stay and the items appended after
+                                     them (token ids as base64 int32)
+
+A write (a turn's messages, a commit's token ids and chunks, a retention patch) puts one entry
+of what it adds and the header, in one transaction: its bytes grow with the turn, not with the
+conversation. A write that keeps less than it had (a truncation, an edited history resent)
+writes an entry that keeps few items: no rewrite of the entries before it. After MAX_ENTRIES
+entries, or over a record in the layout before this one (one JSON value holding everything:
+read as is, and rewritten as a base by its first write, so no start-up pass), the next write
+starts a new log with a base entry holding the lists whole. Every value is sealed under the
+tenant's key, its own name the associated data.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import json
+from dataclasses import asdict
+from typing import Any
+
+from chatstore.store.records.record import SessionRecord
+
+LOG = b"u:"
+MAX_ENTRIES = 256  # a read assembles at most this many entries; then a new base
+LISTS = ("messages", "token_ids", "chunks")
+
+
+def entry_prefix(header_name: bytes) -> bytes:
+    """The log's names: the header's, under `u:`, and a slash."""
+    return LOG + header_name[2:] + b"/"
+
+
+def entry_name(header_name: bytes, seq: int) -> bytes:
+    return entry_prefix(header_name) + b"%08x" % seq
+
+
+def header_json(record: SessionRecord, entries: int) -> bytes:
+    fields = asdict(record)
+    for name in (*LISTS, "expires_at"):
+        del fields[name]
+    fields["log"] = entries
+    return json.dumps(fields).encode()
+
+
+def entries_of(plain: bytes) -> int | None:
+    """How many log entries a stored header has; None: a whole record (the older layout)."""
+    fields = json.loads(plain)
+    entries = fields.get("log")
+    return None if entries is None else int(entries)
+
+
+def _common(old: list[Any], new: list[Any]) -> int:
+    """How many leading items new keeps of old."""
+    n = min(len(old), len(new))
+    if old[:n] == new[:n]:
+        return n
+    lo, hi = 0, n  # old[:lo] == new[:lo], old[:hi] != new[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if old[:mid] == new[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _pack_ids(ids: list[int]) -> str:
+    return base64.b64encode(array.array("i", ids).tobytes()).decode()
+
+
+def _unpack_ids(packed: str) -> list[int]:
+    ids = array.array("i")
+    ids.frombytes(base64.b64decode(packed))
+    return ids.tolist()
+
+
+def entry_json(old: dict[str, list[Any]] | None, record: SessionRecord) -> bytes | None:
+    """The entry from the lists `old` (None: a base, everything whole) to record's; None
+    when no list changed."""
+    entry: dict[str, Any] = {}
+    for name in LISTS:
+        new = getattr(record, name)
+        before = old[name] if old is not None else []
+        keep = _common(before, new) if old is not None else 0
+        if old is not None and keep == len(before) == len(new):
+            continue
+        added = new[keep:]
+        entry[name] = [keep, _pack_ids(added) if name == "token_ids" else added]
+    if not entry:
+        return None
+    return json.dumps(entry).encode()
+
+
+def assemble(record: SessionRecord, entries: list[bytes]) -> SessionRecord:
+    """The header's record with its lists rebuilt from the log's entries, in order."""
+    lists: dict[str, list[Any]] = {name: [] for name in LISTS}
+    for plain in entries:
+        for name, (keep, added) in json.loads(plain).items():
+            items = lists[name]
+            del items[keep:]
+            items.extend(_unpack_ids(added) if name == "token_ids" else added)
+    record.messages, record.token_ids, record.chunks = (
+        lists["messages"],
+        lists["token_ids"],
+        lists["chunks"],
+    )
+    return record
+
+
+def lists_of(record: SessionRecord) -> dict[str, list[Any]]:
+    """The record's lists, as they are before a change rebinds them."""
+    return {name: getattr(record, name) for name in LISTS}

@@ -1,0 +1,73 @@
+"""The LMDB record store's Responses namespace: `r:<tenant>/<digest>`, created only if absent;
+the purge reads the namespace (a response's expiry is its creation plus the server's TTL)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from chatstore.store.keys import key_digest
+from chatstore.store.records.lmdb_facts import key_range as _range
+from chatstore.store.records.lmdb_facts import tenant_of as _tenant_of
+from chatstore.store.records.responses import ResponseRecords, SealedRecords
+from chatstore.store.session_kv import SessionKey
+
+RESPONSES = b"r:"
+
+
+class LmdbRecords(SealedRecords, Protocol):
+    """What the namespace uses of the LMDB record store (lmdb.py)."""
+
+    env: Any
+    _write: Callable[..., Any]
+
+    def _prefix(self, tenant: str, space: bytes = ...) -> bytes: ...
+
+    def _check_room(self, nbytes: int) -> None: ...
+
+
+class LmdbResponses(ResponseRecords):
+    records: LmdbRecords
+
+    def _name(self, tenant: str, response_id: str) -> bytes:
+        digest = key_digest(SessionKey(tenant, response_id))
+        return self.records._prefix(tenant, RESPONSES) + digest.encode()
+
+    def _get(self, name: bytes) -> bytes | None:
+        with self.records.env.begin() as txn:
+            raw = txn.get(name)
+        return None if raw is None else bytes(raw)
+
+    def _add(self, name: bytes, raw: bytes, expiry_s: int | None) -> bool:
+        self.records._check_room(len(raw))
+        return bool(self.records._write(lambda txn: txn.put(name, raw, overwrite=False)))
+
+    def _delete(self, name: bytes) -> bool:
+        return bool(self.records._write(lambda txn: txn.delete(name)))
+
+    def _delete_tenant(self, tenant: str) -> int:
+        prefix = self.records._prefix(tenant, RESPONSES)
+
+        def drop(txn: Any) -> int:
+            names = [n for n, _ in _range(txn, prefix)]
+            for name in names:
+                txn.delete(name)
+            return len(names)
+
+        return int(self.records._write(drop))
+
+    def purge_expired(self, ttl_s: int, now: float | None = None) -> int:
+        if ttl_s <= 0:
+            return 0
+        now = time.time() if now is None else now
+        with self.records.env.begin() as txn:
+            found = _range(txn, RESPONSES)
+        gone = []
+        for name, raw in found:
+            response = self._parse(name, self.records.unseal(_tenant_of(name), name, raw))
+            if response is not None and self._expired(response, now):
+                gone.append(name)
+        for name in gone:
+            self._delete(name)
+        return len(gone)
