@@ -122,3 +122,19 @@ def test_lmdb_records_written_before_the_facts_are_counted(tmp_path):
     records.close()
     records = LmdbRecordStore(tmp_path / "records", ttl_s=60)
     assert records.count_sessions("acme") == 3
+
+
+def test_the_start_reads_only_the_sessions_it_needs(tmp_path):
+    records = LmdbRecordStore(tmp_path / "records", ttl_s=60)
+    for i in range(10):
+        records.create(SessionRecord("acme", f"plain{i}"))  # no KV, no retention of its own
+    records.upsert(SessionKey("acme", "kv"), token_ids=[1, 2], chunks=["c0"])
+    records.create(SessionRecord("bob", "kept", priority=5))
+    records.upsert(SessionKey("acme", "was-kv"), token_ids=[1], chunks=["c1"])
+    records.upsert(SessionKey("acme", "was-kv"), token_ids=[], chunks=[])  # its KV dropped
+    records.close()
+    records = CountingLmdb(tmp_path / "records", ttl_s=60)
+    found = {r.session_id for r in records.restore_sessions()}
+    assert found == {"kv", "kept"}
+    records.delete(SessionKey("acme", "kv"))
+    assert {r.session_id for r in records.restore_sessions()} == {"kept"}

@@ -232,6 +232,11 @@ class RecordStore(ABC):
             if (tenant is None or r.tenant == tenant) and self._live(r) is not None
         ]
 
+    def restore_sessions(self) -> list[SessionRecord]:
+        """The live records a start needs: those with KV chunks or a retention of their own
+        (LMDB reads them through an index; Redis lists them)."""
+        return [r for r in self.list_sessions() if r.chunks or r.priority or r.ttl_s]
+
     @abstractmethod
     def count_sessions(self, tenant: str) -> int:
         """The tenant's live sessions, as every replica sharing the store counts them (a

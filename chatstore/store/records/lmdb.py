@@ -113,22 +113,22 @@ class LmdbRecordStore(RecordStore):
             for tenant in lmdb_facts.tenants(txn):
                 lmdb_facts.drop_tenant(txn, tenant)
             for record in records:
-                self._facts(txn, record.key, False, record)
+                self._facts(txn, record.key, (False, False), record)
             lmdb_facts.set_ttl_marker(txn, self.ttl_s)
 
-    def _state(self, raw: Any, record: SessionRecord | None) -> lmdb_facts.Deadline | bool:
-        """What the facts know of a stored value: False absent, True stored but failed to open,
-        else its deadline (read before a change, which may edit the record in place)."""
+    def _state(self, raw: Any, record: SessionRecord | None) -> lmdb_facts.State:
+        """What the facts know of a stored value (lmdb_facts.State), read before a change,
+        which may edit the record in place."""
         if record is None:
-            return raw is not None
-        return self.expires_at(record)
+            return raw is not None, None
+        return self.expires_at(record), lmdb_facts.restored(record)
 
     def _facts(
-        self, txn: Any, key: SessionKey, was: lmdb_facts.Deadline | bool, now: SessionRecord | None
+        self, txn: Any, key: SessionKey, was: lmdb_facts.State, now: SessionRecord | None
     ) -> None:
-        """The tenant's count and the session's expiry entry follow it from `was` (_state) to
-        `now` (None: deleted)."""
-        new = self.expires_at(now) if now is not None else False
+        """The tenant's count, the session's expiry entry and its start-up entry follow it
+        from `was` (_state) to `now` (None: deleted)."""
+        new = (False, False) if now is None else (self.expires_at(now), lmdb_facts.restored(now))
         lmdb_facts.moved(txn, key.tenant, key.session_id, key_digest(key), was, new)
 
     # -- room and errors --------------------------------------------------------------------
@@ -286,6 +286,14 @@ class LmdbRecordStore(RecordStore):
         now = time.time()
         with self.env.begin() as txn:
             return max(0, lmdb_facts.count_of(txn, tenant) - lmdb_facts.due_count(txn, tenant, now))
+
+    def restore_sessions(self) -> list[SessionRecord]:
+        """The records the start needs (with KV chunks, or retention of their own): read
+        through their index (lmdb_facts.py), not every record."""
+        with self.env.begin() as txn:
+            names = [(t, self._prefix(t) + d) for t, d in lmdb_facts.restore_entries(txn)]
+            found = [self._read(txn, t, name, txn.get(name))[0] for t, name in names]
+        return [r for r in found if r is not None and self._live(r) is not None]
 
     def _due(self, now: float) -> list[SessionKey]:
         with self.env.begin() as txn:

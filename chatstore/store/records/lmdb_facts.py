@@ -1,6 +1,8 @@
 """The LMDB record store's cluster facts: per-tenant session counts and the expiry index.
 
     c:<tenant>                         how many session records the tenant has stored (ascii)
+    k:<tenant>/<digest>                a session the start needs (KV chunks, or a retention
+                                       of its own): the start reads these, not every record
     x:<tenant>/<deadline>/<digest>     a session's expiry entry -> its session id; deadline:
                                        16 hex digits of milliseconds (`ffff...`: never)
     m:expiry-ttl                       the server TTL the deadlines were counted with
@@ -24,6 +26,15 @@ EXPIRY_TTL = b"m:expiry-ttl"
 NEVER = b"f" * 16
 
 Deadline = float | None
+# (deadline: False absent, True stored but failed to open, else when it expires (None: never);
+#  needed at start: None unknown)
+State = tuple[Deadline | bool, bool | None]
+RESTORE = b"k:"
+
+
+def restored(record: Any) -> bool:
+    """Whether the start reads this record: it lists KV chunks, or a retention of its own."""
+    return bool(record.chunks or record.priority or record.ttl_s)
 
 
 def _tenant_part(tenant: str) -> bytes:
@@ -53,25 +64,30 @@ def add_count(txn: Any, tenant: str, delta: int) -> None:
         txn.delete(name)
 
 
-def moved(
-    txn: Any,
-    tenant: str,
-    session_id: str,
-    digest: str,
-    was: Deadline | bool,
-    now: Deadline | bool,
-) -> None:
-    """The session's facts from `was` to `now`: False when absent, else its deadline (None:
-    never). A record that was stored but failed to open is `was=None`-like: its old entry is
-    unknown, and the purge drops it when it comes due (it checks the record)."""
+def moved(txn: Any, tenant: str, session_id: str, digest: str, old: State, new: State) -> None:
+    """The session's facts from `old` to `new` (State). A record stored but failed to open
+    (True): its old expiry entry is unknown, and the purge drops it when it comes due (it
+    checks the record)."""
+    (was, needed_was), (now, needed) = old, new
+    if needed != needed_was:
+        restore = RESTORE + _tenant_part(tenant) + b"/" + digest.encode()
+        if needed:
+            txn.put(restore, b"")
+        else:
+            txn.delete(restore)
     if was is False and now is not False:
         add_count(txn, tenant, 1)
     elif was is not False and now is False:
         add_count(txn, tenant, -1)
     if was is not False and was is not True and was != now:
         txn.delete(entry_name(tenant, was, digest))
-    if now is not False and now is not True:
+    if now is not False and now is not True and was != now:
         txn.put(entry_name(tenant, now, digest), session_id.encode())
+
+
+def restore_entries(txn: Any) -> list[tuple[str, bytes]]:
+    """(tenant, digest) of every session the start needs."""
+    return [(tenant_of(name), name.rsplit(b"/", 1)[1]) for name, _ in key_range(txn, RESTORE)]
 
 
 def tenants(txn: Any) -> list[str]:
@@ -107,6 +123,8 @@ def due_count(txn: Any, tenant: str, now: float) -> int:
 
 def drop_tenant(txn: Any, tenant: str) -> None:
     txn.delete(COUNTS + _tenant_part(tenant))
+    for name, _ in key_range(txn, RESTORE + _tenant_part(tenant) + b"/"):
+        txn.delete(name)
     base = EXPIRY + _tenant_part(tenant) + b"/"
     cursor = txn.cursor()
     names = []

@@ -1,5 +1,7 @@
-"""At start: the index rebuilt from the session records, and the chunks on local tiers that no
-record lists (a crash between a commit's chunks and its record) deleted."""
+"""At start: the index rebuilt from the session records that list KV chunks (or a retention of
+their own: records.restore_sessions, read through the records' index, not a listing of every
+record), and the chunks on local tiers that no record lists (a crash between a commit's chunks
+and its record) deleted."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def restore_index(
     retain: Callable[[SessionRecord], None],
 ) -> None:
     try:
-        listed = records.list_sessions()
+        listed = records.restore_sessions()
     except RecordStoreUnavailable as exc:
         # Redis out of reach at start (down, or refusing us: a TLS certificate that does
         # not verify, a wrong password). Serve from the local tiers; sessions are found in
