@@ -211,7 +211,7 @@ def test_redis_keys_are_namespaced_by_fingerprint_and_tenant(redis_client):
     # A second process with the same model reads what the first wrote, though it starts
     # knowing nothing (no SCAN at start): a read or a discover teaches it.
     other = RedisTier(redis_client, 1 << 20, "model-a")
-    assert other.keys() == []
+    assert other.keys() == [] and other.stored_keys() == [K("s1", "acme")]  # SCAN: jobs only
     assert other.discover([K("s1", "acme"), K("s2", "acme")]) == 1
     assert other.keys() == [K("s1", "acme")]
 

@@ -144,7 +144,10 @@ class Resealer:
         (not per batch); chunks stored since were written under the sealing key already."""
         p = self.progress
         if self._order_of != tier.name:
-            self._order = sorted(_chunk_cursor(k) for k in list(tier.keys()))
+            # A shared tier knows only some of its keys (Redis: no SCAN at start); the
+            # rotation walks all of them (stored_keys: a SCAN of the model's keys).
+            stored = getattr(tier, "stored_keys", tier.keys)
+            self._order = sorted(_chunk_cursor(k) for k in list(stored()))
             self._order_of = tier.name
         at = bisect.bisect_right(self._order, p.cursor)
         names = self._order[at : at + BATCH]

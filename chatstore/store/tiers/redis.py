@@ -340,6 +340,22 @@ class RedisTier(IndexedTier):
 
         return self._call(unlink_all)
 
+    def stored_keys(self) -> list[ChunkKey]:
+        """Every chunk of this model in Redis, whoever wrote it: a SCAN of the model's keys
+        (every master of a cluster), for a background job (key rotation), never a turn."""
+        prefix = f"{NAMESPACE}:{self.fingerprint}:"
+
+        def scan() -> list[ChunkKey]:
+            out = []
+            for raw in self.client.scan_iter(match=prefix + "*", count=1000):
+                name = raw.decode() if isinstance(raw, bytes) else raw
+                tenant, _, tagged = name[len(prefix) :].rpartition(":")
+                if tagged.startswith("{") and tagged.endswith("}"):
+                    out.append(ChunkKey(unquote(tenant), tagged[1:-1]))
+            return out
+
+        return self._call(scan)
+
     def _unlink(self, names: list[Any]) -> int:
         with self.client.pipeline(transaction=False) as pipe:
             for name in names:  # one key a command: a cluster splits the pipeline by node
