@@ -50,7 +50,10 @@ else beside it); the CPU and the dtypes are named in the output.
                                            beside it)
 
     python bench/scale.py [--sizes 100,10000,100000] [--quick] [--turns 40] [--pool 128]
-                          [--cache DIR] [--skip-replicas] [--no-progress]
+                          [--cache DIR] [--repopulate] [--skip-replicas] [--no-progress]
+
+A cached dir made by an older record layout is migrated by the store when it opens: run once
+with --repopulate after such a change, or the first start measures the migration.
 
 Prints a table; the last line is one JSON object (the goals beside it, under "goals").
 """
@@ -465,7 +468,7 @@ def du_mb(path: Path) -> float:
 def measure_size(args: argparse.Namespace, size: int, turns: int) -> dict:
     data_dir = Path(args.cache) / f"scale-{size}-pool{args.pool}"
     done = data_dir / "populated.json"
-    if not done.exists():
+    if args.repopulate or not done.exists():
         shutil.rmtree(data_dir, ignore_errors=True)
         say(f"  populating {size} sessions in {data_dir}")
         made = run_child("populate", data_dir, "--sessions", str(size), "--pool", str(args.pool))
@@ -610,6 +613,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small-turns", type=int, default=8, help="the other sizes' conversation")
     p.add_argument("--pool", type=int, default=128, help="distinct second chunks")
     p.add_argument("--cache", default=str(ROOT / "bench" / "out" / "scale"), help="populated dirs")
+    p.add_argument("--repopulate", action="store_true", help="rebuild cached dirs (new layout)")
     p.add_argument("--skip-replicas", action="store_true")
     p.add_argument("--replica-sessions", type=int, default=4)
     p.add_argument("--redis-chunks", type=int, default=8, help="Redis maxmemory, in chunks")
