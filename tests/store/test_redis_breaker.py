@@ -139,11 +139,12 @@ def _kv(n: int) -> torch.Tensor:
 
 def test_engine_reads_do_not_wait_for_a_save_stuck_on_hung_redis(tmp_path, own_redis):
     """A save (here: a chunk's write to Redis) stuck on hung Redis holds the tiers' I/O lock.
-    The engine thread's read of a session on SSD promotes it to DRAM, evicting the DRAM
-    session, whose write-down needs that lock: it must be left to the background, and both
-    sessions read while the save is still stuck (its client waits up to a minute here, and
+    The engine thread reads host memory only (issue 23): the session only SSD holds is not
+    read there (recomputed, and hinted to the prefetch thread), the DRAM one is, and both
+    admissions return while the save is still stuck (its client waits up to a minute here, and
     Redis stays hung until the block ends: a read that waited for the lock could only return
-    after the save, which the test sees)."""
+    after the save, which the test sees). The API thread that opens the SSD session's turn
+    then brings it up, evicting the DRAM session, which lands below."""
     store, runtime = _store(
         tmp_path, own_redis, dram_bytes=2 * 8 * 512, ssd_bytes=1 << 20, redis_timeout_s=60
     )
@@ -163,11 +164,13 @@ def test_engine_reads_do_not_wait_for_a_save_stuck_on_hung_redis(tmp_path, own_r
     with hung(own_redis, max_s=30):
         saver.start()
         _wait_for(store.tiers._io_lock.locked)  # the write waits on Redis, holding the lock
-        assert _admit(conn, "ssd", [*ids["ssd"], 7], "r1") == 16
-        assert saver.is_alive(), "the SSD read returned only after the stuck save"
+        assert _admit(conn, "ssd", [*ids["ssd"], 7], "r1") == 0  # no disk read here
+        assert saver.is_alive(), "the SSD admission returned only after the stuck save"
         assert _admit(conn, "dram", [*ids["dram"], 7], "r2") == 16
         assert saver.is_alive(), "the DRAM read returned only after the stuck save"
     saver.join(30)
+    store.fetch_remote("t", "ssd")  # the API opens its turn: SSD -> DRAM on that thread
+    assert _admit(conn, "ssd", [*ids["ssd"], 7], "r3") == 16
     assert store.tiers.drain_background(5)
     assert store.tier_of("t", "dram") == "ssd"  # the evicted session landed below
     store.close()
