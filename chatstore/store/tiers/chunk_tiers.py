@@ -27,7 +27,8 @@ references a chunk, and a chunk read from a slow tier is copied up only while it
 promotion racing with a delete never brings a freed chunk back.
 
 Parts: this file reads, stores, copies and deletes across the tiers; dram_admission.py admits
-into DRAM and evicts from it; slow_writes.py writes into the slow tiers and makes room there.
+into DRAM and evicts from it; slow_writes.py writes into the slow tiers and makes room there;
+shared_ops.py holds what only the shared tier (Redis) is asked: discover, flush, shred.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ from chatstore.store.tiers.base import (
 )
 from chatstore.store.tiers.dram import DramTier
 from chatstore.store.tiers.dram_admission import DramAdmission
+from chatstore.store.tiers.shared_ops import SharedTierOps
 
 log = logging.getLogger(__name__)
 
 
-class ChunkTiers(DramAdmission):
+class ChunkTiers(SharedTierOps, DramAdmission):
     def __init__(
         self,
         tiers: list[StorageTier],
@@ -275,43 +277,6 @@ class ChunkTiers(DramAdmission):
                     removed += self._clear_shared(tier)
         self._clear_local()
         return removed
-
-    def _clear_shared(self, tier: StorageTier, tenant: str | None = None) -> int:
-        clear = getattr(tier, "clear_shared", None)
-        if clear is None:
-            return 0
-        with self._io_lock:
-            try:
-                return int(clear(tenant))
-            except Exception:
-                log.exception("clearing the %s tier failed", tier.name)
-                with self._lock:
-                    self.counters.tier(tier.name).errors += 1
-                return 0
-
-    def discover_shared(self, keys: list[ChunkKey], batch: int = 1000) -> int:
-        """Learn which of keys the shared tier holds (after a restart: the chunks the records
-        list and no local tier holds), one pipelined round per `batch`; how many it has. Not
-        for the engine's thread; an unreachable Redis learns nothing (they read as misses)."""
-        found = 0
-        for tier in self.slow:
-            discover = getattr(tier, "discover", None)
-            if not tier.remote or discover is None:
-                continue
-            todo = [k for k in keys if not self.contains(k)]
-            for start in range(0, len(todo), batch):
-                try:
-                    found += int(discover(todo[start : start + batch]))
-                except Exception as exc:  # TierUnavailable: a miss each, recomputed
-                    log.warning(
-                        "could not look up %d chunks in the %s tier: %s", len(todo), tier.name, exc
-                    )
-                    break
-        return found
-
-    def delete_tenant_shared(self, tenant: str) -> int:
-        """Remove every chunk of tenant from the shared tier (a crypto-shred); how many."""
-        return sum(self._clear_shared(t, tenant) for t in self.slow if t.remote)
 
     def _clear_local(self) -> None:
         keys: set[ChunkKey] = set()

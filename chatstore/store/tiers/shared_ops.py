@@ -1,0 +1,64 @@
+"""What ChunkTiers asks of the shared tier (Redis) alone, never on the engine's thread: learn
+which chunks it holds (after a restart), and the only removals of shared chunks there are, each
+explicit: a shared flush and a tenant's crypto-shred. A replica that stops using a chunk only
+forgets it (ChunkTiers.delete): Redis's maxmemory policy and TTL evict (redis.py)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from chatstore.store.chunks.keys import ChunkKey
+from chatstore.store.events import StoreCounters
+from chatstore.store.tiers.base import StorageTier
+
+log = logging.getLogger(__name__)
+
+
+class SharedTierOps:
+    """A base of ChunkTiers (the state below is ChunkTiers')."""
+
+    slow: list[StorageTier]
+    counters: StoreCounters
+    _lock: threading.RLock
+    _io_lock: threading.Lock
+
+    def contains(self, key: ChunkKey) -> bool:
+        raise NotImplementedError
+
+    def _clear_shared(self, tier: StorageTier, tenant: str | None = None) -> int:
+        clear = getattr(tier, "clear_shared", None)
+        if clear is None:
+            return 0
+        with self._io_lock:
+            try:
+                return int(clear(tenant))
+            except Exception:
+                log.exception("clearing the %s tier failed", tier.name)
+                with self._lock:
+                    self.counters.tier(tier.name).errors += 1
+                return 0
+
+    def discover_shared(self, keys: list[ChunkKey], batch: int = 1000) -> int:
+        """Learn which of keys the shared tier holds (after a restart: the chunks the records
+        list and no local tier holds), one pipelined round per `batch`; how many it has. Not
+        for the engine's thread; an unreachable Redis learns nothing (they read as misses)."""
+        found = 0
+        for tier in self.slow:
+            discover = getattr(tier, "discover", None)
+            if not tier.remote or discover is None:
+                continue
+            todo = [k for k in keys if not self.contains(k)]
+            for start in range(0, len(todo), batch):
+                try:
+                    found += int(discover(todo[start : start + batch]))
+                except Exception as exc:  # TierUnavailable: a miss each, recomputed
+                    log.warning(
+                        "could not look up %d chunks in the %s tier: %s", len(todo), tier.name, exc
+                    )
+                    break
+        return found
+
+    def delete_tenant_shared(self, tenant: str) -> int:
+        """Remove every chunk of tenant from the shared tier (a crypto-shred); how many."""
+        return sum(self._clear_shared(t, tenant) for t in self.slow if t.remote)
