@@ -168,7 +168,7 @@ def test_responses_have_their_own_namespace(records):
     assert records.responses.delete("t", "resp_1")
     assert records.responses.get("t", "resp_1") is None
     records.responses.create(response("t", "resp_2"))
-    assert records.responses.delete_tenant("t") == 1
+    assert records.responses.delete_tenant("t") == 2  # resp_2 and resp_1's tombstone
 
 
 def test_a_response_stored_the_old_way_loads_and_moves(records):

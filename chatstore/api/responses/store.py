@@ -2,12 +2,14 @@
 replicas): chatstore/store/records/responses.py.
 
 A response is one `ResponseRecord` of its tenant, named by the response id: the response object
-as JSON, the session holding the conversation's KV, and the conversation through this
-response's reply, without instructions. Each holds its whole conversation, so continuing from
-any response reads one record, whatever happened to its session since (continued by another
-response, deleted, expired) and whether or not the responses before it were deleted. Records
-expire with the session TTL, like sessions. Reads and writes block on the records store: call
-them from a worker thread.
+as JSON, the session holding the conversation's KV, and the items it added to the conversation
+(input and reply, no instructions), linked to the response it continues; every 16th of a chain
+holds the whole conversation (records/responses.py). Continuing from a response reads its
+conversation through the links, whatever happened to its session since (continued by another
+response, deleted, expired) and whether or not the responses before it were deleted (a deleted
+one stays as a tombstone while others link to it). Records expire with the session TTL, like
+sessions; one that a live response links to is kept. Reads and writes block on the records
+store: call them from a worker thread.
 
 At rest a response is sealed like any record, under the key of the tenant it belongs to, so
 crypto-shredding a tenant makes its stored responses unreadable with its sessions.
@@ -57,7 +59,13 @@ class ResponseStore:
             raise store_error(exc) from None
         if record is None:
             return None
-        return StoredResponse(record.body_json, record.session_id, list(record.items))
+        try:
+            items = self.responses.conversation(record)
+        except RecordStoreError as exc:
+            raise store_error(exc) from None
+        if items is None:  # a link is gone (it cannot be while the response lives)
+            return None
+        return StoredResponse(record.body_json, record.session_id, items)
 
     def put(self, tenant: str, response_id: str, response: StoredResponse) -> None:
         """Keep the response durably (the records store's own guarantee); APIError 503/507
@@ -66,7 +74,10 @@ class ResponseStore:
         record = ResponseRecord(
             tenant, response_id, response.body_json, response.session_id, items, time.time()
         )
+        previous = json.loads(response.body_json).get("previous_response_id")
         try:
+            if previous:
+                record = self.responses.link(record, previous)
             self.responses.create(record)
         except RecordStoreError as exc:
             raise store_error(exc) from None

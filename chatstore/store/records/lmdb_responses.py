@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from chatstore.store.keys import key_digest
 from chatstore.store.records.lmdb_facts import key_range as _range
 from chatstore.store.records.lmdb_facts import tenant_of as _tenant_of
-from chatstore.store.records.responses import ResponseRecords, SealedRecords
+from chatstore.store.records.responses import ResponseRecord, ResponseRecords, SealedRecords
 from chatstore.store.session_kv import SessionKey
 
 RESPONSES = b"r:"
@@ -43,6 +43,9 @@ class LmdbResponses(ResponseRecords):
         self.records._check_room(len(raw))
         return bool(self.records._write(lambda txn: txn.put(name, raw, overwrite=False)))
 
+    def _replace(self, name: bytes, raw: bytes) -> None:
+        self.records._write(lambda txn: txn.put(name, raw))
+
     def _delete(self, name: bytes) -> bool:
         return bool(self.records._write(lambda txn: txn.delete(name)))
 
@@ -58,16 +61,31 @@ class LmdbResponses(ResponseRecords):
         return int(self.records._write(drop))
 
     def purge_expired(self, ttl_s: int, now: float | None = None) -> int:
+        """Delete the expired responses no live response links to (directly or through
+        other links)."""
         if ttl_s <= 0:
             return 0
         now = time.time() if now is None else now
         with self.records.env.begin() as txn:
             found = _range(txn, RESPONSES)
-        gone = []
+        stored: dict[bytes, ResponseRecord] = {}
         for name, raw in found:
             response = self._parse(name, self.records.unseal(_tenant_of(name), name, raw))
-            if response is not None and self._expired(response, now):
-                gone.append(name)
+            if response is not None:
+                stored[name] = response
+        linked: set[bytes] = set()
+        for response in stored.values():
+            if self._expired(response, now):
+                continue
+            current = response
+            while current.previous_id:
+                parent_name = self._name(current.tenant, current.previous_id)
+                parent = stored.get(parent_name)
+                if parent is None or parent_name in linked:
+                    break
+                linked.add(parent_name)
+                current = parent
+        gone = [n for n, r in stored.items() if self._expired(r, now) and n not in linked]
         for name in gone:
             self._delete(name)
         return len(gone)

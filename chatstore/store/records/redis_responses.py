@@ -35,6 +35,12 @@ class RedisResponses(ResponseRecords):
     def _add(self, name: bytes, raw: bytes, expiry_s: int | None) -> bool:
         return bool(self.records._call(self.records.client.set, name, raw, nx=True, ex=expiry_s))
 
+    def _replace(self, name: bytes, raw: bytes) -> None:
+        self.records._call(self.records.client.set, name, raw, xx=True, keepttl=True)
+
+    def _keep(self, name: bytes, expiry_s: int) -> None:
+        self.records._call(self.records.client.expire, name, expiry_s, gt=True)
+
     def _delete(self, name: bytes) -> bool:
         return bool(self.records._call(self.records.client.delete, name))
 

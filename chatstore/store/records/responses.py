@@ -3,8 +3,15 @@
 A `ResponseRecord` is named by its tenant and response id in a namespace of its own (LMDB
 keys `r:<tenant>/<digest>`, Redis `chatstore:resp:{<tenant>:<digest>}`), sealed at rest under
 its tenant's key like a session record, and expires with the server's session TTL like a
-session. Each holds its whole conversation (no instructions), so continuing from any response
-reads one record, whatever happened to its session since.
+session.
+
+A chain stores each response's own items once: a response continuing another holds the items
+it added (its input and its reply) and links to its parent (`previous_id`); reading its
+conversation walks the links (`conversation`). Every CHAIN_BASE-th response of a chain (and one
+whose parent is gone) holds its whole conversation, so a walk reads at most CHAIN_BASE records
+and a chain costs O(n * n / CHAIN_BASE) bytes, not O(n^2). Deleting a response leaves its items
+and link behind (a tombstone: GET answers 404, its descendants still read through it), and a
+response outlives its TTL while a live one links to it (the backends' purge and expiry).
 
 Before this namespace a response was a session record of the tenant "\\x00responses:<tenant>"
 (messages: the conversation; metadata: the response JSON and its session id). Those still load:
@@ -27,6 +34,7 @@ from chatstore.store.session_kv import SessionKey
 # The tenant the records of a tenant's responses were kept under before (a NUL: no configured
 # tenant can hold one, so no tenant could read them as its sessions).
 LEGACY_NAMESPACE = "\x00responses:"
+CHAIN_BASE = 16  # a chain's every 16th response holds its whole conversation
 
 
 @dataclass
@@ -35,8 +43,18 @@ class ResponseRecord:
     response_id: str
     body_json: str  # the response object as GET returns it
     session_id: str  # the session whose record and KV hold this conversation
-    items: list[dict[str, str]] = field(default_factory=list)  # the conversation, with the reply
+    # Its own items (input and reply) after its parent's conversation; with no parent the
+    # whole conversation through its reply.
+    items: list[dict[str, str]] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
+    previous_id: str = ""  # the response it continues ("": items is the whole conversation)
+    length: int = 0  # how many items its whole conversation has (0: len(items), unlinked)
+    depth: int = 0  # links walked to reach a response holding its whole conversation
+    deleted: bool = False  # a tombstone: gone for GET, read through by its descendants
+
+    @property
+    def conversation_length(self) -> int:
+        return self.length or len(self.items)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -76,24 +94,72 @@ class ResponseRecords(ABC):
         self.records = records
 
     def get(self, tenant: str, response_id: str) -> ResponseRecord | None:
-        name = self._name(tenant, response_id)
-        raw = self.records.unseal(tenant, name, self._get(name))
-        found = self._parse(name, raw)
-        if found is not None and not self._expired(found):
+        """The live response (not deleted, not expired); its items are its own (see
+        `conversation`)."""
+        found = self._read(tenant, response_id)
+        if found is not None and not found.deleted and not self._expired(found):
             return found
         return self._from_legacy(tenant, response_id) if found is None else None
 
+    def conversation(self, response: ResponseRecord) -> list[dict[str, str]] | None:
+        """The whole conversation through response, walking its links (at most CHAIN_BASE
+        reads); None when a link is gone."""
+        parts, current = [response.items], response
+        while current.previous_id:
+            parent = self._read(current.tenant, current.previous_id)
+            if parent is None:
+                return None
+            parts.append(parent.items)
+            current = parent
+        return [item for part in reversed(parts) for item in part]
+
+    def link(self, response: ResponseRecord, previous_id: str) -> ResponseRecord:
+        """response (its items the whole conversation) stored as a link to previous_id when
+        that one holds a prefix of it and the chain has not reached CHAIN_BASE."""
+        parent = self._read(response.tenant, previous_id)
+        if parent is None or parent.depth + 1 >= CHAIN_BASE:
+            return response  # stored whole: a new base
+        inherited = parent.conversation_length
+        if inherited > len(response.items):
+            return response
+        response.length = len(response.items)
+        response.items = response.items[inherited:]
+        response.previous_id, response.depth = previous_id, parent.depth + 1
+        return response
+
     def create(self, response: ResponseRecord) -> None:
-        """Keep a new response durably; ResponseExists when its id is taken."""
+        """Keep a new response durably; ResponseExists when its id is taken. Its ancestors
+        up to the chain's base are kept at least as long (a backend with its own expiry)."""
         name = self._name(response.tenant, response.response_id)
         raw = self.records.seal(response.tenant, name, response.to_json())
-        if not self._add(name, raw, self._expiry_s(response)):
+        expiry_s = self._expiry_s(response)
+        if not self._add(name, raw, expiry_s):
             raise ResponseExists(f"response {response.response_id} already exists")
+        ancestor = response.previous_id
+        for _ in range(response.depth):
+            if expiry_s is None or not ancestor:
+                break
+            self._keep(self._name(response.tenant, ancestor), expiry_s)
+            found = self._read(response.tenant, ancestor)
+            ancestor = found.previous_id if found is not None else ""
 
     def delete(self, tenant: str, response_id: str) -> bool:
-        gone = self._delete(self._name(tenant, response_id))
+        """GET answers 404 from now on; a response that links to it reads through it (its
+        tombstone keeps the items and link, and expires like it)."""
+        name = self._name(tenant, response_id)
+        found = self._read(tenant, response_id)
+        gone = False
+        if found is not None and not found.deleted:
+            found.deleted, found.body_json = True, ""
+            self._replace(name, self.records.seal(tenant, name, found.to_json()))
+            gone = True
         legacy = self.records.delete(SessionKey(LEGACY_NAMESPACE + tenant, response_id))
         return gone or legacy
+
+    def _read(self, tenant: str, response_id: str) -> ResponseRecord | None:
+        """The stored response, tombstones and expired ones included."""
+        name = self._name(tenant, response_id)
+        return self._parse(name, self.records.unseal(tenant, name, self._get(name)))
 
     def delete_tenant(self, tenant: str) -> int:
         """Delete every stored response of tenant by name (none is opened); how many."""
@@ -151,6 +217,14 @@ class ResponseRecords(ABC):
     @abstractmethod
     def _add(self, name: bytes, raw: bytes, expiry_s: int | None) -> bool:
         """Write if absent; False when the name is taken."""
+
+    @abstractmethod
+    def _replace(self, name: bytes, raw: bytes) -> None:
+        """Overwrite a stored response (a tombstone), keeping its expiry."""
+
+    def _keep(self, name: bytes, expiry_s: int) -> None:
+        """A backend with its own expiry: the response lives at least expiry_s more."""
+        return None
 
     @abstractmethod
     def _delete(self, name: bytes) -> bool: ...
