@@ -334,3 +334,21 @@ def test_dram_get_copies_each_element_once(scatter):
             pool = tier.pool.untyped_storage().data_ptr()
             assert got.kv.untyped_storage().data_ptr() != pool
     tier.check_integrity()
+
+
+def test_redis_refusing_a_write_for_memory_is_tier_full():
+    """A Redis at its maxmemory with noeviction (a misconfigured KV Redis) answers OOM: the
+    write is not taken (TierFull: the hierarchy writes elsewhere), the breaker stays closed."""
+    from tests.support.redis_server import redis_server_binary, start_local_redis
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    server = start_local_redis(maxmemory=1 << 20, policy="noeviction")  # below its own use
+    try:
+        tier = RedisTier(server.url, 1 << 20, "fp", ttl_s=60)
+        with pytest.raises(TierFull, match="maxmemory"):
+            tier.put(K("a"), value(64))
+        assert not tier.contains(K("a")) and tier.health().state == "closed"
+        tier.close()
+    finally:
+        server.stop()

@@ -96,6 +96,14 @@ def outage_errors() -> tuple[type[BaseException], ...]:
     return (e.ConnectionError, e.TimeoutError, OSError, e.ClusterError, e.RedisClusterException)
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Redis refused a write for memory (OOM: maxmemory reached with noeviction)."""
+    from redis import exceptions as e
+
+    oom = getattr(e, "OutOfMemoryError", ())
+    return (bool(oom) and isinstance(exc, oom)) or "maxmemory" in str(exc)
+
+
 def connect_redis(
     url: str,
     timeout_s: float,
@@ -176,7 +184,7 @@ class RedisTier(IndexedTier):
             raise TierUnavailable(f"remote tier: {exc}") from exc
         except BaseException as exc:
             self.breaker.success()  # the server answered (an error reply, not an outage)
-            if str(exc).startswith("OOM"):
+            if _out_of_memory(exc):
                 raise TierFull(f"remote tier: {exc}") from exc
             raise
         self.breaker.success()
