@@ -123,6 +123,11 @@ def build_tiers(
         path = s.data_dir / "kv.lmdb"
         tiers.append(LmdbTier(path, s.ssd_bytes, fingerprint, sealer=remote.sealer))
     if remote.client is not None and s.redis_bytes > 0:
+        log.info(
+            "shared KV tier in Redis: its maxmemory-policy evicts (deploy/redis-kv.conf: "
+            "allkeys-lru), no replica deletes there; redis_bytes (%d) is only reported",
+            s.redis_bytes,
+        )
         ttl, timeout = s.session_ttl_s, s.redis_timeout_s
         tiers.append(
             RedisTier(
