@@ -21,6 +21,10 @@ class CountingLmdb(LmdbRecordStore):
         self.loads += 1
         return super()._load(key)
 
+    def _load_due(self, tenant, digest):
+        self.loads += 1
+        return super()._load_due(tenant, digest)
+
 
 class CountingRedis(RedisRecordStore):
     loads = 0
@@ -28,6 +32,10 @@ class CountingRedis(RedisRecordStore):
     def _load(self, key):
         self.loads += 1
         return super()._load(key)
+
+    def _load_due(self, tenant, digest):
+        self.loads += 1
+        return super()._load_due(tenant, digest)
 
 
 @pytest.fixture(params=["lmdb", "redis"])

@@ -243,31 +243,35 @@ class RecordStore(ABC):
         counter or an index kept with the records, not a listing)."""
 
     def purge_expired(self, now: float | None = None) -> list[SessionKey]:
-        """Delete the sessions (and stored Responses) idle past their TTL; the sessions' keys
-        (those whose record already went by itself too, so their KV goes). Reads only the
-        expiry index's due entries and their records, never the live ones."""
+        """Delete the sessions (and stored Responses) idle past their TTL; the sessions' keys.
+        Reads only the expiry index's due entries (by tenant and name digest: no session id
+        is stored in the clear) and their records, never the live ones."""
         now = time.time() if now is None else now
         gone = []
-        for key in self._due(now):
-            record = self._load(key)
+        for tenant, digest in self._due(now):
+            record = self._load_due(tenant, digest)
             if record is not None and not self.expired(record, now):
-                self._drop_due(key, record)  # an entry left behind: the record is live
-                continue
-            if record is not None:
-                self.delete(key)
-            else:
-                self._drop_due(key, None)
-            gone.append(key)
+                self._drop_due(tenant, digest, record)  # an entry left behind: it is live
+            elif record is not None:
+                self.delete(record.key)
+                gone.append(record.key)
+            else:  # gone by itself (Redis expired it) or not opening: its entry goes
+                self._drop_due(tenant, digest, None)
         self.responses.purge_expired(self.ttl_s, now)
         return gone
 
     @abstractmethod
-    def _due(self, now: float) -> list[SessionKey]:
-        """The sessions whose expiry entry is before now (the index, not the records)."""
+    def _due(self, now: float) -> list[tuple[str, str]]:
+        """(tenant, name digest) of the sessions whose expiry entry is before now (the index,
+        not the records)."""
 
     @abstractmethod
-    def _drop_due(self, key: SessionKey, record: SessionRecord | None) -> None:
-        """Drop key's due entries (left behind); record: live, its own entry is written."""
+    def _load_due(self, tenant: str, digest: str) -> SessionRecord | None: ...
+
+    @abstractmethod
+    def _drop_due(self, tenant: str, digest: str, record: SessionRecord | None) -> None:
+        """Drop the session's due entries (left behind); record: live, its own entry is
+        written."""
 
     def match_prefix(self, tenant: str, token_ids: list[int], fingerprint: str) -> str | None:
         """The tenant's live session a client that resent its history continues (made by the

@@ -295,28 +295,29 @@ class LmdbRecordStore(RecordStore):
             found = [self._read(txn, t, name, txn.get(name))[0] for t, name in names]
         return [r for r in found if r is not None and self._live(r) is not None]
 
-    def _due(self, now: float) -> list[SessionKey]:
+    def _due(self, now: float) -> list[tuple[str, str]]:
         with self.env.begin() as txn:
             return [
-                SessionKey(tenant, session_id)
+                (tenant, digest)
                 for tenant in lmdb_facts.tenants(txn)
-                for _, _, session_id in lmdb_facts.due(txn, tenant, now)
+                for _, digest in lmdb_facts.due(txn, tenant, now)
             ]
 
-    def _drop_due(self, key: SessionKey, record: SessionRecord | None) -> None:
+    def _load_due(self, tenant: str, digest: str) -> SessionRecord | None:
+        name = self._prefix(tenant) + digest.encode()
+        with self.env.begin() as txn:
+            return self._read(txn, tenant, name, txn.get(name))[0]
+
+    def _drop_due(self, tenant: str, digest: str, record: SessionRecord | None) -> None:
         """Due entries that outlived their record's change (it failed to open then), or
         their record (None): they go; a live record gets its own entry back."""
 
         def drop(txn: Any) -> None:
-            digest = key_digest(key)
-            for name, d, _ in list(lmdb_facts.due(txn, key.tenant, time.time())):
+            for name, d in list(lmdb_facts.due(txn, tenant, time.time())):
                 if d == digest:
                     txn.delete(name)
             if record is not None:
-                txn.put(
-                    lmdb_facts.entry_name(key.tenant, self.expires_at(record), key_digest(key)),
-                    key.session_id.encode(),
-                )
+                txn.put(lmdb_facts.entry_name(tenant, self.expires_at(record), digest), b"")
 
         self._write(drop)
 

@@ -3,8 +3,9 @@
     c:<tenant>                         how many session records the tenant has stored (ascii)
     k:<tenant>/<digest>                a session the start needs (KV chunks, or a retention
                                        of its own): the start reads these, not every record
-    x:<tenant>/<deadline>/<digest>     a session's expiry entry -> its session id; deadline:
-                                       16 hex digits of milliseconds (`ffff...`: never)
+    x:<tenant>/<deadline>/<digest>     a session's expiry entry (empty: no session id in the
+                                       clear); deadline: 16 hex digits of milliseconds
+                                       (`ffff...`: never)
     m:expiry-ttl                       the server TTL the deadlines were counted with
 
 Both change in the write transaction of the record they follow (create, turn, delete), so
@@ -82,7 +83,7 @@ def moved(txn: Any, tenant: str, session_id: str, digest: str, old: State, new: 
     if was is not False and was is not True and was != now:
         txn.delete(entry_name(tenant, was, digest))
     if now is not False and now is not True and was != now:
-        txn.put(entry_name(tenant, now, digest), session_id.encode())
+        txn.put(entry_name(tenant, now, digest), b"")
 
 
 def restore_entries(txn: Any) -> list[tuple[str, bytes]]:
@@ -102,19 +103,19 @@ def tenants(txn: Any) -> list[str]:
     return found
 
 
-def due(txn: Any, tenant: str, now: float) -> Iterator[tuple[bytes, str, str]]:
-    """The tenant's entries due before now: (entry name, digest, session id), soonest first;
+def due(txn: Any, tenant: str, now: float) -> Iterator[tuple[bytes, str]]:
+    """The tenant's entries due before now: (entry name, record name digest), soonest first;
     reads nothing past the first entry not due."""
     base = EXPIRY + _tenant_part(tenant) + b"/"
     limit = base + stamp(now)
     cursor = txn.cursor()
     if not cursor.set_range(base):
         return
-    for name, value in cursor:
+    for name in cursor.iternext(keys=True, values=False):
         name = bytes(name)
         if not name.startswith(base) or name >= limit:
             return
-        yield name, name.rsplit(b"/", 1)[1].decode(), bytes(value).decode()
+        yield name, name.rsplit(b"/", 1)[1].decode()
 
 
 def due_count(txn: Any, tenant: str, now: float) -> int:

@@ -4,8 +4,9 @@
     chatstore:resp:{<tenant>:<digest>}   a stored Response (responses.py)
     chatstore:prefix:{<tenant>}          the tenant's prefix index, a hash: entry key -> entry,
                                          and `built` once the records written before it are in
-    chatstore:exp:{<tenant>}             the tenant's sessions by expiry, a sorted set: session
-                                         id -> deadline (inf: never); its live count is a ZCOUNT
+    chatstore:exp:{<tenant>}             the tenant's sessions by expiry, a sorted set: record
+                                         name digest (no session id in the clear) -> deadline
+                                         (inf: never); its live count is a ZCOUNT
     chatstore:tenants                    the tenants with sessions (the purge's list)
     chatstore:facts-built                set once the records written before those are in
 
@@ -98,8 +99,7 @@ class RedisRecordStore(RecordStore):
     # -- start ------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        """Once per Redis (not per start: a SCAN reads every key): legacy names renamed and
-        the records written before the expiry sets put in them."""
+        """Once per Redis, not per start (a SCAN): legacy names renamed, older records counted."""
         try:
             if self._call(self.client.exists, self.FACTS_BUILT):
                 return
@@ -178,8 +178,7 @@ class RedisRecordStore(RecordStore):
         keep: int | None = None,
         **changes: Any,
     ) -> SessionRecord:
-        out = self._call(super().append_turn, key, base_version, new_messages, keep, **changes)
-        return out
+        return self._call(super().append_turn, key, base_version, new_messages, keep, **changes)
 
     def list_sessions(self, tenant: str | None = None) -> list[SessionRecord]:
         return self._call(super().list_sessions, tenant)
@@ -270,11 +269,11 @@ class RedisRecordStore(RecordStore):
         zname = self._expiry_name(key.tenant)
         with self.client.pipeline(transaction=False) as pipe:
             if record is None:
-                pipe.zrem(zname, key.session_id)
+                pipe.zrem(zname, key_digest(key))
             else:
                 deadline = self.expires_at(record)
                 score = float("inf") if deadline is None else deadline
-                pipe.zadd(zname, {key.session_id: score})
+                pipe.zadd(zname, {key_digest(key): score})
                 pipe.sadd(self.TENANTS, key.tenant)
             pipe.execute()
 
@@ -282,19 +281,24 @@ class RedisRecordStore(RecordStore):
         """The tenant's members not yet due: one ZCOUNT, the same on every replica."""
         return int(self._call(self.client.zcount, self._expiry_name(tenant), time.time(), "+inf"))
 
-    def _due(self, now: float) -> list[SessionKey]:
-        def due() -> list[SessionKey]:
-            keys = []
+    def _due(self, now: float) -> list[tuple[str, str]]:
+        def due() -> list[tuple[str, str]]:
+            found = []
             for raw in self.client.smembers(self.TENANTS):
                 tenant = _text(raw)
-                ids = self.client.zrangebyscore(self._expiry_name(tenant), "-inf", f"({now}")
-                keys += [SessionKey(tenant, _text(i)) for i in ids]
-            return keys
+                digests = self.client.zrangebyscore(self._expiry_name(tenant), "-inf", f"({now}")
+                found += [(tenant, _text(d)) for d in digests]
+            return found
 
         return list(self._call(due))
 
-    def _drop_due(self, key: SessionKey, record: SessionRecord | None) -> None:
-        self._call(self._facts, key, record)
+    def _load_due(self, tenant: str, digest: str) -> SessionRecord | None:
+        name = f"{self.PREFIX}{{{quote(tenant, safe='')}:{digest}}}"
+        return self._decode(tenant, name.encode(), self._call(self.client.get, name))
+
+    def _drop_due(self, tenant: str, digest: str, record: SessionRecord | None) -> None:
+        gone = (self.client.zrem, self._expiry_name(tenant), digest)
+        self._call(*gone) if record is None else self._call(self._facts, record.key, record)
 
     def purge_expired(self, now: float | None = None) -> list[SessionKey]:
         return list(self._call(super().purge_expired, now))
