@@ -449,6 +449,7 @@ def conversation(server: Server, turns: int) -> dict:
         history = [{"role": m["role"], "content": m["content"]}
                    for m in http.get("/v1/sessions/live").json()["messages"]]  # fmt: skip
         body = {"messages": [*history, {"role": "user", "content": "One more thing?"}], **GREEDY}
+        body["stream_options"] = {"include_usage": True}  # the last event then has the usage
         ttft, done = streamed(http, "/v1/chat/completions", body)
     cached = ((done.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     return {
