@@ -146,3 +146,15 @@ def test_the_start_reads_only_the_sessions_it_needs(tmp_path):
     assert found == {"kv", "kept"}
     records.delete(SessionKey("acme", "kv"))
     assert {r.session_id for r in records.restore_sessions()} == {"kept"}
+
+
+def test_redis_start_reads_only_the_sessions_it_needs(redis_client):
+    records = RedisRecordStore(redis_client, ttl_s=60)
+    for i in range(5):
+        records.create(SessionRecord("acme", f"plain{i}"))
+    records.upsert(SessionKey("acme", "kv"), token_ids=[1, 2], chunks=["c0"])
+    records.create(SessionRecord("bob", "kept", priority=5))
+    other = RedisRecordStore(redis_client, ttl_s=60)  # another replica's start
+    assert {r.session_id for r in other.restore_sessions()} == {"kv", "kept"}
+    records.upsert(SessionKey("acme", "kv"), token_ids=[], chunks=[])
+    assert {r.session_id for r in other.restore_sessions()} == {"kept"}

@@ -6,8 +6,9 @@ lmdb.py          LmdbRecordStore: one LMDB environment, synchronous commits (the
 lmdb_log.py      its records: a small header and an append-only log of turns (O(new) a turn)
 lmdb_facts.py    its per-tenant session counts and expiry index (same txn as the record)
 lmdb_responses.py, redis_responses.py   each backend's Responses namespace
-redis.py         RedisRecordStore: records shared by replicas through one Redis (counts and
-                 expiry in a sorted set per tenant)
+redis.py         RedisRecordStore: records shared by replicas through one Redis
+redis_facts.py   its breaker-guarded calls; counts and expiry (a sorted set per tenant), the
+                 sessions a start reads (a set per tenant)
 prefix_index.py  which session a client that resends its history continues (O(1) a step)
 responses.py     stored Responses: their own record type and namespace
 leases.py        a turn's lease on its session, so replicas run one turn at a time

@@ -8,6 +8,7 @@
                                          name digest (no session id in the clear) -> deadline
                                          (inf: never); its live count is a ZCOUNT
     chatstore:tenants                    the tenants with sessions (the purge's list)
+    chatstore:start:{<tenant>}           digests of the sessions a start reads (KV or retention)
     chatstore:facts-built                set once the records written before those are in
 
 The hash tags put a record and anything named after it (its lease, `leases.py`) in one Redis
@@ -22,18 +23,17 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 from chatstore.store.keys import key_digest
 from chatstore.store.records import prefix_index
 from chatstore.store.records.base import (
     Change,
-    RecordStore,
 )
 from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch
 from chatstore.store.records.record import RecordStoreUnavailable, SessionRecord
+from chatstore.store.records.redis_facts import RedisFacts, as_text, tagged_tenant
 from chatstore.store.records.redis_responses import RedisResponses
 from chatstore.store.sealing import Sealer
 from chatstore.store.session_kv import SessionKey
@@ -47,21 +47,9 @@ def _saved(record: SessionRecord | None) -> Saved | None:
     return None if record is None else (tuple(record.token_ids), record.fingerprint)
 
 
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
-def _tenant_of(name: str) -> str:
-    """The tenant of a tagged name `<prefix>{<tenant>:<digest>}`."""
-    return unquote(name[name.index("{") + 1 :].rsplit(":", 1)[0])
-
-
-class RedisRecordStore(RecordStore):
-    PREFIX = "chatstore:rec:"
+class RedisRecordStore(RedisFacts):
     INDEX_PREFIX = "chatstore:prefix:"
     INDEX_BUILT = "built"  # a field of a tenant's index hash: its older records are in it
-    EXPIRY_PREFIX = "chatstore:exp:"
-    TENANTS = "chatstore:tenants"
     FACTS_BUILT = "chatstore:facts-built"
 
     def __init__(
@@ -93,9 +81,6 @@ class RedisRecordStore(RecordStore):
     def _index_name(self, tenant: str) -> str:
         return f"{self.INDEX_PREFIX}{{{quote(tenant, safe='')}}}"
 
-    def _expiry_name(self, tenant: str) -> str:
-        return f"{self.EXPIRY_PREFIX}{{{quote(tenant, safe='')}}}"
-
     # -- start ------------------------------------------------------------------------------
 
     def _start(self) -> None:
@@ -123,7 +108,7 @@ class RedisRecordStore(RecordStore):
         def rename() -> int:
             done = 0
             for raw in self.client.scan_iter(match=f"{self.PREFIX}*", count=1000):
-                old = _text(raw)
+                old = as_text(raw)
                 rest = old[len(self.PREFIX) :]
                 if rest.startswith("{"):
                     continue
@@ -137,26 +122,6 @@ class RedisRecordStore(RecordStore):
                 log.info("renamed %d session records (hash tags)", done)
         except RecordStoreUnavailable as exc:
             log.warning("session records: legacy names kept (%s)", exc)
-
-    # -- calls through the breaker ----------------------------------------------------------
-
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        breaker = self.breaker
-        if breaker is not None and not breaker.allow():
-            raise RecordStoreUnavailable("session records (Redis) unavailable: circuit open")
-        try:
-            out = fn(*args, **kwargs)
-        except self._errors as exc:
-            if breaker is not None:
-                breaker.failure(exc)
-            raise RecordStoreUnavailable(f"session records (Redis) unavailable: {exc}") from None
-        except BaseException:
-            if breaker is not None:
-                breaker.success()  # Redis answered (an error reply is not an outage)
-            raise
-        if breaker is not None:
-            breaker.success()
-        return out
 
     def get(self, key: SessionKey) -> SessionRecord | None:
         return self._call(super().get, key)
@@ -225,14 +190,14 @@ class RedisRecordStore(RecordStore):
         name = self._name(key)
         return self._decode(key.tenant, name.encode(), self.client.get(name))
 
-    def _names(self, tenant: str | None, prefix: str = PREFIX) -> list[str]:
+    def _names(self, tenant: str | None, prefix: str = RedisFacts.PREFIX) -> list[str]:
         # quote() leaves no glob character in a tenant (*, ?, [ are %-escaped; `{` is literal
         # in a Redis glob). Only names ending in the tag's `}` are records.
         tag = f"{{{quote(tenant, safe='')}:" if tenant else "{"
         return [
             name
             for raw in self.client.scan_iter(match=f"{prefix}{tag}*", count=1000)
-            if (name := _text(raw)).endswith("}")
+            if (name := as_text(raw)).endswith("}")
         ]
 
     def delete_tenant(self, tenant: str) -> int:
@@ -244,6 +209,7 @@ class RedisRecordStore(RecordStore):
                 self.client.delete(name)
             self.client.delete(self._index_name(tenant))
             self.client.delete(self._expiry_name(tenant))
+            self.client.delete(f"{self.START_PREFIX}{{{quote(tenant, safe='')}}}")
             self.client.srem(self.TENANTS, tenant)
             return len(names)
 
@@ -257,51 +223,10 @@ class RedisRecordStore(RecordStore):
                 pipe.get(name)
             raws = pipe.execute() if names else []
         records = [
-            self._decode(_tenant_of(name), name.encode(), raw)
+            self._decode(tagged_tenant(name), name.encode(), raw)
             for name, raw in zip(names, raws, strict=True)
         ]
         return [r for r in records if r is not None]
-
-    # -- counts and expiry ------------------------------------------------------------------
-
-    def _facts(self, key: SessionKey, record: SessionRecord | None) -> None:
-        """The session in its tenant's expiry set at its deadline (None: out of it)."""
-        zname = self._expiry_name(key.tenant)
-        with self.client.pipeline(transaction=False) as pipe:
-            if record is None:
-                pipe.zrem(zname, key_digest(key))
-            else:
-                deadline = self.expires_at(record)
-                score = float("inf") if deadline is None else deadline
-                pipe.zadd(zname, {key_digest(key): score})
-                pipe.sadd(self.TENANTS, key.tenant)
-            pipe.execute()
-
-    def count_sessions(self, tenant: str) -> int:
-        """The tenant's members not yet due: one ZCOUNT, the same on every replica."""
-        return int(self._call(self.client.zcount, self._expiry_name(tenant), time.time(), "+inf"))
-
-    def _due(self, now: float) -> list[tuple[str, str]]:
-        def due() -> list[tuple[str, str]]:
-            found = []
-            for raw in self.client.smembers(self.TENANTS):
-                tenant = _text(raw)
-                digests = self.client.zrangebyscore(self._expiry_name(tenant), "-inf", f"({now}")
-                found += [(tenant, _text(d)) for d in digests]
-            return found
-
-        return list(self._call(due))
-
-    def _load_due(self, tenant: str, digest: str) -> SessionRecord | None:
-        name = f"{self.PREFIX}{{{quote(tenant, safe='')}:{digest}}}"
-        return self._decode(tenant, name.encode(), self._call(self.client.get, name))
-
-    def _drop_due(self, tenant: str, digest: str, record: SessionRecord | None) -> None:
-        gone = (self.client.zrem, self._expiry_name(tenant), digest)
-        self._call(*gone) if record is None else self._call(self._facts, record.key, record)
-
-    def purge_expired(self, now: float | None = None) -> list[SessionKey]:
-        return list(self._call(super().purge_expired, now))
 
     # -- the prefix index -------------------------------------------------------------------
 
@@ -386,7 +311,7 @@ class RedisRecordStore(RecordStore):
     def _reseal_one(self, name: str) -> bool:
         def attempt(pipe: Any) -> bool:  # retried by redis-py if `name` changes meanwhile
             raw = pipe.get(name)
-            sealed = raw and self.reseal(_tenant_of(name), name.encode(), raw)
+            sealed = raw and self.reseal(tagged_tenant(name), name.encode(), raw)
             if not sealed:
                 return False
             pipe.multi()
