@@ -4,9 +4,9 @@ Replays a ShareGPT-shaped multi-turn trace (`policy_trace.py`: workload assumpti
 against a two-tier session-KV store, DRAM -> SSD, exclusive (a session lives in one tier), and
 reports per policy the hit rate of turns that have history, the share of those hits served from
 DRAM, and the token hit rate (history tokens found / history tokens needed). The policies are the
-store's own (`chatstore.store.placement.policies`): aware, lru, fifo, and belady (furthest next use, whole
-future known) as a reference bound; in realistic queues also aware+hint (aware whose look-ahead
-also holds sessions whose client reported "typing", the stretch).
+store's own (`chatstore.store.placement.policies`): aware, lru, fifo, and belady (furthest
+next use, whole future known) as a reference bound; in realistic queues also aware+hint (aware
+whose look-ahead also holds sessions whose client reported "typing", the stretch).
 
   * 9,000 sessions (`--quick`: 1,500 and capacities scaled down 1/6), ~52K turns; the first 20%
     of the turns warm the store and are not counted (paper: 10K of 52K)
@@ -59,7 +59,12 @@ from policy_trace import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import plots, progress
-from chatstore.store.placement.policies import BeladyPolicy, EvictionPolicy, SortedLookahead, make_policy
+from chatstore.store.placement.policies import (
+    BeladyPolicy,
+    EvictionPolicy,
+    SortedLookahead,
+    make_policy,
+)
 
 GB = 10**9
 MODELS = {"13B": (819_200, 4096), "SmolLM2-135M": (46_080, 8192)}  # bytes/token, context
