@@ -1,0 +1,145 @@
+"""The values that cross the store's ports (ports.py): a session found in the store, a turn's
+plan and the chunks it changes, where a session's KV is, one tier's numbers, the context budget
+and a stored chunk's text. Plain data, no store part behind them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from chatstore.store.chunks.keys import ChunkKey, chunk_span, tokens_by_tier
+from chatstore.store.session_kv import SessionKey, SessionKV
+
+
+@dataclass(frozen=True)
+class StoredSession:
+    """What the store holds of a session: its leading tokens whose chunks are all stored.
+    `origins`: the tier each chunk was in when the turn opened (`admit` only; else empty)."""
+
+    key: SessionKey
+    token_ids: list[int]
+    chunks: list[ChunkKey]
+    chunk_tokens: int
+    origins: Mapping[ChunkKey, str] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def span(self, index: int) -> tuple[int, int]:
+        return chunk_span(index, self.chunk_tokens, len(self.token_ids))
+
+    def tokens_by_origin(self, start: int, end: int) -> dict[str, int]:
+        """Tokens [start, end) counted by the tier their chunk was in when the turn opened."""
+        return tokens_by_tier(self.chunks, self.chunk_tokens, start, end, self.origins.get)
+
+
+@dataclass(frozen=True)
+class ChunkDelta:
+    """A new chunk given as the first `keep` rows of the stored chunk `base` + `rows`."""
+
+    base: ChunkKey
+    keep: int
+    rows: SessionKV  # the rows after the kept ones (token ids and KV)
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """A turn's chain (chunks/plan.py) and which of its chunks are new; `bases`: new chunk ->
+    (the stored chunk it extends, rows it keeps of it)."""
+
+    token_ids: list[int]
+    chain: list[ChunkKey]
+    new_chunks: tuple[ChunkKey, ...]
+    chunk_tokens: int
+    bases: dict[ChunkKey, tuple[ChunkKey, int]] = field(default_factory=dict)
+
+    def span(self, index: int) -> tuple[int, int]:
+        return chunk_span(index, self.chunk_tokens, len(self.token_ids))
+
+    def new_spans(self) -> list[tuple[int, ChunkKey, int, int]]:
+        """(chain index, key, start, end) of every new chunk."""
+        new = set(self.new_chunks)
+        return [(i, k, *self.span(i)) for i, k in enumerate(self.chain) if k in new]
+
+
+class KVPlacement(NamedTuple):
+    """Where a session's stored KV is: tokens per tier (each chunk at its fastest tier)."""
+
+    tokens_by_tier: dict[str, int]
+    bytes_per_token: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.tokens_by_tier.values())
+
+    @property
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {t: n * self.bytes_per_token for t, n in self.tokens_by_tier.items()}
+
+
+DEVICE_TIER = "device"
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's line. The store's tiers count chunk reads; the device tier (the engine's
+    block pool, composed by the API's admin service) counts full prompt blocks."""
+
+    name: str  # device | dram | ssd | remote
+    capacity_bytes: int
+    used_bytes: int
+    sessions: int
+    hits: int
+    misses: int
+    bytes_up: int  # moved towards the device (loads, prefetches)
+    bytes_down: int  # moved away from the device (saves, demotions)
+    evictions: int
+    prefetches: int
+    # Writes into this tier it did not take, by reason: map_full / disk_full (its LMDB map or
+    # disk is full: the chunk stays in DRAM and the write-back retries), error (it raised).
+    write_failures_by_reason: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def write_failures(self) -> int:
+        return sum(self.write_failures_by_reason.values())
+
+    @property
+    def hit_rate(self) -> float | None:
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+
+def store_hits(tiers: Sequence[TierStats]) -> tuple[int, int]:
+    """Hits and misses of the store's tiers, the overall hit rate's terms. The device tier's
+    are left out: a prompt block missed on the device and then read from DRAM would count as
+    one miss and one hit, and the device counts blocks where the store counts chunks."""
+    store = [t for t in tiers if t.name != DEVICE_TIER]
+    return sum(t.hits for t in store), sum(t.misses for t in store)
+
+
+@dataclass(frozen=True)
+class ContextBudget:
+    """A turn's context window and how its prompt and reply share it: the one place the
+    budget is computed (the API checks a prompt with it, the store's cut plans with it)."""
+
+    window: int  # tokens: the model's context, or less when the store is set smaller
+
+    @classmethod
+    def of(cls, model_max: int, store_max: int | None = None) -> ContextBudget:
+        return cls(model_max if store_max is None else min(model_max, store_max))
+
+    def reply_room(self, max_tokens: int) -> int:
+        """Tokens kept free for the reply when a prompt is cut: at most 1/8 of the window."""
+        return min(max_tokens, self.window // 8)
+
+    def fits(self, prompt_tokens: int, reserve: int = 0) -> bool:
+        return prompt_tokens + reserve <= self.window
+
+
+class ChunkText(NamedTuple):
+    """A full stored chunk's token ids and the chunk before it in its chain (None: first)."""
+
+    token_ids: list[int]
+    parent: ChunkKey | None
