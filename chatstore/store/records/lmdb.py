@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import quote
 
 from chatstore.store.keys import key_digest
-from chatstore.store.records import lmdb_facts, lmdb_log, prefix_index
+from chatstore.store.records import ballast, lmdb_facts, lmdb_log, prefix_index
 from chatstore.store.records.base import (
     Change,
     RecordStore,
@@ -69,6 +69,7 @@ class LmdbRecordStore(RecordStore):
         self.responses = LmdbResponses(self)
         self.bytes_put = 0  # names and values of the session records written (headers, logs)
         self._migrate()
+        ballast.keep(self.path)
 
     @staticmethod
     def _prefix(tenant: str, space: bytes = SESSIONS) -> bytes:
@@ -181,7 +182,14 @@ class LmdbRecordStore(RecordStore):
                 txn.delete(entry)
             return bool(txn.delete(name))
 
-        return bool(self._write(drop))
+        try:
+            deleted = bool(self._write(drop))
+        except RecordStoreFull:
+            if not ballast.drop(self.path):
+                raise
+            deleted = bool(self._write(drop))
+        ballast.keep(self.path)
+        return deleted
 
     def _update(self, key: SessionKey, change: Change) -> SessionRecord:
         name = self._name(key)
