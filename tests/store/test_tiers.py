@@ -343,7 +343,7 @@ def test_redis_refusing_a_write_for_memory_is_tier_full():
 
     if redis_server_binary() is None:
         pytest.skip("redis-server is not installed")
-    server = start_local_redis(maxmemory=1 << 20, policy="noeviction")  # below its own use
+    server = start_local_redis(maxmemory=1024, policy="noeviction")  # far below its own use
     try:
         tier = RedisTier(server.url, 1 << 20, "fp", ttl_s=60)
         with pytest.raises(TierFull, match="maxmemory"):
