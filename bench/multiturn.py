@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -110,6 +111,7 @@ async def run_session(
     t0: float,
     out: RunResult,
     on_turn: Callable[[], object],
+    store: Any = None,
 ) -> None:
     tok = engine.tokenizer
     await asyncio.sleep(max(0.0, t0 + plan.arrival_s - time.monotonic()))
@@ -122,6 +124,8 @@ async def run_session(
         ids = list(rendered["input_ids"])
         sampling = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
         request = Request(f"{mode}-{idx}-{turn}", ids, sampling, session_id=f"s{idx}")
+        if store is not None:  # the API opens the turn: SSD / Redis chunks come up to host memory
+            await asyncio.to_thread(store.fetch_remote, request.tenant, f"s{idx}")
         reply: list[int] = []
         first = usage = None
         async for o in engine.submit(request):
@@ -157,7 +161,7 @@ async def run(mode: str, args, runtime, plans: list[SessionPlan], redis_url: str
             with progress.progress_bar(turns, f"multiturn {mode} turns") as bar:
                 await asyncio.gather(
                     *(
-                        run_session(engine, i, p, mode, args, t0, result, bar.update)
+                        run_session(engine, i, p, mode, args, t0, result, bar.update, store)
                         for i, p in enumerate(plans)
                     )
                 )
