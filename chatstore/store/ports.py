@@ -1,6 +1,7 @@
 """The store's contract, in one screen: the protocols the rest of chatstore codes against, and
-(re-exported from port_values.py) the typed values that cross them. `AttentionStore` implements every protocol here (mypy
-checks it); code outside `chatstore/store/` types the store as one of them, not as the class.
+(re-exported from port_values.py) the typed values that cross them. `AttentionStore`
+implements every protocol here (mypy checks it); code outside `chatstore/store/` types the
+store as one of them, not as the class.
 
     engine ──(WaitingQueue)──► store          the look-ahead: who runs next
     transfer ──(KVSource)────► store          find, read, plan and save a turn's chunks
