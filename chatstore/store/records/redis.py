@@ -1,6 +1,8 @@
 """Session records in Redis (replicas sharing one Redis, or a Redis Cluster).
 
-    chatstore:rec:{<tenant>:<digest>}    a session's record (expires with its TTL: `ex=`)
+    chatstore:rec:{<tenant>:<digest>}    a session's record header (expires with its TTL)
+    chatstore:log:{<tenant>:<digest>}    its log of turns, a list (redis_log.py): a write
+                                         appends, it never rewrites
     chatstore:resp:{<tenant>:<digest>}   a stored Response (responses.py)
     chatstore:prefix:{<tenant>}          the tenant's prefix index, a hash: entry key -> entry,
                                          and `built` once the records written before it are in
@@ -27,7 +29,7 @@ from typing import Any
 from urllib.parse import quote
 
 from chatstore.store.keys import key_digest
-from chatstore.store.records import prefix_index
+from chatstore.store.records import lmdb_log, prefix_index, redis_log
 from chatstore.store.records.base import (
     Change,
 )
@@ -68,6 +70,7 @@ class RedisRecordStore(RedisFacts):
         self.breaker = breaker
         self._reseal_order: list[bytes] | None = None  # record names, while a rotation runs
         self._errors = outage_errors()
+        self.bytes_put = 0  # names and values of the session records written (headers, logs)
         if isinstance(url_or_client, str):
             self.client = connect_redis(url_or_client, timeout_s)
         else:
@@ -159,8 +162,11 @@ class RedisRecordStore(RedisFacts):
     def delete(self, key: SessionKey) -> bool:
         def drop() -> bool:
             name = self._name(key)
-            old = self._decode(key.tenant, name.encode(), self.client.get(name))
-            gone = bool(self.client.delete(name))
+            old = redis_log.read_one(self, self.client, key.tenant, name)[0]
+            with self.client.pipeline(transaction=True) as pipe:  # one slot: header and log
+                pipe.delete(name)
+                pipe.delete(redis_log.log_name(name))
+                gone = bool(pipe.execute()[0])
             self._index(key, _saved(old), None)
             self._facts(key, None)
             return gone
@@ -173,22 +179,31 @@ class RedisRecordStore(RedisFacts):
         was: list[Saved | None] = [None]
 
         def attempt(pipe: Any) -> None:  # retried by redis-py if `name` changes meanwhile
-            old = self._decode(key.tenant, name.encode(), pipe.get(name))
+            header = pipe.get(name)
+            entries = pipe.lrange(redis_log.log_name(name), 0, -1) if header else []
+            old, count = redis_log.open_record(self, key.tenant, name, header, entries)
             was[0] = _saved(old)
+            lists = lmdb_log.lists_of(old) if old is not None and count is not None else None
             record = change(old)
             pipe.multi()
-            raw = self._encode(key.tenant, name.encode(), record)
-            pipe.set(name, raw, ex=self._expiry_s(record))
+            put[0] = redis_log.queue_write(self, pipe, name, record, lists, count)
             done[:] = [record]
 
+        put = [0]
         self.client.transaction(attempt, name)
+        self.bytes_put += put[0]
         self._index(key, was[0], _saved(done[0]))
         self._facts(key, done[0])
         return done[0]
 
     def _load(self, key: SessionKey) -> SessionRecord | None:
-        name = self._name(key)
-        return self._decode(key.tenant, name.encode(), self.client.get(name))
+        return self._read(key.tenant, self._name(key))
+
+    def _read(self, tenant: str, name: str) -> SessionRecord | None:
+        return redis_log.read_one(self, self.client, tenant, name)[0]
+
+    def _read_many(self, names: list[str]) -> list[SessionRecord | None]:
+        return redis_log.read_many(self, self.client, [(tagged_tenant(n), n) for n in names])
 
     def _names(self, tenant: str | None, prefix: str = RedisFacts.PREFIX) -> list[str]:
         # quote() leaves no glob character in a tenant (*, ?, [ are %-escaped; `{` is literal
@@ -206,7 +221,7 @@ class RedisRecordStore(RedisFacts):
         def drop() -> int:
             names = self._names(tenant)
             for name in names:  # one by one: the names lie in many cluster slots
-                self.client.delete(name)
+                self.client.delete(name, redis_log.log_name(name))  # one slot: header, log
             self.client.delete(self._index_name(tenant))
             self.client.delete(self._expiry_name(tenant))
             self.client.delete(f"{self.START_PREFIX}{{{quote(tenant, safe='')}}}")
@@ -216,17 +231,7 @@ class RedisRecordStore(RedisFacts):
         return int(self._call(drop))
 
     def _all(self, tenant: str | None = None) -> list[SessionRecord]:
-        names = self._names(tenant)
-        # GETs in a pipeline, not one MGET: the names lie in many cluster slots.
-        with self.client.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.get(name)
-            raws = pipe.execute() if names else []
-        records = [
-            self._decode(tagged_tenant(name), name.encode(), raw)
-            for name, raw in zip(names, raws, strict=True)
-        ]
-        return [r for r in records if r is not None]
+        return [r for r in self._read_many(self._names(tenant)) if r is not None]
 
     # -- the prefix index -------------------------------------------------------------------
 
@@ -280,7 +285,7 @@ class RedisRecordStore(RedisFacts):
 
         def load(digest: str) -> tuple[str, list[int], str] | None:
             name = f"{self.PREFIX}{{{quote(tenant, safe='')}:{digest}}}"
-            record = self._live(self._decode(tenant, name.encode(), self.client.get(name)))
+            record = self._live(self._read(tenant, name))
             if record is None:
                 return None
             return record.session_id, record.token_ids, record.fingerprint
@@ -309,6 +314,14 @@ class RedisRecordStore(RedisFacts):
         return self._call(run)
 
     def _reseal_one(self, name: str) -> bool:
+        if name.startswith(self.PREFIX):  # a session: its header and log entries
+
+            def whole(pipe: Any) -> bool:  # retried by redis-py if either changes meanwhile
+                return redis_log.reseal_record(self, pipe, tagged_tenant(name), name)
+
+            watched = (name, redis_log.log_name(name))
+            return bool(self.client.transaction(whole, *watched, value_from_callable=True))
+
         def attempt(pipe: Any) -> bool:  # retried by redis-py if `name` changes meanwhile
             raw = pipe.get(name)
             sealed = raw and self.reseal(tagged_tenant(name), name.encode(), raw)

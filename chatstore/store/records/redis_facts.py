@@ -13,6 +13,7 @@ They are written right after the record (another Redis Cluster slot), in one pip
 from __future__ import annotations
 
 import time
+from abc import abstractmethod
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -42,6 +43,14 @@ class RedisFacts(RecordStore):
     client: Any
     breaker: Any
     _errors: tuple[type[BaseException], ...]
+
+    @abstractmethod
+    def _read(self, tenant: str, name: str) -> SessionRecord | None:
+        """The record (header and log) stored under name (None: absent or not opening)."""
+
+    @abstractmethod
+    def _read_many(self, names: list[str]) -> list[SessionRecord | None]:
+        """The records stored under names (tagged: their tenant is in the name), in order."""
 
     def _expiry_name(self, tenant: str) -> str:
         return f"{self.EXPIRY_PREFIX}{{{quote(tenant, safe='')}}}"
@@ -95,12 +104,7 @@ class RedisFacts(RecordStore):
                 tenant = quote(as_text(raw), safe="")
                 start = self.client.smembers(f"{self.START_PREFIX}{{{tenant}}}")
                 names += [f"{self.PREFIX}{{{tenant}:{as_text(d)}}}" for d in start]
-            with self.client.pipeline(transaction=False) as pipe:
-                for name in names:
-                    pipe.get(name)
-                raws = pipe.execute() if names else []
-            pairs = zip(names, raws, strict=True)
-            found = [self._decode(tagged_tenant(n), n.encode(), r) for n, r in pairs]
+            found = self._read_many(names)
             return [r for r in found if r is not None and self._live(r) is not None]
 
         return list(self._call(read))
@@ -122,7 +126,7 @@ class RedisFacts(RecordStore):
 
     def _load_due(self, tenant: str, digest: str) -> SessionRecord | None:
         name = f"{self.PREFIX}{{{quote(tenant, safe='')}:{digest}}}"
-        return self._decode(tenant, name.encode(), self._call(self.client.get, name))
+        return self._call(self._read, tenant, name)
 
     def _drop_due(self, tenant: str, digest: str, record: SessionRecord | None) -> None:
         gone = (self.client.zrem, self._expiry_name(tenant), digest)
