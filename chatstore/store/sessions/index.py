@@ -6,7 +6,9 @@
 A chunk is freed when the last session holding it lets go (its chain replaced by a turn or a
 truncation, deleted, expired). Kept in memory, rebuilt from the session records at start; the
 store guards writes with its lock, and the read-only questions the tiers ask (`referenced`,
-`owners_of`) are single dict reads, safe from any thread.
+`owners_of`) are single dict reads, safe from any thread. A chunk's owner set is changed in
+place (a shared system prompt's chunk is held by every session: copying its set on each turn
+made a turn cost O(sessions)); `owners_of` hands out a copy, made in one step under the GIL.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class SessionChain:
 class SessionIndex:
     def __init__(self) -> None:
         self._sessions: dict[SessionKey, SessionChain] = {}
-        self._owners: dict[ChunkKey, frozenset[SessionKey]] = {}
+        self._owners: dict[ChunkKey, builtins.set[SessionKey]] = {}
         self._positions: dict[ChunkKey, int] = {}
 
     def get(self, key: SessionKey) -> SessionChain | None:
@@ -42,7 +44,11 @@ class SessionIndex:
         freed = self.remove(key)
         self._sessions[key] = chain
         for i, chunk in enumerate(chain.chunks):
-            self._owners[chunk] = self._owners.get(chunk, _NOBODY) | {key}
+            holders = self._owners.get(chunk)
+            if holders is None:
+                self._owners[chunk] = {key}
+            else:
+                holders.add(key)
             self._positions.setdefault(chunk, i)
         return [c for c in freed if c not in self._owners]
 
@@ -53,10 +59,11 @@ class SessionIndex:
             return []
         freed = []
         for chunk in chain.chunks:
-            holders = self._owners.get(chunk, _NOBODY) - {key}
-            if holders:
-                self._owners[chunk] = holders
-            elif chunk in self._owners:
+            holders = self._owners.get(chunk)
+            if holders is None:
+                continue
+            holders.discard(key)
+            if not holders:
                 del self._owners[chunk]
                 self._positions.pop(chunk, None)
                 freed.append(chunk)
@@ -66,7 +73,8 @@ class SessionIndex:
         return chunk in self._owners
 
     def owners_of(self, chunk: ChunkKey) -> frozenset[SessionKey]:
-        return self._owners.get(chunk, _NOBODY)
+        holders = self._owners.get(chunk)
+        return _NOBODY if holders is None else frozenset(holders)
 
     def position_of(self, chunk: ChunkKey) -> int:
         return self._positions.get(chunk, 0)
@@ -92,5 +100,6 @@ class SessionIndex:
                 continue
             if (pos + 1) * C > len(chain.token_ids):
                 return None
-            return chain.token_ids[pos * C : (pos + 1) * C], chain.chunks[pos - 1] if pos else None
+            ids = list(chain.token_ids[pos * C : (pos + 1) * C])
+            return ids, chain.chunks[pos - 1] if pos else None
         return None
