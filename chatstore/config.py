@@ -128,6 +128,7 @@ class Config:
     policy: str = "aware"  # aware | lru | fifo: which session a full tier gives up
     prefetch_interval_s: float = 0.05  # scheduler-aware fetch: how often the queue is scanned
     async_save: bool = True  # a finished turn's KV is written by a background thread
+    background_restore: bool = True  # the session index is read from the records after start
     write_buffer_bytes: int = 1 << 30  # turns waiting for that thread; full = engine waits
     read_buffer_layers: int = -1  # layers of queued/hinted sessions staged ahead (-1 all, 0 off)
     read_buffer_bytes: int = 512 << 20  # what the read buffer may hold

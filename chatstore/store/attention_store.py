@@ -14,6 +14,7 @@ This file builds the parts and implements the ports (ports.py) over them:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -55,7 +56,7 @@ from chatstore.store.sessions.holds import ChunkPins
 from chatstore.store.sessions.index import SessionChain, SessionIndex
 from chatstore.store.sessions.remote_fetch import RemoteFetch
 from chatstore.store.sessions.removal import WAIT_SAVED_S, SessionRemoval
-from chatstore.store.sessions.restore import restore_index
+from chatstore.store.sessions.restore import IndexRestore
 from chatstore.store.sessions.retention_table import RetentionTable, SessionRetention
 from chatstore.store.sessions.truncation import SessionTruncation
 from chatstore.store.sessions.versions import SessionVersions
@@ -64,6 +65,8 @@ from chatstore.store.store_parts import build_records, build_remote, build_tiers
 from chatstore.store.tiers.base import StorageTier
 from chatstore.store.tiers.chunk_tiers import ChunkTiers
 from chatstore.store.tiers.dram import KVLayout
+
+log = logging.getLogger(__name__)
 
 
 class AttentionStore:
@@ -100,10 +103,21 @@ class AttentionStore:
         self.records: RecordStore = build_records(settings, remote)
         self._hint_listeners: list[HintListener] = []
         self._build_parts(tiers, chooser)
-        slow = list(self.tiers.slow)
-        retain = self.retainer.retain
-        restore_index(self.records, self.index, self.hasher, fingerprint, slow, retain)
-        self.tiers.discover_shared(list(self.index.chunks()))  # no SCAN of the shared tier
+        self.restore = IndexRestore(
+            self.committer, self.hasher, self.versions, list(self.tiers.slow),
+            self.retainer.retain, self._needed, self._restored,
+        )  # fmt: skip
+        self.remote_fetch.ensure = self.restore.ensure
+        self.removal.wait_restored = self.restore.wait
+        self.restore.start(background=settings.background_restore)
+
+    def _restored(self) -> None:
+        """The index is whole: the shared tier learns which of its chunks our sessions list
+        (no SCAN of it)."""
+        try:
+            self.tiers.discover_shared(list(self.index.chunks()))
+        except Exception as exc:  # TierUnavailable: found on first use instead
+            log.warning("could not look up the sessions' shared chunks: %s", exc)
 
     def _build_parts(self, tiers: list[StorageTier], chooser: Any) -> None:
         top = tiers[0].name if tiers and tiers[0].in_memory else None
@@ -133,7 +147,9 @@ class AttentionStore:
         self.truncation = SessionTruncation(self.reader, self.committer, self._save_key, window)
 
     def _needed(self, chunk: ChunkKey) -> bool:
-        return self.committer.needed(chunk)
+        # An opened turn's pinned chunk is wanted too: a borrowed prefix's chunk (no session
+        # lists it yet) may then come up into DRAM.
+        return self.committer.needed(chunk) or chunk in self.pins
 
     @staticmethod
     def key(tenant: str, session_id: str) -> SessionKey:
@@ -195,8 +211,20 @@ class AttentionStore:
     def add_hint_listener(self, listener: HintListener) -> None:
         self._hint_listeners.append(listener)
 
-    def fetch_remote(self, tenant: str, session_id: str) -> int:
-        return self.remote_fetch.fetch(self.key(tenant, session_id))
+    def fetch_remote(
+        self,
+        tenant: str,
+        session_id: str,
+        prompt_ids: Sequence[int] = (),
+        records_turn: bool = False,
+    ) -> int:
+        key = self.key(tenant, session_id)
+        if records_turn:
+            self.committer.expect_record(key)
+        return self.remote_fetch.fetch(key, prompt_ids)
+
+    def take_unrecorded(self, tenant: str, session_id: str) -> dict[str, Any]:
+        return self.committer.take_unrecorded(self.key(tenant, session_id))
 
     def take_hold(self, tenant: str, session_id: str) -> TurnHold | None:
         return self.remote_fetch.take(self.key(tenant, session_id))
@@ -355,8 +383,10 @@ class AttentionStore:
     def close(self, flush_dram: bool = True) -> None:
         """Graceful shutdown: pending writes land, DRAM chunks are written to LMDB (so a
         restart finds them), then the tiers close."""
+        self.restore.close()
         self.prefetcher.close()
         self.writer.close()
+        self.committer.record_unrecorded()
         if self.persister is not None:
             self.persister.close(flush=flush_dram)
         if flush_dram:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from chatstore.store.events import StoreStats
 from chatstore.store.ports import ContextBudget, KVPlacement, WaitingQueue
@@ -45,9 +45,23 @@ class KVAdmin(Protocol):
         """A client's hint that the session runs soon (typing, POST prefetch): its chunks move
         up to DRAM and hint listeners (the read buffer) stage it. Returns at once."""
 
-    def fetch_remote(self, tenant: str, session_id: str) -> int:
-        """Open a turn (API worker thread, before the engine queues it): chunks only Redis
-        holds come up and are held until the engine reads them; how many came up."""
+    def fetch_remote(
+        self,
+        tenant: str,
+        session_id: str,
+        prompt_ids: Sequence[int] = (),
+        records_turn: bool = False,
+    ) -> int:
+        """Open a turn (API worker thread, before the engine queues it): chunks only SSD or
+        Redis holds come up and are held until the engine reads them; a session without a
+        stored chain borrows the stored chunks its prompt's leading full chunks hash to (a
+        shared system prompt, whichever replica stored it). records_turn: the caller records
+        the turn (take_unrecorded). How many came up from the remote tier."""
+
+    def take_unrecorded(self, tenant: str, session_id: str) -> dict[str, Any]:
+        """The record fields (token_ids, chunks, fingerprint) of the chain the turn opened
+        with records_turn committed, for the caller to write with the turn's messages ({}:
+        none)."""
 
     def fit_context(
         self,

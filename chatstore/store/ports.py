@@ -231,8 +231,9 @@ class SessionKVAdmin(Protocol):
         history after `head` tokens dropped, the last `tail` kept), the saved KV cut alike; a
         ValueError when it cannot fit. Records only: the prompt whole (nothing to cut with)."""
 
-    def fetch_remote(self, tenant: str, session_id: str) -> None:
-        """Before a turn: bring what only the remote tier holds up to a local tier."""
+    def fetch_remote(self, tenant: str, session_id: str, prompt_ids: Sequence[int] = ()) -> None:
+        """Before a turn: what only SSD or the remote tier holds of the session's KV, or of
+        the stored chunks its prompt (`prompt_ids`) begins with, comes up to host memory."""
 
     def hint(self, tenant: str, session_id: str) -> None:
         """The client is typing: the session's KV moves up. Returns at once."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,8 +100,15 @@ class RecordsOnlyStore:
     ) -> None:
         self._wait_saved(record.tenant, record.session_id)  # token_ids of the turn just ended
         key = SessionKey(record.tenant, record.session_id)
+        chain = self._turn_chain(key)
         saved = self.records.append_turn(
-            key, record.version, new_messages, keep, kv_tokens=kv_tokens, last_token=last_token
+            key,
+            record.version,
+            new_messages,
+            keep,
+            kv_tokens=kv_tokens,
+            last_token=last_token,
+            **chain,
         )
         for f in dataclasses.fields(SessionRecord):
             setattr(record, f.name, getattr(saved, f.name))
@@ -142,8 +150,12 @@ class RecordsOnlyStore:
     ) -> list[int]:
         return prompt  # nothing to cut with: the API refuses a prompt that does not fit
 
-    def fetch_remote(self, tenant: str, session_id: str) -> None:
+    def fetch_remote(self, tenant: str, session_id: str, prompt_ids: Sequence[int] = ()) -> None:
         pass  # no remote tier
+
+    def _turn_chain(self, key: SessionKey) -> dict[str, Any]:
+        """Record fields the turn's append writes with its messages (the KV store's chain)."""
+        return {}
 
     def hint(self, tenant: str, session_id: str) -> None:
         pass  # no KV to move up

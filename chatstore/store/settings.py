@@ -43,6 +43,7 @@ class StoreSettings:
     policy: str = "aware"  # aware | lru | fifo
     prefetch_interval_s: float = 0.05
     async_save: bool = False  # save_turn() writes in the background (the server turns it on)
+    background_restore: bool = False  # the index is restored on a thread (the server: on)
     write_buffer_bytes: int = 1 << 30
     chunk_tokens: int = 256
     persist: str = "write_back"  # write_back | write_through | off
@@ -78,6 +79,7 @@ class StoreSettings:
             policy=config.policy,
             prefetch_interval_s=config.prefetch_interval_s,
             async_save=config.async_save,
+            background_restore=config.background_restore,
             write_buffer_bytes=config.write_buffer_bytes,
             chunk_tokens=config.chunk_tokens,
             persist=config.persist,

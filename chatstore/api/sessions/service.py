@@ -234,7 +234,7 @@ class ChatService:
             record = SessionRecord(spec.tenant, sid, [], [], {}, now, now)
         tail = len(self.template.render(messages[-1:])) if messages else 0
         prompt = self._fit_context(record, messages, prompt, tail, spec.sampling)
-        self.store.fetch_remote(record.tenant, record.session_id)
+        self.store.fetch_remote(record.tenant, record.session_id, prompt)
         return _Prepared(record, messages, prompt)
 
     def _prepare_session_turn(self, spec: TurnSpec, new: Message) -> _Prepared:
@@ -258,7 +258,7 @@ class ChatService:
             prompt = self.template.render([*history, new])
             tail = len(self.template.render([new]))
         prompt = self._fit_context(record, [*history, new], prompt, tail, spec.sampling)
-        self.store.fetch_remote(record.tenant, record.session_id)
+        self.store.fetch_remote(record.tenant, record.session_id, prompt)
         return _Prepared(record, [*history, new], prompt)
 
     def _continued(

@@ -57,9 +57,16 @@ class ChunkReader:
     def find(self, key: SessionKey) -> StoredSession | None:
         """The session's leading tokens whose chunks are all available (stored in a tier or
         waiting in the write buffer). No KV is read. An expired session reads as absent (the
-        purge timer deletes it: not here, on the engine thread)."""
+        purge timer deletes it: not here, on the engine thread). A session without a chain
+        finds the stored prefix its opened turn's prompt borrowed (remote_fetch.py)."""
+        return self._find(key, take=False)
+
+    def _find(self, key: SessionKey, take: bool) -> StoredSession | None:
+        self.fetch.ensure(key)  # a session the index restore has not reached yet
         with self.lock:
             chain = self.index.get(key)
+            if chain is None:
+                chain = self.fetch.borrowed(key, take=take)
             if chain is None or self.expired(key, chain):
                 self.tiers.counters.misses += 1
                 return None
@@ -70,14 +77,14 @@ class ChunkReader:
                 break
             n += 1
         C = self.settings.chunk_tokens
-        tokens = chain.token_ids[: min(len(chain.token_ids), n * C)]
+        tokens = list(chain.token_ids[: min(len(chain.token_ids), n * C)])
         return StoredSession(key, tokens, chain.chunks[:n], C)
 
     def admit(self, key: SessionKey) -> StoredSession | None:
         """find, with the tier each chunk was in when the turn opened (origins.py), or is in
         now for a turn the API did not open (a chunk gone by now: host memory, the read
         buffer's)."""
-        stored = self.find(key)
+        stored = self._find(key, take=True)
         if stored is None:
             return None
         noted = self.fetch.origins.take(key)

@@ -8,6 +8,13 @@ Every change to which chunks exist runs on the writer thread or under `mutate`, 
 references when it runs: a chunk is stored only while some session holds it and deleted only
 when none does, so no interleaving of turns, deletes and truncations leaks or loses one.
 
+The record and the API's turn: a turn the API opened (`expect_record`) is recorded by the API
+itself, in the one write that appends its messages (`take_unrecorded`, after it waited for this
+commit): the chain is kept for it instead of written here, so a turn costs one record write and
+one fsync, not two. Any other commit (the engine used without the API, a truncation) writes the
+record here; a chain the API never took (its turn failed) is written by the next write of that
+session, or at close.
+
 Locks: `lock` is the store's (the index, pending chunks); `mutate` (which chunks exist) is
 taken before `lock`, never while holding it.
 """
@@ -35,6 +42,7 @@ from chatstore.store.tiers.chunk_tiers import ChunkTiers
 log = logging.getLogger(__name__)
 
 ChunkValue = SessionKV | ChunkDelta
+API_TURN_S = 600.0  # an API turn opened longer ago than this no longer defers its record
 
 
 class Memo:
@@ -97,8 +105,13 @@ class TurnCommitter:
         self.pending: dict[ChunkKey, Memo] = {}  # chunk -> the pending turn that builds it
         self.base_pins: dict[ChunkKey, int] = {}  # chunk -> pending turns building on it
         self.bytes_written = 0  # chunk bytes handed to the tiers (new chunks only)
+        self.deferred: list[ChunkKey] | None = None  # deletes waiting for the index's restore
         self._listeners: list[CommitListener] = []
         self.writer = WriteBuffer(self._commit_queued, settings.write_buffer_bytes)
+        # Turns the API opened and records itself (key -> when), and the chains committed for
+        # them that it has not taken yet (see the module's doc).
+        self._api_turns: dict[SessionKey, float] = {}
+        self._unrecorded: dict[SessionKey, SessionChain] = {}
         self.persister: Persister | None = None
         slow = any(t.name in ("ssd", "remote") for t in tiers.tiers)
         if settings.persist != "off" and slow and tiers.top:
@@ -186,13 +199,52 @@ class TurnCommitter:
             finally:
                 self._unpend(write)
             if self.index.get(write.key) is write.chain:  # the record after its chunks
-                self.records.upsert(
-                    write.key,
-                    token_ids=list(write.chain.token_ids),
-                    chunks=[c.digest for c in write.chain.chunks],
-                    fingerprint=self.fingerprint,
-                )
+                if self._recorded_by_api(write.key):
+                    with self.lock:
+                        self._unrecorded[write.key] = write.chain
+                else:
+                    self.records.upsert(write.key, **self.chain_fields(write.chain))
             self.delete_unneeded(write.freed)
+
+    # -- the API records its turns' chains (see the module's doc) --------------------------------
+
+    def expect_record(self, key: SessionKey) -> None:
+        """The API opened a turn of key: it records the chain with the turn's messages."""
+        with self.lock:
+            self._api_turns[key] = time.monotonic()
+
+    def _recorded_by_api(self, key: SessionKey) -> bool:
+        with self.lock:
+            opened = self._api_turns.pop(key, None)
+        # An opening whose turn never came (refused, failed) does not defer a later commit.
+        return opened is not None and time.monotonic() - opened < API_TURN_S
+
+    def chain_fields(self, chain: SessionChain) -> dict[str, Any]:
+        return {
+            "token_ids": list(chain.token_ids),
+            "chunks": [c.digest for c in chain.chunks],
+            "fingerprint": self.fingerprint,
+        }
+
+    def take_unrecorded(self, key: SessionKey) -> dict[str, Any]:
+        """The record fields of key's committed chain the API has to write with its turn ({}:
+        none, or one a later change of the session made stale)."""
+        with self.lock:
+            chain = self._unrecorded.pop(key, None)
+            if chain is None or self.index.get(key) is not chain:
+                return {}
+        return self.chain_fields(chain)
+
+    def record_unrecorded(self) -> None:
+        """Write every chain the API did not take (close)."""
+        with self.lock:
+            left, self._unrecorded = self._unrecorded, {}
+        for key, chain in left.items():
+            if self.index.get(key) is chain:
+                try:
+                    self.records.upsert(key, **self.chain_fields(chain))
+                except Exception as exc:  # the KV is recomputed on its next turn
+                    log.warning("could not record %s's chain at close: %s", key, exc)
 
     def _store(self, chunk: ChunkKey, value: ChunkValue) -> None:
         if isinstance(value, ChunkDelta):
@@ -220,10 +272,20 @@ class TurnCommitter:
                     self.base_pins[base] = left
 
     def delete_unneeded(self, chunks: list[ChunkKey]) -> None:
-        """Under `mutate`: delete those of chunks no session and no pending turn holds."""
+        """Under `mutate`: delete those of chunks no session and no pending turn holds. While
+        the index is still being restored (sessions/restore.py) a chunk's references are not
+        all known yet: the deletes wait for its end (`end_deferral`)."""
+        if self.deferred is not None:
+            self.deferred.extend(chunks)
+            return
         for chunk in chunks:
             if not self.needed(chunk) and chunk not in self.pending:
                 self.tiers.delete(chunk)
+
+    def end_deferral(self) -> None:
+        """Under `mutate`: the index is whole; the deletes that waited for it run."""
+        deferred, self.deferred = self.deferred or [], None
+        self.delete_unneeded(list(dict.fromkeys(deferred)))
 
     def free(self, chunks: list[ChunkKey]) -> None:
         with self.mutate:

@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from chatstore.store.records.prefix_index import PrefixMatch
@@ -236,6 +236,13 @@ class RecordStore(ABC):
         """The live records a start needs: those with KV chunks or a retention of their own
         (LMDB reads them through an index; Redis lists them)."""
         return [r for r in self.list_sessions() if r.chunks or r.priority or r.ttl_s]
+
+    def restore_batches(self, size: int) -> Iterator[list[SessionRecord]]:
+        """restore_sessions in batches of about `size` (the store's background restore reads
+        them so, never all at once where the backend can page)."""
+        found = self.restore_sessions()
+        for i in range(0, len(found), size):
+            yield found[i : i + size]
 
     @abstractmethod
     def count_sessions(self, tenant: str) -> int:

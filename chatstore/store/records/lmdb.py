@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -302,6 +303,16 @@ class LmdbRecordStore(RecordStore):
             names = [(t, self._prefix(t) + d) for t, d in lmdb_facts.restore_entries(txn)]
             found = [self._read(txn, t, name, txn.get(name))[0] for t, name in names]
         return [r for r in found if r is not None and self._live(r) is not None]
+
+    def restore_batches(self, size: int) -> Iterator[list[SessionRecord]]:
+        """The start's names first (one read of the index), then their records `size` at a
+        time, each batch in a read transaction of its own."""
+        with self.env.begin() as txn:
+            names = [(t, self._prefix(t) + d) for t, d in lmdb_facts.restore_entries(txn)]
+        for i in range(0, len(names), size):
+            with self.env.begin() as txn:
+                found = [self._read(txn, t, n, txn.get(n))[0] for t, n in names[i : i + size]]
+            yield [r for r in found if r is not None and self._live(r) is not None]
 
     def _due(self, now: float) -> list[tuple[str, str]]:
         with self.env.begin() as txn:

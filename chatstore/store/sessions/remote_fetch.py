@@ -3,6 +3,14 @@ memory only (no SSD, no Redis), and kept so until it has read them (holds.py); w
 was noted first (origins.py). With records in Redis, a chain another replica saved after us is
 adopted first, whether or not this replica has a DRAM or SSD tier of its own.
 
+A session with no stored chain here (new, or begun on a replica that shares no records with us)
+borrows the stored chunks its prompt begins with: chunk keys are content-addressed (tenant,
+model, every token before), so the leading full chunks of the prompt hash to the keys of any
+session of the tenant that stored the same tokens (a shared system prompt), on this replica or,
+through Redis, on another. They are held like a chain's, and `find` serves them as the
+session's stored history until the engine admits the turn; its commit then references them as
+its own (plan.py keeps stored chunks by key).
+
     chunk in DRAM / write buffer / held      pinned, nothing to read
     chunk only SSD or Redis holds            read here (this API thread), promoted into DRAM,
                                              or kept beside it (held) when there is no DRAM
@@ -13,14 +21,16 @@ adopted first, whether or not this replica has a DRAM or SSD tier of its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 from chatstore.store.chunks.keys import ChunkHasher, ChunkKey
 from chatstore.store.commit.turn_commit import TurnCommitter
 from chatstore.store.placement.session_placement import SessionPlacement
 from chatstore.store.records import RecordStore, SessionRecord
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.sessions.holds import ChunkPins, TurnHold, TurnHolds
+from chatstore.store.sessions.holds import HOLD_TTL_S, ChunkPins, TurnHold, TurnHolds
 from chatstore.store.sessions.index import SessionChain
 from chatstore.store.sessions.origins import TurnOrigins
 from chatstore.store.sessions.versions import SessionVersions
@@ -53,16 +63,27 @@ class RemoteFetch:
         self.held: dict[ChunkKey, SessionKV] = {}  # pinned chunks DRAM could not take
         self.held_bytes = 0
         self.remote = next((t for t in self.tiers.tiers if t.name == "remote"), None)
+        # Sessions without a chain, the stored prefix of their opened turn's prompt (and when
+        # it was opened): served by `borrowed` until the engine admits the turn.
+        self._borrowed: dict[SessionKey, tuple[SessionChain, float]] = {}
+        self._borrow_lock = threading.Lock()
+        # The session's chain from its record while the index is still being restored
+        # (restore.py IndexRestore.ensure, set by the store).
+        self.ensure: Callable[[SessionKey], None] = lambda key: None
 
-    def fetch(self, key: SessionKey) -> int:
+    def fetch(self, key: SessionKey, prompt_ids: Sequence[int] = ()) -> int:
         """In chain order, stopping at the first chunk that is gone or cannot be held (the
         rest is recomputed): every chunk is pinned (no DRAM eviction picks it), and one only
         SSD or Redis holds is promoted to DRAM, or kept beside it when DRAM cannot take it
         (or there is none). The connector takes the hold at admission and releases it once
-        read; one never taken lapses after HOLD_TTL_S. How many came up from the remote tier."""
+        read; one never taken lapses after HOLD_TTL_S. How many came up from the remote tier.
+        A session without a chain borrows its prompt's stored prefix (see the module's doc)."""
+        self.ensure(key)
         if self.remote is not None:
             self._adopt(key)
         chain = self.index.get(key)
+        if chain is None and prompt_ids:
+            chain = self._borrow(key, prompt_ids)
         if chain is not None:  # this turn's cached tokens count where it found them
             self.origins.note(key, {c: w for c in chain.chunks if (w := self.chunk_tier(c))})
         else:
@@ -119,6 +140,44 @@ class RemoteFetch:
                 with self.tiers.lock:
                     self.tiers.counters.bytes_up += value.nbytes
         return 1 if where == "remote" else 0
+
+    def _borrow(self, key: SessionKey, prompt_ids: Sequence[int]) -> SessionChain | None:
+        """The stored chunks the prompt's leading full chunks hash to, up to the first one no
+        tier holds (Redis asked once, pipelined, for those our tier does not know yet)."""
+        C = self.hasher.chunk_tokens
+        full = len(prompt_ids) // C
+        self._lapse()
+        if full == 0:
+            return None
+        ids = list(prompt_ids[: full * C])
+        keys = self.hasher.chain(key.tenant, ids)
+        if self.remote is not None:
+            try:
+                self.remote.discover(keys)  # type: ignore[attr-defined]
+            except Exception as exc:  # TierUnavailable: what the local tiers hold
+                log.debug("could not look up %s's prompt chunks: %s", key, exc)
+        n = 0
+        while n < len(keys) and self.chunk_tier(keys[n]) is not None:
+            n += 1
+        if n == 0:
+            return None
+        chain = SessionChain(ids[: n * C], keys[:n])
+        with self._borrow_lock:
+            self._borrowed[key] = (chain, time.monotonic())
+        return chain
+
+    def borrowed(self, key: SessionKey, take: bool = False) -> SessionChain | None:
+        """The session's borrowed prefix (find; admission takes it)."""
+        with self._borrow_lock:
+            found = self._borrowed.pop(key, None) if take else self._borrowed.get(key)
+        return found[0] if found is not None else None
+
+    def _lapse(self) -> None:
+        """Borrowed prefixes of turns never admitted go after HOLD_TTL_S."""
+        now = time.monotonic()
+        with self._borrow_lock:
+            for key in [k for k, (_, at) in self._borrowed.items() if now - at > HOLD_TTL_S]:
+                del self._borrowed[key]
 
     def take(self, key: SessionKey) -> TurnHold | None:
         hold, lapsed = self.holds.take(key)

@@ -3,6 +3,8 @@ session's KV dropped. Each waits for the session's pending write first: API thre
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.commit.turn_commit import TurnCommitter
 from chatstore.store.placement.session_placement import SessionPlacement
@@ -27,6 +29,9 @@ class SessionRemoval:
         self.fetch, self.sealer = fetch, sealer
         self.index, self.tiers, self.records = committer.index, committer.tiers, committer.records
         self.writer, self.versions = committer.writer, committer.versions
+        # Until the index restore is done (set by the store): a shred or a flush must see
+        # every session, not those restored so far.
+        self.wait_restored: Callable[[float | None], bool] = lambda timeout: True
 
     def _forget(self, key: SessionKey) -> list[ChunkKey]:
         """Under the store's lock: the session leaves the index, the policy, retention and
@@ -62,6 +67,7 @@ class SessionRemoval:
         does not know (no KV) are the caller's to delete (records.delete_tenant)."""
         if self.sealer is not None:
             self.sealer.keyring.shred(tenant)
+        self.wait_restored(None)
         with self.committer.lock:
             sessions = [k for k in self.index.sessions() if k.tenant == tenant]
         for key in sessions:
@@ -88,6 +94,7 @@ class SessionRemoval:
         """Drop every session's KV (records keep their messages) from this replica's tiers,
         and with `shared` every chunk of the model from the shared tier (Redis) too; how many
         sessions had KV."""
+        self.wait_restored(None)
         self.writer.flush(WAIT_SAVED_S)
         with self.committer.lock:
             dropped = len(self.index)

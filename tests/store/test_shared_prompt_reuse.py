@@ -1,0 +1,122 @@
+"""A new session reuses the stored chunks its prompt begins with, on any replica (issue 23).
+
+Chunk keys are content-addressed (tenant, model, every token before), so a system prompt that
+one session stored hashes to the same keys for every session of the tenant that sends it. A
+session with no chain of its own borrows those chunks when its turn opens
+(RemoteFetch._borrow): from this replica's tiers, or through the shared Redis from another
+replica's. Real engines (the tiny model, no device prefix cache: the store's path alone), a
+real redis-server; every turn's greedy tokens are checked against a fresh run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from chatstore.engine.engine_config import EngineConfig
+from chatstore.engine.llm_engine import LLMEngine
+from chatstore.engine.request import Request
+from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.sealing.keyring import new_secret_line
+from chatstore.store.session_kv import SessionKey
+from chatstore.transfer import StoreConnector
+from tests.support.engine import greedy, run_all, run_alone, tiny_runtime, tokens_of
+from tests.support.redis_server import redis_server_binary, start_local_redis
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+CHUNK = 64
+SYSTEM = [(7 * i) % 200 + 3 for i in range(3 * CHUNK + 20)]  # 3 full chunks and a part
+
+
+def user(seed: int) -> list[int]:
+    return [(seed * 13 + 5 * i) % 200 + 3 for i in range(30)]
+
+
+class Server:
+    """One replica's store and engine (Redis shared when a URL is given)."""
+
+    def __init__(self, tmp_path, name: str, redis_url: str | None = None, secret: str = "") -> None:
+        self.runtime = tiny_runtime(num_blocks=256)
+        spec, fingerprint = self.runtime.model.spec, self.runtime.model.fingerprint
+        settings = StoreSettings(
+            data_dir=tmp_path / name,
+            dram_bytes=32 * CHUNK * 512,
+            ssd_bytes=0 if redis_url else 64 << 20,
+            redis_url=redis_url,
+            records_url=redis_url,
+            block_size=4,
+            chunk_tokens=CHUNK,
+            persist="write_through",
+            secret_key=secret,
+        )
+        self.store = AttentionStore(settings, spec, fingerprint)
+        self.conn = StoreConnector(self.store, self.runtime.kv_cache, self.runtime.runner.rope)
+        self.engine = LLMEngine(self.runtime, EngineConfig(enable_prefix_cache=False), self.conn)
+        self._n = 0
+
+    def turn(self, tenant: str, sid: str, ids: list[int]) -> int:
+        """One turn opened as the API opens it (with its prompt); the cached tokens. Its
+        greedy tokens must equal a fresh run's."""
+        self.store.fetch_remote(tenant, sid, ids)
+        self._n += 1
+        req = Request(f"{sid}-{self._n}", list(ids), greedy(4), tenant=tenant, session_id=sid)
+        self.engine.add_request(req)
+        outs = run_all(self.engine)[req.request_id]
+        assert self.store.flush_persist(30)
+        assert tokens_of(outs) == run_alone(req), f"{sid}: differs from a fresh run"
+        return outs[-1].usage.cached_tokens
+
+    def chunks(self, tenant: str, sid: str) -> list:
+        chain = self.store.index.get(SessionKey(tenant, sid))
+        assert chain is not None
+        return list(chain.chunks)
+
+    def close(self) -> None:
+        self.store.close(flush_dram=False)
+
+
+def test_new_session_borrows_the_shared_prompt_on_the_same_store(tmp_path):
+    server = Server(tmp_path, "one")
+    try:
+        assert server.turn("t", "first", SYSTEM + user(1)) == 0
+        shared = (len(SYSTEM) // CHUNK) * CHUNK  # the full chunks the two prompts share
+        # No device prefix cache: the KV comes from the store's DRAM tier.
+        assert server.turn("t", "second", SYSTEM + user(2)) == shared
+        # Its commit references the borrowed chunks as its own: the first session's delete
+        # leaves them stored for it.
+        borrowed = server.chunks("t", "first")[: shared // CHUNK]
+        assert server.chunks("t", "second")[: shared // CHUNK] == borrowed
+        assert server.store.delete_session("t", "first")
+        assert all(server.store.tiers.contains(c) for c in borrowed)
+        assert server.turn("t", "third", SYSTEM + user(3)) == shared
+        # Another tenant sends the same prompt: its keys differ, nothing is shared.
+        assert server.turn("u", "other", SYSTEM + user(4)) == 0
+        # A prompt shorter than one chunk borrows nothing, and still runs.
+        assert server.turn("t", "short", SYSTEM[: CHUNK - 1]) == 0
+    finally:
+        server.close()
+
+
+def test_a_session_on_another_replica_borrows_the_shared_prompt_through_redis(tmp_path):
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    redis = start_local_redis(policy="noeviction")
+    a = b = None
+    try:
+        secret = new_secret_line()  # replicas share one (encryption at rest)
+        a = Server(tmp_path, "a", redis.url, secret)
+        b = Server(tmp_path, "b", redis.url, secret)
+        assert a.turn("t", "on-a", SYSTEM + user(1)) == 0
+        shared = (len(SYSTEM) // CHUNK) * CHUNK
+        before = b.store.tiers.counters.bytes_up
+        # B has seen no prompt yet: every reused token is A's chunks, read from Redis.
+        assert b.turn("t", "on-b", SYSTEM + user(2)) == shared
+        came_up = b.store.tiers.counters.bytes_up - before
+        assert came_up == shared * b.store.bytes_per_token
+        assert b.chunks("t", "on-b")[: shared // CHUNK] == a.chunks("t", "on-a")[: shared // CHUNK]
+        assert b.turn("u", "other-tenant", SYSTEM + user(3)) == 0
+    finally:
+        for server in (a, b):
+            if server is not None:
+                server.close()
+        redis.stop()
