@@ -46,6 +46,7 @@ SPEC = ModelSpec(
 CHUNK = 16
 SHARED = [3 + (i % 50) for i in range(CHUNK)]  # one full chunk every session begins with
 SESSIONS = 40
+ALL = [SessionKey("t", f"s{i}") for i in range(SESSIONS)]
 
 
 def value(sid: int) -> SessionKV:
@@ -108,8 +109,8 @@ def test_serves_while_restoring_as_a_restored_store_would(populated, gated):
         assert reached.wait(30) and store.restore.restoring
         known = set(store.index.sessions())
         assert 0 < len(known) < SESSIONS  # the first batch only
-        late = next(SessionKey("t", f"s{i}") for i in range(SESSIONS)
-                    if SessionKey("t", f"s{i}") not in known)  # fmt: skip
+        unrestored = [k for k in ALL if k not in known]
+        late = unrestored[0]
         # A session the restore has not reached: found (read from its record), whole.
         whole = store.lookup("t", late.session_id)
         assert whole is not None and whole.equal(value(int(late.session_id[1:])))
@@ -119,8 +120,7 @@ def test_serves_while_restoring_as_a_restored_store_would(populated, gated):
         for key in list(store.index.sessions()):
             if key != late:
                 assert store.delete_session("t", key.session_id)
-        gone = next(SessionKey("t", f"s{i}") for i in range(SESSIONS)
-                    if SessionKey("t", f"s{i}") not in known and SessionKey("t", f"s{i}") != late)  # fmt: skip
+        gone = unrestored[1]
         assert store.delete_session("t", gone.session_id)  # not restored yet, deleted now
         assert store.delete_session("t", late.session_id)  # the last known holder of `shared`
         assert store.tiers.contains(shared)  # waits: unrestored sessions may list it
@@ -129,8 +129,7 @@ def test_serves_while_restoring_as_a_restored_store_would(populated, gated):
     assert store.restore.wait(30)
     try:
         assert gone not in store.index.sessions()  # not brought back
-        left = [SessionKey("t", f"s{i}") for i in range(SESSIONS)]
-        left = [k for k in left if k not in known and k not in (late, gone)]
+        left = [k for k in ALL if k not in known and k not in (late, gone)]
         assert set(store.index.sessions()) == set(left)
         for key in left:  # every session the restore brought in reads whole, `shared` first
             found = store.lookup("t", key.session_id)
