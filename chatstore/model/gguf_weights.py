@@ -42,14 +42,13 @@ class GGUFPart(NamedTuple):
 
 class GGUFWeights:
     def __init__(self, path: Path, spec: ModelSpec) -> None:
-        from gguf import GGUFReader
+        from chatstore.model.gguf_file import GGUFFile
 
         self.path = path
         self.spec = spec
-        reader = GGUFReader(str(path))
-        self.tensors = {t.name: t for t in reader.tensors}
-        arch = reader.fields.get("general.architecture")
-        self.architecture = "" if arch is None else bytes(arch.parts[arch.data[0]]).decode()
+        gguf = GGUFFile(path)  # tensors only: the metadata (the tokenizer's) is not built
+        self.tensors = {t.name: t for t in gguf.tensors}
+        self.architecture = gguf.architecture
 
     def type_counts(self) -> dict[str, int]:
         """How many tensors of each ggml type the file holds (for the log)."""
