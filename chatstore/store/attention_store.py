@@ -243,7 +243,9 @@ class AttentionStore:
         self.retainer.set(self.key(tenant, session_id), retention)
 
     def kv_by_tier(self, tenant: str, session_id: str) -> dict[str, int]:
-        chain = self.index.get(self.key(tenant, session_id))
+        key = self.key(tenant, session_id)
+        self.restore.ensure(key)  # not restored yet: read from its record now
+        chain = self.index.get(key)
         if chain is None:
             return {}
         C, n, tier_of = self.chunk_tokens, len(chain.token_ids), self.remote_fetch.chunk_tier
@@ -276,7 +278,9 @@ class AttentionStore:
 
     def tier_of(self, tenant: str, session_id: str) -> str | None:
         self.wait_saved(tenant, session_id)
-        return self.session_placement.session_tier(self.key(tenant, session_id))
+        key = self.key(tenant, session_id)
+        self.restore.ensure(key)  # not restored yet: read from its record now
+        return self.session_placement.session_tier(key)
 
     def saved_tokens(self, tenant: str, session_id: str) -> list[int]:
         self.wait_saved(tenant, session_id)

@@ -230,6 +230,7 @@ class TurnCommitter:
         """The record fields of key's committed chain the API has to write with its turn ({}:
         none, or one a later change of the session made stale)."""
         with self.lock:
+            self._api_turns.pop(key, None)  # the turn ends here, whether or not it committed
             chain = self._unrecorded.pop(key, None)
             if chain is None or self.index.get(key) is not chain:
                 return {}
