@@ -12,14 +12,19 @@ else beside it); the CPU and the dtypes are named in the output.
               disk. Cached under --cache keyed by size and pool (reused by later runs);
               population_s, disk_mb and the populating process's peak RSS are reported.
   per size    store_start_s        the store alone opening the dir (create_store + its
-                                   SessionKVAdmin, model already loaded), its own process
-              store_rss_mb         that process's RSS growth from opening the store
+                                   SessionKVAdmin, model already loaded), its own process:
+                                   until it serves; store_restored_s: until its background
+                                   index restore is done
+              store_rss_mb         that process's RSS growth from opening the store (restored)
               prefix_match_ms      median SessionKVAdmin.match_prefix of a session-less
                                    client's resent history (a stored session's ids + a new
                                    message), in that process
               purge_s              one purge_expired over the populated store (nothing due:
                                    the steady-state 60 s cycle)
               start_s              server process start to /readyz 200
+              restore_s            the session index's restore after that (its own thread:
+                                   background_restore; from the server's log); the
+                                   conversation starts once it is done
               turn_overhead_ms     one live conversation (POST /v1/sessions/{id}/messages,
                                    streamed): client TTFT minus the engine's own
                                    (timings.engine_ttft_ms), median of turns 2..
@@ -34,9 +39,10 @@ else beside it); the CPU and the dtypes are named in the output.
                 rss_mb_per_1k_sessions  (server RSS, largest - smallest, per 1,000 sessions)
                 writer_cpu_ratio_turn40 (the largest size's conversation runs --turns turns:
                                          writer CPU of turns 38-40 over turns 4-6, means)
-  replicas    two servers (replica ids a and b, DRAM 256 MiB each) over one local Redis with
+  replicas    two servers (replica ids a and b, DRAM 256 MiB each) over one local KV Redis with
               maxmemory = --redis-chunks chunks' bytes (8: fewer than the two replicas' sessions
-              need) and --redis-policy; a ~1,000-token system prompt shared by
+              need) and --redis-policy, records in a second Redis (noeviction, records_url, as
+              docs/replicas.md says to deploy); a ~1,000-token system prompt shared by
               every session. A serves --replica-sessions sessions (one turn each), then B as
               many (same system prompt, other messages):
                 shared_prompt_reuse_share  the tokens B's first session reused from the store
@@ -71,6 +77,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -260,8 +267,10 @@ def probe(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     kv = create_store(config, model.spec, model.fingerprint)
     api = SessionStore(kv)
-    start = time.perf_counter() - t0
-    grown = rss_mb() - before
+    start = time.perf_counter() - t0  # serving from here (the index restores behind)
+    kv.restore.wait()
+    restored = time.perf_counter() - t0
+    grown = rss_mb() - before  # with every session's chain in the index
     vocab, pool = model.spec.vocab_size, min(args.pool, args.sessions)
     times, matched = [], 0
     for k in range(40):
@@ -277,6 +286,7 @@ def probe(args: argparse.Namespace) -> dict:
     api.close()
     return {
         "store_start_s": start,
+        "store_restored_s": restored,
         "store_rss_mb": grown,
         "prefix_match_ms": 1000 * statistics.median(times[5:]),
         "prefix_matched": matched / len(times),
@@ -320,7 +330,14 @@ def serve(args: argparse.Namespace) -> None:
         log.write(json.dumps({"session": c.key.session_id, "cpu_s": c.cpu_s}) + "\n")
 
     if serving.kv_store is not None:
-        serving.kv_store.add_commit_listener(committed)
+        kv = serving.kv_store
+        kv.add_commit_listener(committed)
+
+        def restored() -> None:  # the background index restore's end, for restore_s
+            kv.restore.wait()
+            log.write(json.dumps({"restore_s": kv.restore.seconds}) + "\n")
+
+        threading.Thread(target=restored, daemon=True).start()
     app = create_app(serving, settings)
     DrainingServer(uvicorn_config(app, settings), app.state.service).run()
 
@@ -359,6 +376,7 @@ class Server:
         self.cpu_log = data_dir.parent / f"{data_dir.name}-commits.jsonl"
         self.cpu_log.unlink(missing_ok=True)
         self.log_path = data_dir.parent / f"{data_dir.name}-server.log"
+        self.log_path.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--child", "serve", "--data-dir", str(data_dir)]
         cmd += ["--port", str(self.port), "--cpu-log", str(self.cpu_log)]
         t0 = time.perf_counter()
@@ -391,6 +409,17 @@ class Server:
             return []
         return [json.loads(line) for line in self.cpu_log.read_text().splitlines() if line]
 
+    def restore_s(self, timeout: float = 300.0) -> float | None:
+        """Seconds the store's background index restore took, once it is done (the serve
+        child writes it to the commit log); None when it never says."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.cpu_log.read_text().splitlines() if self.cpu_log.exists() else []:
+                if '"restore_s"' in line:
+                    return float(json.loads(line)["restore_s"])
+            time.sleep(0.2)
+        return None
+
     def rss_mb(self) -> float:
         return rss_mb(self.proc.pid)
 
@@ -422,7 +451,7 @@ def new_commits(server: Server, sid: str, seen: int, timeout_s: float = 30.0) ->
     """The writer CPU (s) of `sid`'s commits after its first `seen`, once there is one."""
     deadline = time.monotonic() + timeout_s
     while True:
-        mine = [c["cpu_s"] for c in server.commits() if c["session"] == sid]
+        mine = [c["cpu_s"] for c in server.commits() if c.get("session") == sid]
         if len(mine) > seen or time.monotonic() > deadline:
             return mine[seen:]
         time.sleep(0.02)
@@ -482,6 +511,9 @@ def measure_size(args: argparse.Namespace, size: int, turns: int) -> dict:
     server = Server(data_dir)
     try:
         out["start_s"] = server.start_s
+        # The session index is restored after /readyz (background_restore): the per-turn
+        # numbers are the steady state's, so the conversation starts once it is done.
+        out["restore_s"] = server.restore_s()
         out |= conversation(server, turns)
         out["rss_mb"] = server.rss_mb()
         with http_client(server.url, 60.0) as http:
@@ -520,12 +552,16 @@ def replicas(args: argparse.Namespace, work: Path) -> dict:
 
     shared = run_child("prefix-len", work / "tokens")
     local = start_local_redis()
+    # The records in a Redis of their own that never evicts (deploy/redis-records.conf), as
+    # docs/replicas.md says to run replicas: only KV is under memory pressure.
+    records_redis = start_local_redis(policy="noeviction")
     client = redis_lib.Redis.from_url(local.url)
     maxmemory = args.redis_chunks * shared["chunk_bytes"]
     client.config_set("maxmemory", str(maxmemory))
     client.config_set("maxmemory-policy", args.redis_policy)
     secret = new_secret_line("k1")  # the replicas share a cluster's key: each opens the other's
     env = {"CHATSTORE_REDIS_URL": local.url, "CHATSTORE_PERSIST_LAG_S": "0.2"}
+    env["CHATSTORE_RECORDS_URL"] = records_redis.url
     env["CHATSTORE_SECRET_KEY"] = secret
     n, out = args.replica_sessions, {"redis_maxmemory_mb": maxmemory / 2**20}
     out |= {"redis_policy": args.redis_policy, **shared}
@@ -554,7 +590,7 @@ def replicas(args: argparse.Namespace, work: Path) -> dict:
         reused = sum(n for tier, n in by_tier[0].items() if tier != "device")
         out["shared_prompt_reuse_share"] = min(1.0, reused / max(1, shared["reusable_tokens"]))
         out["b_cached_tokens_by_tier"] = by_tier
-        records = RedisRecordStore(local.url, sealer=sealer_for(True, work, secret))
+        records = RedisRecordStore(records_redis.url, sealer=sealer_for(True, work, secret))
         referenced: set[str] = set()
         for i in range(n):
             record = records.get(SessionKey(TENANT, f"b{i}"))
@@ -578,6 +614,7 @@ def replicas(args: argparse.Namespace, work: Path) -> dict:
         for server in servers:
             server.stop()
         local.stop()
+        records_redis.stop()
     return out
 
 
@@ -595,6 +632,8 @@ def headline(per_size: dict[int, dict], turns: int) -> dict:
         "baseline_size": small,
         "start_s_100k": hi["start_s"],
         "store_start_s_100k": hi["store_start_s"],
+        "store_restored_s_100k": hi["store_restored_s"],
+        "server_restore_s_100k": hi["restore_s"],
         "turn_overhead_ratio_100k": hi["turn_overhead_ms"] / lo["turn_overhead_ms"],
         "prefix_match_ms_100k": hi["prefix_match_ms"],
         "purge_s_100k": hi["purge_s"],
@@ -656,7 +695,9 @@ def main(argv: list[str] | None = None) -> None:
         per_size[size] = r
         say(
             f"{label(size):>6} sessions: start {r['start_s']:.2f} s"
-            f" (store {r['store_start_s']:.2f} s), turn overhead {r['turn_overhead_ms']:.1f} ms"
+            f" (store {r['store_start_s']:.2f} s, index restored after"
+            f" {r['store_restored_s']:.2f} s; server's {r['restore_s']})"
+            f", turn overhead {r['turn_overhead_ms']:.1f} ms"
             f", writer CPU {r['writer_cpu_ms']:.2f} ms"
             f", prefix match {r['prefix_match_ms']:.3f} ms, purge {r['purge_s']:.3f} s"
             f", RSS {r['rss_mb']:.0f} MB, disk {r['disk_mb']:.0f} MB"
