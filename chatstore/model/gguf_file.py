@@ -50,13 +50,14 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        buf = memoryview(self._map)
+        buf = self._map.data  # a memoryview of the mapped bytes
         if bytes(buf[:4]) != b"GGUF":
             raise ValueError(f"{self.path} is not a GGUF file")
         version, n_tensors, n_pairs = struct.unpack_from("<IQQ", buf, 4)
         if version < 2:
             raise ValueError(f"{self.path}: GGUF version {version} is not supported (2 or 3)")
-        at, self.metadata = 24, {}
+        at = 24
+        self.metadata: dict[str, object] = {}
         for _ in range(n_pairs):
             key, at = _string(buf, at)
             (kind,) = struct.unpack_from("<I", buf, at)
@@ -71,7 +72,8 @@ class GGUFFile:
             kind, offset = struct.unpack_from("<IQ", buf, at + 4 + 8 * dims)
             at += 4 + 8 * dims + 12
             infos.append((name, tuple(int(d) for d in shape), GGMLQuantizationType(kind), offset))
-        align = int(self.metadata.get("general.alignment", 32))
+        given = self.metadata.get("general.alignment", 32)
+        align = given if isinstance(given, int) and given > 0 else 32
         start = -(-at // align) * align
         self.tensors = [self._tensor(start, *info) for info in infos]
 

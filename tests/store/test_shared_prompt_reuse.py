@@ -10,7 +10,10 @@ real redis-server; every turn's greedy tokens are checked against a fresh run.
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import redis as redis_lib
 
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
@@ -108,6 +111,15 @@ def test_a_session_on_another_replica_borrows_the_shared_prompt_through_redis(tm
         b = Server(tmp_path, "b", redis.url, secret)
         assert a.turn("t", "on-a", SYSTEM + user(1)) == 0
         shared = (len(SYSTEM) // CHUNK) * CHUNK
+        # A reuses the prompt from its own DRAM: Redis serves no read, yet the chunks' LRU
+        # clock moves (refresh_shared), so allkeys-lru does not take a prompt in use first.
+        prompt = a.chunks("t", "on-a")[: shared // CHUNK]
+        names = [a.store.tier("remote")._name(c) for c in prompt]
+        kv = redis_lib.Redis.from_url(redis.url)
+        time.sleep(2.2)
+        assert all(kv.object("idletime", n) >= 2 for n in names)
+        assert a.turn("t", "again-on-a", SYSTEM + user(5)) == shared
+        assert all(kv.object("idletime", n) <= 1 for n in names)
         before = b.store.tiers.counters.bytes_up
         # B has seen no prompt yet: every reused token is A's chunks, read from Redis.
         assert b.turn("t", "on-b", SYSTEM + user(2)) == shared

@@ -178,6 +178,10 @@ class TurnCommitter:
         t0, written = time.thread_time(), self.bytes_written
         try:
             self._commit(write)
+            new = set(write.new_chunks)
+            # The chunks the turn reused stay warm in the shared tier (shared_ops.py), off the
+            # `mutate` lock: a Redis round trip must not hold other commits.
+            self.tiers.refresh_shared([c for c in write.chain.chunks if c not in new])
         finally:
             done = TurnCommitted(
                 write.key, time.thread_time() - t0, self.bytes_written - written, background

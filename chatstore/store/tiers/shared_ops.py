@@ -1,7 +1,10 @@
 """What ChunkTiers asks of the shared tier (Redis) alone, never on the engine's thread: learn
 which chunks it holds (after a restart), and the only removals of shared chunks there are, each
 explicit: a shared flush and a tenant's crypto-shred. A replica that stops using a chunk only
-forgets it (ChunkTiers.delete): Redis's maxmemory policy and TTL evict (redis.py)."""
+forgets it (ChunkTiers.delete): Redis's maxmemory policy and TTL evict (redis.py). And the
+chunks a replica uses from its own tiers are kept warm there (`refresh_shared`): under
+`allkeys-lru` a shared system prompt every replica serves from its DRAM would otherwise look
+unused to Redis and go first."""
 
 from __future__ import annotations
 
@@ -58,6 +61,24 @@ class SharedTierOps:
                     )
                     break
         return found
+
+    def refresh_shared(self, keys: list[ChunkKey]) -> int:
+        """Tell the shared tier keys are in use (a turn's chain reused them from a local tier):
+        their TTL and LRU clock move (one pipelined EXPIRE round for the keys it is known to
+        hold); how many it still holds. Never raises: a miss later at worst."""
+        held = 0
+        for tier in self.slow:
+            refresh = getattr(tier, "refresh", None)
+            if not tier.remote or refresh is None:
+                continue
+            known = [k for k in keys if tier.contains(k)]
+            try:
+                held += int(refresh(known))
+            except Exception as exc:  # TierUnavailable
+                log.debug(
+                    "could not refresh %d chunks in the %s tier: %s", len(known), tier.name, exc
+                )
+        return held
 
     def delete_tenant_shared(self, tenant: str) -> int:
         """Remove every chunk of tenant from the shared tier (a crypto-shred); how many."""
