@@ -38,7 +38,14 @@ def user(seed: int) -> list[int]:
 class Server:
     """One replica's store and engine (Redis shared when a URL is given)."""
 
-    def __init__(self, tmp_path, name: str, redis_url: str | None = None, secret: str = "") -> None:
+    def __init__(
+        self,
+        tmp_path,
+        name: str,
+        redis_url: str | None = None,
+        secret: str = "",
+        persist: str = "write_through",
+    ) -> None:
         self.runtime = tiny_runtime(num_blocks=256)
         spec, fingerprint = self.runtime.model.spec, self.runtime.model.fingerprint
         settings = StoreSettings(
@@ -49,7 +56,8 @@ class Server:
             records_url=redis_url,
             block_size=4,
             chunk_tokens=CHUNK,
-            persist="write_through",
+            persist=persist,
+            persist_lag_s=30.0,  # write_back: nothing reaches Redis by the lag in this test
             secret_key=secret,
         )
         self.store = AttentionStore(settings, spec, fingerprint)
@@ -57,7 +65,7 @@ class Server:
         self.engine = LLMEngine(self.runtime, EngineConfig(enable_prefix_cache=False), self.conn)
         self._n = 0
 
-    def turn(self, tenant: str, sid: str, ids: list[int]) -> int:
+    def turn(self, tenant: str, sid: str, ids: list[int], flush: bool = True) -> int:
         """One turn opened as the API opens it (with its prompt); the cached tokens. Its
         greedy tokens must equal a fresh run's."""
         self.store.fetch_remote(tenant, sid, ids)
@@ -65,7 +73,7 @@ class Server:
         req = Request(f"{sid}-{self._n}", list(ids), greedy(4), tenant=tenant, session_id=sid)
         self.engine.add_request(req)
         outs = run_all(self.engine)[req.request_id]
-        assert self.store.flush_persist(30)
+        assert self.store.flush_persist(30) if flush else self.store.flush_writes(30)
         assert tokens_of(outs) == run_alone(req), f"{sid}: differs from a fresh run"
         return outs[-1].usage.cached_tokens
 
@@ -131,4 +139,31 @@ def test_a_session_on_another_replica_borrows_the_shared_prompt_through_redis(tm
         for server in (a, b):
             if server is not None:
                 server.close()
+        redis.stop()
+
+
+def test_a_shared_prompt_reaches_redis_before_its_write_back(tmp_path):
+    """Write-back defers copies to idle moments (persist_lag_s, here 30 s): a burst of new
+    sessions would leave the prompt they share in DRAM only, to be written to Redis after
+    their own tails (older to Redis's LRU). The second session that reuses it sends it to
+    Redis at its commit; a chunk one session alone holds waits for its write-back."""
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    redis = start_local_redis(policy="noeviction")
+    server = None
+    try:
+        server = Server(tmp_path, "a", redis.url, new_secret_line(), persist="write_back")
+        kv = redis_lib.Redis.from_url(redis.url)
+        remote = server.store.tier("remote")
+        assert server.turn("t", "first", SYSTEM + user(1), flush=False) == 0
+        first = server.chunks("t", "first")
+        assert not any(kv.exists(remote._name(c)) for c in first)  # waiting for write-back
+        shared = (len(SYSTEM) // CHUNK) * CHUNK
+        assert server.turn("t", "second", SYSTEM + user(2), flush=False) == shared
+        prompt, tail = first[: shared // CHUNK], first[shared // CHUNK :]
+        assert all(kv.exists(remote._name(c)) for c in prompt)
+        assert not any(kv.exists(remote._name(c)) for c in tail)
+    finally:
+        if server is not None:
+            server.close()
         redis.stop()

@@ -181,7 +181,13 @@ class TurnCommitter:
             new = set(write.new_chunks)
             # The chunks the turn reused stay warm in the shared tier (shared_ops.py), off the
             # `mutate` lock: a Redis round trip must not hold other commits.
-            self.tiers.refresh_shared([c for c in write.chain.chunks if c not in new])
+            reused = [c for c in write.chain.chunks if c not in new]
+            # A chunk other sessions hold too (a shared prompt) goes to Redis now if its
+            # write-back has not: the persister defers to idle moments, and a prompt written
+            # after a burst of sessions would look older to Redis's LRU than their tails.
+            persisted = self.persister is not None
+            shared = {c for c in reused if persisted and self.index.owner_count(c) > 1}
+            self.tiers.refresh_shared(reused, copy_unknown=shared)
         finally:
             done = TurnCommitted(
                 write.key, time.thread_time() - t0, self.bytes_written - written, background

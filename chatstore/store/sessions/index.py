@@ -72,6 +72,9 @@ class SessionIndex:
     def referenced(self, chunk: ChunkKey) -> bool:
         return chunk in self._owners
 
+    def owner_count(self, chunk: ChunkKey) -> int:
+        return len(self._owners.get(chunk, ()))
+
     def owners_of(self, chunk: ChunkKey) -> frozenset[SessionKey]:
         holders = self._owners.get(chunk)
         return _NOBODY if holders is None else frozenset(holders)

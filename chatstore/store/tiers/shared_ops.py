@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 
 from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.events import StoreCounters
@@ -62,10 +63,13 @@ class SharedTierOps:
                     break
         return found
 
-    def refresh_shared(self, keys: list[ChunkKey]) -> int:
+    def refresh_shared(self, keys: list[ChunkKey], copy_unknown: Collection[ChunkKey] = ()) -> int:
         """Tell the shared tier keys are in use (a turn's chain reused them from a local tier):
         their TTL and LRU clock move (one pipelined EXPIRE round for the keys it is known to
-        hold); how many it still holds. Never raises: a miss later at worst."""
+        hold); how many it still holds. Those of `copy_unknown` it is not known to hold yet
+        (their write-back is not done: a burst of turns defers it) are copied there now from
+        host memory (the caller passes shared chunks: written after the burst, a system prompt
+        would look older to Redis's LRU than the sessions' own tails). Never raises."""
         held = 0
         for tier in self.slow:
             refresh = getattr(tier, "refresh", None)
@@ -74,11 +78,14 @@ class SharedTierOps:
             known = [k for k in keys if tier.contains(k)]
             try:
                 held += int(refresh(known))
+                unknown = [k for k in keys if k in copy_unknown and not tier.contains(k)]
+                held += sum(self._copy_down(k, tier) for k in unknown)
             except Exception as exc:  # TierUnavailable
-                log.debug(
-                    "could not refresh %d chunks in the %s tier: %s", len(known), tier.name, exc
-                )
+                log.debug("could not refresh chunks in the %s tier: %s", tier.name, exc)
         return held
+
+    def _copy_down(self, key: ChunkKey, tier: StorageTier) -> bool:
+        raise NotImplementedError
 
     def delete_tenant_shared(self, tenant: str) -> int:
         """Remove every chunk of tenant from the shared tier (a crypto-shred); how many."""
