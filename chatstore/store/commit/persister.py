@@ -35,9 +35,13 @@ class Persister:
         lag_s: float,
         retry_s: float = 1.0,
         max_retry_s: float = 60.0,
+        before_copy: Callable[[], object] = lambda: None,
     ) -> None:
-        """persist(key) copies one chunk down; False means "not taken, try again later"."""
+        """persist(key) copies one chunk down; False means "not taken, try again later".
+        before_copy: run before each copy (the committer touches the shared chunks in use in
+        Redis, so that the chunk about to land there, not them, is what its LRU evicts)."""
         self._persist = persist
+        self._before_copy = before_copy
         self.lag_s = lag_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
@@ -164,6 +168,10 @@ class Persister:
     def _copy(self, batch: list[ChunkKey]) -> None:
         for i, key in enumerate(batch):
             self._wait_turn()
+            try:
+                self._before_copy()
+            except Exception:
+                log.exception("before a write-back copy")
             try:
                 taken = self._persist(key) is not False
             except Exception:

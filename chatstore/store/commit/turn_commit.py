@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.commit.persister import Persister
+from chatstore.store.commit.shared_warmth import SharedWarmth
 from chatstore.store.commit.write_buffer import WriteBuffer
 from chatstore.store.ports import ChunkBuilder, ChunkDelta, TurnPlan
 from chatstore.store.records import RecordStore
@@ -114,9 +115,15 @@ class TurnCommitter:
         self._unrecorded: dict[SessionKey, SessionChain] = {}
         self.persister: Persister | None = None
         slow = any(t.name in ("ssd", "remote") for t in tiers.tiers)
-        if settings.persist != "off" and slow and tiers.top:
+        persisting = settings.persist != "off" and slow and tiers.top is not None
+        self.warmth = SharedWarmth(tiers, index, copy_shared=persisting)
+        if persisting:
             # write_through copies on the writer thread; its persister only retries refusals.
-            self.persister = Persister(self._persist_chunk, settings.persist_lag_s)
+            self.persister = Persister(
+                self._persist_chunk,
+                settings.persist_lag_s,
+                before_copy=self.warmth.before_write_back,
+            )
 
     def add_listener(self, listener: CommitListener) -> None:
         self._listeners.append(listener)
@@ -178,16 +185,10 @@ class TurnCommitter:
         t0, written = time.thread_time(), self.bytes_written
         try:
             self._commit(write)
-            new = set(write.new_chunks)
-            # The chunks the turn reused stay warm in the shared tier (shared_ops.py), off the
+            # The chunks the turn reused stay warm in Redis (shared_warmth.py), off the
             # `mutate` lock: a Redis round trip must not hold other commits.
-            reused = [c for c in write.chain.chunks if c not in new]
-            # A chunk other sessions hold too (a shared prompt) goes to Redis now if its
-            # write-back has not: the persister defers to idle moments, and a prompt written
-            # after a burst of sessions would look older to Redis's LRU than their tails.
-            persisted = self.persister is not None
-            shared = {c for c in reused if persisted and self.index.owner_count(c) > 1}
-            self.tiers.refresh_shared(reused, copy_unknown=shared)
+            new = set(write.new_chunks)
+            self.warmth.reused([c for c in write.chain.chunks if c not in new])
         finally:
             done = TurnCommitted(
                 write.key, time.thread_time() - t0, self.bytes_written - written, background
