@@ -40,9 +40,11 @@ else beside it); the CPU and the dtypes are named in the output.
                 writer_cpu_ratio_turn40 (the largest size's conversation runs --turns turns:
                                          writer CPU of turns 38-40 over turns 4-6, means)
   replicas    two servers (replica ids a and b, DRAM 256 MiB each) over one local KV Redis with
-              maxmemory = --redis-chunks chunks' bytes (8: fewer than the two replicas' sessions
-              need) and --redis-policy, records in a second Redis (noeviction, records_url, as
-              docs/replicas.md says to deploy); a ~1,000-token system prompt shared by
+              maxmemory = its empty baseline + --redis-chunks chunks' bytes (10: room for A's
+              sessions, about 8 chunks once the allocator rounds each up, not for the two
+              replicas' 12) and --redis-policy, records in a second Redis (noeviction,
+              records_url, as docs/replicas.md says to deploy); a ~1,000-token system prompt
+              shared by
               every session. A serves --replica-sessions sessions (one turn each), then B as
               many (same system prompt, other messages):
                 shared_prompt_reuse_share  the tokens B's first session reused from the store
@@ -556,7 +558,10 @@ def replicas(args: argparse.Namespace, work: Path) -> dict:
     # docs/replicas.md says to run replicas: only KV is under memory pressure.
     records_redis = start_local_redis(policy="noeviction")
     client = redis_lib.Redis.from_url(local.url)
-    maxmemory = args.redis_chunks * shared["chunk_bytes"]
+    # Room for --redis-chunks chunks on top of what the empty Redis already uses (its own
+    # baseline would otherwise eat part of it); the allocator rounds each 5.6 MiB value up.
+    baseline = int(client.info("memory")["used_memory"])
+    maxmemory = baseline + args.redis_chunks * shared["chunk_bytes"]
     client.config_set("maxmemory", str(maxmemory))
     client.config_set("maxmemory-policy", args.redis_policy)
     secret = new_secret_line("k1")  # the replicas share a cluster's key: each opens the other's
@@ -656,7 +661,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repopulate", action="store_true", help="rebuild cached dirs (new layout)")
     p.add_argument("--skip-replicas", action="store_true")
     p.add_argument("--replica-sessions", type=int, default=4)
-    p.add_argument("--redis-chunks", type=int, default=8, help="Redis maxmemory, in chunks")
+    p.add_argument(
+        "--redis-chunks", type=int, default=10, help="Redis maxmemory above its baseline, in chunks"
+    )
     p.add_argument("--redis-policy", default="allkeys-lru")
     p.add_argument(
         "--child", choices=["populate", "probe", "serve", "prefix-len"], help=argparse.SUPPRESS
