@@ -14,30 +14,13 @@ import torch
 
 from chatstore.config import load_config
 from chatstore.engine.kv_connector import NullConnector
-from chatstore.model.spec import ModelSpec
 from chatstore.store import AttentionStore, StoreSettings, create_store
 from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.transfer import create_connector
+from tests.support.store import TINY_SPEC
 
-SPEC = ModelSpec(
-    architecture="LlamaForCausalLM",
-    num_layers=2,
-    hidden_size=16,
-    intermediate_size=32,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=4,
-    vocab_size=64,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    rope_type="default",
-    max_position_embeddings=256,
-    qkv_bias=False,
-    tie_word_embeddings=False,
-    sliding_window=None,
-    eos_token_ids=(1,),
-)
+SPEC = TINY_SPEC
 TOKEN_BYTES = 2 * 2 * 2 * 4 * 4  # fp32 bytes of one token's K and V over all layers
 
 

@@ -19,30 +19,13 @@ import threading
 import pytest
 import torch
 
-from chatstore.model.spec import ModelSpec
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.sessions import restore as restore_module
+from tests.support.store import TINY_SPEC
 
-SPEC = ModelSpec(
-    architecture="LlamaForCausalLM",
-    num_layers=2,
-    hidden_size=16,
-    intermediate_size=32,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=4,
-    vocab_size=64,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    rope_type="default",
-    max_position_embeddings=256,
-    qkv_bias=False,
-    tie_word_embeddings=False,
-    sliding_window=None,
-    eos_token_ids=(1,),
-)
+SPEC = TINY_SPEC
 CHUNK = 16
 SHARED = [3 + (i % 50) for i in range(CHUNK)]  # one full chunk every session begins with
 SESSIONS = 40

@@ -4,24 +4,18 @@ writes what it adds, not the conversation again."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from chatstore.store.records import LmdbRecordStore, SessionRecord, lmdb_log
 from chatstore.store.records.lmdb_facts import key_range
 from chatstore.store.session_kv import SessionKey
+from tests.support.records import server_turn
 
 KEY = SessionKey("acme", "s")
 
 
-def turn(records: LmdbRecordStore, i: int, version: int, tokens: list[int]) -> int:
-    """One turn as the server writes it: the commit's token ids and chunks, then the turn's
-    messages; the record's new version."""
-    tokens += [1000 * i + j for j in range(50)]
-    records.upsert(KEY, token_ids=list(tokens), chunks=[f"c{j}" for j in range(len(tokens) // 64)])
-    messages = [
-        {"role": "user", "content": f"question-{i}-" + "q" * 200},
-        {"role": "assistant", "content": f"answer-{i}-" + "a" * 200},
-    ]
-    return records.append_turn(KEY, version, messages, kv_tokens=len(tokens)).version
+def turn(records: Any, i: int, version: int, tokens: list[int]) -> int:
+    return server_turn(records, KEY, i, version, tokens)
 
 
 def written(records: LmdbRecordStore) -> dict[bytes, bytes]:
@@ -42,7 +36,7 @@ def test_a_turn_writes_only_what_it_adds(tmp_path):
     blob = b"".join(new.values())
     assert b"question-40-" in blob and b"answer-40-" in blob
     assert not any(f"-{i}-".encode() in blob for i in range(1, 40))
-    assert len(new) == 3  # the header and two log entries (the commit's, the turn's)
+    assert len(new) == 2  # the header and the turn's one log entry
     assert cost[40] < 1.2 * cost[5]  # flat: the bytes do not grow with the conversation
     record = records.get(KEY)
     assert len(record.messages) == 80 and record.messages[-1]["content"].startswith("answer-40-")

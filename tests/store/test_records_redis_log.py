@@ -24,6 +24,7 @@ from chatstore.store.sealing import Keyring, Sealer
 from chatstore.store.sealing.keyring import Secret
 from chatstore.store.sealing.sealer import read_header
 from chatstore.store.session_kv import SessionKey
+from tests.support.records import server_turn
 from tests.support.redis_server import redis_server_binary
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server")
@@ -32,15 +33,7 @@ KEY = SessionKey("acme", "s")
 
 
 def turn(records: Any, i: int, version: int, tokens: list[int]) -> int:
-    """One turn as the server writes it: the commit's token ids and chunks, then the turn's
-    messages; the record's new version."""
-    tokens += [1000 * i + j for j in range(50)]
-    records.upsert(KEY, token_ids=list(tokens), chunks=[f"c{j}" for j in range(len(tokens) // 64)])
-    messages = [
-        {"role": "user", "content": f"question-{i}-" + "q" * 200},
-        {"role": "assistant", "content": f"answer-{i}-" + "a" * 200},
-    ]
-    return int(records.append_turn(KEY, version, messages, kv_tokens=len(tokens)).version)
+    return server_turn(records, KEY, i, version, tokens)
 
 
 def net_in(client: Any) -> int:
@@ -64,12 +57,12 @@ def test_a_turn_writes_only_what_it_adds(redis_client):
         ours[i] = records.bytes_put - start
         theirs[i] = net_in(redis_client) - received
         header_bytes[i] = int(redis_client.memory_usage(header))
-    whole = len(records.get(KEY).to_json())  # what the layout before wrote, twice a turn
+    whole = len(records.get(KEY).to_json())  # what the layout before wrote (twice a turn)
     assert ours[40] < 1.2 * ours[5] and theirs[40] < 1.3 * theirs[5]  # flat
     assert theirs[40] < whole / 5  # not the conversation again
     assert header_bytes[40] < 1.2 * header_bytes[5]  # the header holds none of the lists
-    assert redis_client.llen(logged) == 1 + 2 * 40  # the create's base, then two a turn
-    last = b"".join(redis_client.lrange(logged, -2, -1))
+    assert redis_client.llen(logged) == 1 + 40  # the create's base, then one a turn
+    last = b"".join(redis_client.lrange(logged, -1, -1))
     assert b"answer-40-" in last and b"answer-39-" not in last
     record = records.get(KEY)
     assert len(record.messages) == 80 and record.messages[-1]["content"].startswith("answer-40-")
@@ -235,7 +228,7 @@ def test_reseal_covers_the_log_and_a_moved_entry_does_not_open(redis_client):
     assert done == 1  # one record: its header and every entry
     header, logged = names(records)
     entries = redis_client.lrange(logged, 0, -1)
-    assert len(entries) == 6
+    assert len(entries) == 3  # one a turn (the record was made by its first turn)
     assert {read_header(v).key_id for v in [redis_client.get(header), *entries]} == {"k2"}
     assert 590 <= redis_client.ttl(logged) <= 600 and 590 <= redis_client.ttl(header) <= 600
     only_new = RedisRecordStore(redis_client, ttl_s=600, sealer=Sealer(Keyring([new])))

@@ -142,60 +142,55 @@ def test_a_session_on_another_replica_borrows_the_shared_prompt_through_redis(tm
         redis.stop()
 
 
-def test_a_shared_prompt_reaches_redis_before_its_write_back(tmp_path):
-    """Write-back defers copies to idle moments (persist_lag_s, here 30 s): a burst of new
-    sessions would leave the prompt they share in DRAM only, to be written to Redis after
-    their own tails (older to Redis's LRU). The second session that reuses it sends it to
-    Redis at its commit; a chunk one session alone holds waits for its write-back."""
+@pytest.fixture
+def write_back(tmp_path):
+    """A server with write-back (a 30 s lag: nothing reaches Redis by it in these tests), its
+    Redis client and its Redis tier."""
     if redis_server_binary() is None:
         pytest.skip("redis-server is not installed")
     redis = start_local_redis(policy="noeviction")
     server = None
     try:
         server = Server(tmp_path, "a", redis.url, new_secret_line(), persist="write_back")
-        kv = redis_lib.Redis.from_url(redis.url)
-        remote = server.store.tier("remote")
-        assert server.turn("t", "first", SYSTEM + user(1), flush=False) == 0
-        first = server.chunks("t", "first")
-        assert not any(kv.exists(remote._name(c)) for c in first)  # waiting for write-back
-        shared = (len(SYSTEM) // CHUNK) * CHUNK
-        assert server.turn("t", "second", SYSTEM + user(2), flush=False) == shared
-        prompt, tail = first[: shared // CHUNK], first[shared // CHUNK :]
-        assert all(kv.exists(remote._name(c)) for c in prompt)
-        assert not any(kv.exists(remote._name(c)) for c in tail)
+        yield server, redis_lib.Redis.from_url(redis.url), server.store.tier("remote")
     finally:
         if server is not None:
             server.close()
         redis.stop()
 
 
-def test_shared_chunks_are_touched_before_each_write_back_copy(tmp_path):
-    """Write-back copies a burst's chunks to Redis later (persist_lag_s, idle moments). Just
-    before each copy the shared chunks turns reused lately are touched (SharedWarmth), so the
-    prompt every session uses from DRAM is never older to Redis's LRU than the tails landing
-    (OBJECT IDLETIME: Redis's own clock, one-second resolution)."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed")
-    redis = start_local_redis(policy="noeviction")
-    server = None
-    try:
-        server = Server(tmp_path, "a", redis.url, new_secret_line(), persist="write_back")
-        kv = redis_lib.Redis.from_url(redis.url)
-        remote = server.store.tier("remote")
-        server.turn("t", "s0", SYSTEM + user(0), flush=False)
-        server.turn("t", "s1", SYSTEM + user(1))  # the prompt in Redis, every copy done
-        for i in range(2, 5):  # three more sessions: their tails wait for write-back
-            server.turn("t", f"s{i}", SYSTEM + user(i), flush=False)
-        shared = len(SYSTEM) // CHUNK
-        prompt = [remote._name(c) for c in server.chunks("t", "s0")[:shared]]
-        tails = [remote._name(server.chunks("t", f"s{i}")[shared]) for i in range(2, 5)]
-        assert not any(kv.exists(n) for n in tails)
-        time.sleep(2.2)
-        assert all(kv.object("idletime", n) >= 2 for n in prompt)
-        assert server.store.flush_persist(30)  # the tails land
-        assert all(kv.exists(n) for n in tails)
-        assert all(kv.object("idletime", n) <= 1 for n in prompt)
-    finally:
-        if server is not None:
-            server.close()
-        redis.stop()
+def test_a_shared_prompt_reaches_redis_before_its_write_back(write_back):
+    """Write-back defers copies to idle moments: a burst of new sessions would leave the
+    prompt they share in DRAM only, to be written to Redis after their own tails (older to
+    Redis's LRU). The second session that reuses it sends it to Redis at its commit; a chunk
+    one session alone holds waits for its write-back."""
+    server, kv, remote = write_back
+    assert server.turn("t", "first", SYSTEM + user(1), flush=False) == 0
+    first = server.chunks("t", "first")
+    assert not any(kv.exists(remote._name(c)) for c in first)  # waiting for write-back
+    shared = (len(SYSTEM) // CHUNK) * CHUNK
+    assert server.turn("t", "second", SYSTEM + user(2), flush=False) == shared
+    prompt, tail = first[: shared // CHUNK], first[shared // CHUNK :]
+    assert all(kv.exists(remote._name(c)) for c in prompt)
+    assert not any(kv.exists(remote._name(c)) for c in tail)
+
+
+def test_shared_chunks_are_touched_before_each_write_back_copy(write_back):
+    """Write-back copies a burst's chunks to Redis later. Just before each copy the shared
+    chunks turns reused lately are touched (SharedWarmth), so the prompt every session uses
+    from DRAM is never older to Redis's LRU than the tails landing (OBJECT IDLETIME: Redis's
+    own clock, one-second resolution)."""
+    server, kv, remote = write_back
+    server.turn("t", "s0", SYSTEM + user(0), flush=False)
+    server.turn("t", "s1", SYSTEM + user(1))  # the prompt in Redis, every copy done
+    for i in range(2, 5):  # three more sessions: their tails wait for write-back
+        server.turn("t", f"s{i}", SYSTEM + user(i), flush=False)
+    shared = len(SYSTEM) // CHUNK
+    prompt = [remote._name(c) for c in server.chunks("t", "s0")[:shared]]
+    tails = [remote._name(server.chunks("t", f"s{i}")[shared]) for i in range(2, 5)]
+    assert not any(kv.exists(n) for n in tails)
+    time.sleep(2.2)
+    assert all(kv.object("idletime", n) >= 2 for n in prompt)
+    assert server.store.flush_persist(30)  # the tails land
+    assert all(kv.exists(n) for n in tails)
+    assert all(kv.object("idletime", n) <= 1 for n in prompt)

@@ -1,9 +1,30 @@
-"""Test helpers that put the store in a state only pressure would bring about."""
+"""Test helpers for the store: a tiny model's shapes, and states only pressure would bring about."""
 
 from __future__ import annotations
 
+from chatstore.model.spec import ModelSpec
 from chatstore.store import AttentionStore
 from chatstore.store.session_kv import SessionKey
+
+# A two-layer model's shapes, for stores tested without a model (KV of random values).
+TINY_SPEC = ModelSpec(
+    architecture="LlamaForCausalLM",
+    num_layers=2,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=4,
+    vocab_size=64,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_type="default",
+    max_position_embeddings=256,
+    qkv_bias=False,
+    tie_word_embeddings=False,
+    sliding_window=None,
+    eos_token_ids=(1,),
+)
 
 
 def push_down(store: AttentionStore, tenant: str, session_id: str) -> None:
