@@ -235,14 +235,32 @@ def test_reseal_covers_the_log_and_a_moved_entry_does_not_open(redis_client):
     assert comparable(only_new.get(KEY)) == comparable(before)
     assert rotated.reseal_all(b"", batch=8)[0] == 0  # a second pass: nothing left to rewrite
 
-    # Two entries swapped in place, or one under another session's log: neither opens.
+    # Two entries swapped in place, or one under another session's log: neither opens. (A
+    # store that read the record keeps its lists while the header it read is what Redis
+    # holds, LogCache: it serves what it verified; a store reading the log now is refused.)
     redis_client.lset(logged, 0, entries[1])
     redis_client.lset(logged, 1, entries[0])
-    assert only_new.get(KEY) is None and only_new.open_failures > 0
+    fresh = RedisRecordStore(redis_client, ttl_s=600, sealer=Sealer(Keyring([new])))
+    assert fresh.get(KEY) is None and fresh.open_failures > 0
     redis_client.lset(logged, 0, entries[0])
     redis_client.lset(logged, 1, entries[1])
     assert comparable(only_new.get(KEY)) == comparable(before)
     other = SessionKey("acme", "t")
     only_new.upsert(other, token_ids=[5])
     redis_client.lset(names(only_new, other)[1], 0, entries[0])
-    assert only_new.get(other) is None
+    assert fresh.get(other) is None
+
+
+def test_a_cached_record_is_read_again_once_another_replica_wrote_it(redis_client):
+    """Each store keeps the lists it last read or wrote (LogCache), valid only while Redis
+    holds the header they came with: another replica's turn replaces the header, so the next
+    read and the next write see it, and no turn of either replica is lost."""
+    a, b = RedisRecordStore(redis_client), RedisRecordStore(redis_client)
+    version, tokens = 0, []
+    version = turn(a, 1, version, tokens)
+    assert len(b.get(KEY).messages) == 2  # b has read (and cached) turn 1
+    version = turn(a, 2, version, tokens)
+    assert [m["content"][:11] for m in b.get(KEY).messages][-1] == "answer-2-aa"
+    version = turn(b, 3, version, list(tokens))  # b writes on top of a's turn 2
+    got = a.get(KEY)
+    assert len(got.messages) == 6 and got.version == version

@@ -69,6 +69,8 @@ class LmdbRecordStore(RecordStore):
         self._headroom = min(map_size // 16, 8 << 20)
         self.responses = LmdbResponses(self)
         self.bytes_put = 0  # names and values of the session records written (headers, logs)
+        self._hash_memo = prefix_index.HashMemo()  # O(new) prefix index updates per turn
+        self._log_cache = lmdb_log.LogCache()  # assembled lists: O(new) reads per turn
         self._migrate()
         ballast.keep(self.path)
 
@@ -174,6 +176,8 @@ class LmdbRecordStore(RecordStore):
     def delete(self, key: SessionKey) -> bool:
         name = self._name(key)
 
+        self._log_cache.drop(name)
+
         def drop(txn: Any) -> bool:
             raw = txn.get(name)
             old, _ = self._read(txn, key.tenant, name, raw)
@@ -202,12 +206,17 @@ class LmdbRecordStore(RecordStore):
             was, state = _saved(old), self._state(raw, old)
             lists = lmdb_log.lists_of(old) if old is not None and entries is not None else None
             record = change(old)
-            self._append(txn, name, record, lists, entries)
+            header, count = self._append(txn, name, record, lists, entries)
             self._index(txn, key, was, _saved(record))
             self._facts(txn, key, state, record)
             done.append(record)
+            written.append((header, count))
 
+        written: list[tuple[bytes, int]] = []
         self._write(update)
+        # Committed: the new header's bytes now stand for these lists (had the write failed,
+        # the old header, and its cached lists, would still be what is stored).
+        self._log_cache.put(name, written[0][0], written[0][1], done[0])
         return done[0]
 
     def _append(
@@ -217,9 +226,10 @@ class LmdbRecordStore(RecordStore):
         record: SessionRecord,
         lists: dict[str, list[Any]] | None,
         entries: int | None,
-    ) -> None:
+    ) -> tuple[bytes, int]:
         """The header, and one log entry of what the change added (lists: the record's lists
-        before it; None, or a full log: a new base, the old entries dropped)."""
+        before it; None, or a full log: a new base, the old entries dropped); the header's
+        stored bytes and the log's entry count."""
         tenant = record.tenant
         if lists is None or entries is None or entries >= lmdb_log.MAX_ENTRIES:
             for old_entry, _ in _range(txn, lmdb_log.entry_prefix(name)):
@@ -236,6 +246,7 @@ class LmdbRecordStore(RecordStore):
         for value_name, value in values:
             txn.put(value_name, value)
         self.bytes_put += sum(len(n) + len(v) for n, v in values)
+        return bytes(values[-1][1]), entries
 
     def _read(
         self, txn: Any, tenant: str, name: bytes, raw: Any
@@ -250,11 +261,15 @@ class LmdbRecordStore(RecordStore):
             record = SessionRecord.from_json(plain)
             if entries is None:
                 return record, None
+            if self._log_cache.get(name, bytes(raw), record) == entries:
+                return record, entries
             found = _range(txn, lmdb_log.entry_prefix(name))
             logged = [self.unseal(tenant, n, v) for n, v in found]
             if len(logged) != entries or any(p is None for p in logged):
                 raise ValueError(f"its log has {len(logged)} entries, not {entries}")
-            return lmdb_log.assemble(record, [p for p in logged if p is not None]), entries
+            record = lmdb_log.assemble(record, [p for p in logged if p is not None])
+            self._log_cache.put(name, bytes(raw), entries, record)
+            return record, entries
         except (ValueError, TypeError, KeyError) as exc:
             self.open_failures += 1
             log.warning("session record %r failed to open (%s): read as absent", name, exc)
@@ -286,6 +301,7 @@ class LmdbRecordStore(RecordStore):
             lmdb_facts.drop_tenant(txn, tenant)
             return len(names)
 
+        self._log_cache.drop()
         return int(self._write(drop))
 
     # -- counts and expiry (lmdb_facts.py) ---------------------------------------------------
@@ -347,9 +363,10 @@ class LmdbRecordStore(RecordStore):
         fingerprint `was` to what it does with `now` (only the entries that differ)."""
         if was == now:
             return
-        old = prefix_index.registration(key.tenant, was[1], was[0]) if was else {}
-        new = prefix_index.registration(key.tenant, now[1], now[0]) if now else {}
         digest = key_digest(key)
+        memo = self._hash_memo
+        old = memo.registration(digest, key.tenant, was[1], was[0]) if was else {}
+        new = memo.registration(digest, key.tenant, now[1], now[0]) if now else {}
         base = self._prefix(key.tenant, INDEX)
         for entry_key in prefix_index.changed_keys(old, new):
             name = base + entry_key.encode()

@@ -22,6 +22,8 @@ from __future__ import annotations
 import array
 import base64
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import fields
 from typing import Any
 
@@ -121,3 +123,46 @@ def assemble(record: SessionRecord, entries: list[bytes]) -> SessionRecord:
 def lists_of(record: SessionRecord) -> dict[str, list[Any]]:
     """The record's lists, as they are before a change rebinds them."""
     return {name: getattr(record, name) for name in LISTS}
+
+
+class LogCache:
+    """The lists of recently written or read records, by name, while their stored header is
+    the same bytes: a write or read then skips opening and parsing every entry of the log
+    (O(conversation)), the bulk of a turn's record CPU. Any write of a record replaces its
+    header (sealed: a fresh nonce; in the clear: a new timestamp or entry count), so a stale
+    entry is never found by another writer's header. Bounded; thread-safe."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self._items: OrderedDict[bytes, tuple[bytes, int, tuple[tuple[Any, ...], ...]]] = (
+            OrderedDict()
+        )
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, name: bytes, header: bytes, record: SessionRecord) -> int | None:
+        """Fill record's lists from the cache and return its entry count; None: not cached."""
+        with self._lock:
+            found = self._items.get(name)
+            if found is None or found[0] != header:
+                return None
+            self._items.move_to_end(name)
+        entries, (messages, token_ids, chunks) = found[1], found[2]
+        record.messages = [dict(m) for m in messages]  # callers may edit them in place
+        record.token_ids, record.chunks = list(token_ids), list(chunks)
+        return entries
+
+    def put(self, name: bytes, header: bytes, entries: int, record: SessionRecord) -> None:
+        lists = tuple(tuple(getattr(record, n)) for n in LISTS)
+        with self._lock:
+            self._items[name] = (header, entries, lists)
+            self._items.move_to_end(name)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def drop(self, name: bytes | None = None) -> None:
+        """Forget name (None: everything)."""
+        with self._lock:
+            if name is None:
+                self._items.clear()
+            else:
+                self._items.pop(name, None)

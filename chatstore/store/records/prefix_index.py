@@ -29,6 +29,8 @@ from __future__ import annotations
 import array
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -89,29 +91,28 @@ def _step(previous: bytes, ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(previous + array.array("i", ids).tobytes(), digest_size=16).digest()
 
 
-def boundary_hashes(tenant: str, fingerprint: str, ids: Sequence[int]) -> list[bytes]:
-    """h(0), h(STEP), h(2 STEP), ... up to len(ids): entry i is the hash of ids[: i * STEP]."""
-    out = [_seed(tenant, fingerprint)]
-    for k in range(PREFIX_STEP, len(ids) + 1, PREFIX_STEP):
+def boundary_hashes(
+    tenant: str, fingerprint: str, ids: Sequence[int], known: list[bytes] | None = None
+) -> list[bytes]:
+    """h(0), h(STEP), h(2 STEP), ... up to len(ids): entry i is the hash of ids[: i * STEP].
+    `known`: the first hashes already computed for these ids (a prefix of the answer)."""
+    out = list(known) if known else [_seed(tenant, fingerprint)]
+    for k in range(PREFIX_STEP * len(out), len(ids) + 1, PREFIX_STEP):
         out.append(_step(out[-1], ids[k - PREFIX_STEP : k]))
     return out
-
-
-def _end_hash(hashes: list[bytes], ids: Sequence[int], length: int) -> str:
-    """The hash of ids[:length] (length ≤ len(ids)), from the boundary hash below it."""
-    base = length // PREFIX_STEP
-    return _step(hashes[base], ids[base * PREFIX_STEP : length]).hex()
 
 
 Registration = dict[str, tuple[int, str] | None]  # entry key -> None (through) or its end
 
 
-def registration(tenant: str, fingerprint: str, ids: Sequence[int]) -> Registration:
+def registration(
+    tenant: str, fingerprint: str, ids: Sequence[int], hashes: list[bytes] | None = None
+) -> Registration:
     """The entries a session with saved `ids` is in (none without ids, or without the model
-    that made them: such ids are never reused)."""
+    that made them: such ids are never reused). `hashes`: its boundary hashes, if known."""
     if not ids or not fingerprint:
         return {}
-    hashes = boundary_hashes(tenant, fingerprint, ids)
+    hashes = hashes or boundary_hashes(tenant, fingerprint, ids)
     out: Registration = {h.hex(): None for h in hashes[1:]}
     out[hashes[-1].hex()] = (len(ids), _end_hash(hashes, ids, len(ids)))
     return out
@@ -121,6 +122,44 @@ def changed_keys(old: Registration, new: Registration) -> list[str]:
     """The entry keys a session's move from `old` to `new` changes (a turn that extends its
     history touches only the boundaries past the old end)."""
     return [k for k in {**old, **new} if k not in old or k not in new or old[k] != new[k]]
+
+
+class HashMemo:
+    """Each recently written session's last ids and boundary hashes (bounded, by record name
+    digest): a turn extends a session's ids, so its registration hashes only the boundaries
+    it adds, and the one it replaces is the memo's own (O(new), not O(conversation))."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._last: OrderedDict[str, tuple[str, str, tuple[int, ...], list[bytes]]] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def registration(
+        self, slot: str, tenant: str, fingerprint: str, ids: tuple[int, ...]
+    ) -> Registration:
+        if not ids or not fingerprint:
+            return {}
+        with self._lock:
+            found = self._last.get(slot)
+        known: list[bytes] | None = None
+        if found is not None and found[:2] == (tenant, fingerprint):
+            old_ids, old = found[2], found[3]
+            full = (len(old) - 1) * PREFIX_STEP  # ids the memo's hashes cover
+            if len(ids) >= full and ids[:full] == old_ids[:full]:
+                known = old
+        hashes = boundary_hashes(tenant, fingerprint, ids, known)
+        with self._lock:
+            self._last[slot] = (tenant, fingerprint, ids, hashes)
+            self._last.move_to_end(slot)
+            while len(self._last) > self._size:
+                self._last.popitem(last=False)
+        return registration(tenant, fingerprint, ids, hashes)
+
+
+def _end_hash(hashes: list[bytes], ids: Sequence[int], length: int) -> str:
+    """The hash of ids[:length] (length ≤ len(ids)), from the boundary hash below it."""
+    base = length // PREFIX_STEP
+    return _step(hashes[base], ids[base * PREFIX_STEP : length]).hex()
 
 
 def apply(entry: PrefixEntry, digest: str, key: str, new: Registration) -> PrefixEntry:

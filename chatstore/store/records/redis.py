@@ -71,6 +71,8 @@ class RedisRecordStore(RedisFacts):
         self._reseal_order: list[bytes] | None = None  # record names, while a rotation runs
         self._errors = outage_errors()
         self.bytes_put = 0  # names and values of the session records written (headers, logs)
+        self._hash_memo = prefix_index.HashMemo()  # O(new) prefix index updates per turn
+        self._log_cache = lmdb_log.LogCache()  # assembled lists: a turn reads its header only
         if isinstance(url_or_client, str):
             self.client = connect_redis(url_or_client, timeout_s)
         else:
@@ -162,6 +164,7 @@ class RedisRecordStore(RedisFacts):
     def delete(self, key: SessionKey) -> bool:
         def drop() -> bool:
             name = self._name(key)
+            self._log_cache.drop(name.encode())
             old = redis_log.read_one(self, self.client, key.tenant, name)[0]
             with self.client.pipeline(transaction=True) as pipe:  # one slot: header and log
                 pipe.delete(name)
@@ -180,18 +183,24 @@ class RedisRecordStore(RedisFacts):
 
         def attempt(pipe: Any) -> None:  # retried by redis-py if `name` changes meanwhile
             header = pipe.get(name)
-            entries = pipe.lrange(redis_log.log_name(name), 0, -1) if header else []
-            old, count = redis_log.open_record(self, key.tenant, name, header, entries)
+            opened = redis_log.open_cached(self, self._log_cache, key.tenant, name, header)
+            if opened is None:  # not cached: the log is read (O(conversation))
+                entries = pipe.lrange(redis_log.log_name(name), 0, -1) if header else []
+                opened = redis_log.open_record(self, key.tenant, name, header, entries)
+            old, count = opened
             was[0] = _saved(old)
             lists = lmdb_log.lists_of(old) if old is not None and count is not None else None
             record = change(old)
             pipe.multi()
-            put[0] = redis_log.queue_write(self, pipe, name, record, lists, count)
+            written[:] = [redis_log.queue_write(self, pipe, name, record, lists, count)]
             done[:] = [record]
 
-        put = [0]
+        written: list[tuple[int, bytes, int]] = []
         self.client.transaction(attempt, name)
-        self.bytes_put += put[0]
+        put, header, count = written[0]
+        self.bytes_put += put
+        # Committed: that header's bytes now stand for these lists (a lost race retried).
+        self._log_cache.put(name.encode(), header, count, done[0])
         self._index(key, was[0], _saved(done[0]))
         self._facts(key, done[0])
         return done[0]
@@ -200,7 +209,7 @@ class RedisRecordStore(RedisFacts):
         return self._read(key.tenant, self._name(key))
 
     def _read(self, tenant: str, name: str) -> SessionRecord | None:
-        return redis_log.read_one(self, self.client, tenant, name)[0]
+        return redis_log.read_one(self, self.client, tenant, name, self._log_cache)[0]
 
     def _read_many(self, names: list[str]) -> list[SessionRecord | None]:
         return redis_log.read_many(self, self.client, [(tagged_tenant(n), n) for n in names])
@@ -217,6 +226,7 @@ class RedisRecordStore(RedisFacts):
 
     def delete_tenant(self, tenant: str) -> int:
         """Delete every session record of tenant (and its index) by name, none opened."""
+        self._log_cache.drop()
 
         def drop() -> int:
             names = self._names(tenant)
@@ -240,10 +250,11 @@ class RedisRecordStore(RedisFacts):
         Best effort: the record is written already, and lookups verify on the records."""
         if was == now:
             return
-        old = prefix_index.registration(key.tenant, was[1], was[0]) if was else {}
-        new = prefix_index.registration(key.tenant, now[1], now[0]) if now else {}
-        keys = prefix_index.changed_keys(old, new)
         digest, hname = key_digest(key), self._index_name(key.tenant)
+        memo = self._hash_memo
+        old = memo.registration(digest, key.tenant, was[1], was[0]) if was else {}
+        new = memo.registration(digest, key.tenant, now[1], now[0]) if now else {}
+        keys = prefix_index.changed_keys(old, new)
 
         def attempt(pipe: Any) -> None:  # retried by redis-py if the hash changes meanwhile
             entries = [PrefixEntry.from_bytes(raw) for raw in pipe.hmget(hname, keys)]

@@ -76,13 +76,47 @@ def open_record(
         return None, None
 
 
-def read_one(store: RecordStore, client: Any, tenant: str, name: str) -> Opened:
-    """One record, as one MULTI of GET and LRANGE (header and log from one instant)."""
+def open_cached(
+    store: RecordStore, cache: lmdb_log.LogCache, tenant: str, name: str, header: bytes | None
+) -> Opened | None:
+    """The record under header from the cache of assembled lists (lmdb_log.LogCache: valid
+    while the stored header is the same bytes), without reading its log; None: not cached."""
+    if header is None:
+        return None, None
+    plain = store.unseal(tenant, name.encode(), header)
+    if plain is None:
+        return None, None
+    try:
+        if lmdb_log.entries_of(plain) is None:
+            return None  # the older layout: read whole
+        record = SessionRecord.from_json(plain)
+    except (ValueError, TypeError, KeyError):
+        return None  # open_record counts it and says so
+    count = cache.get(name.encode(), bytes(header), record)
+    return None if count is None else (record, count)
+
+
+def read_one(
+    store: RecordStore,
+    client: Any,
+    tenant: str,
+    name: str,
+    cache: lmdb_log.LogCache | None = None,
+) -> Opened:
+    """One record: its header alone when `cache` has its lists, else one MULTI of GET and
+    LRANGE (header and log from one instant)."""
+    if cache is not None:
+        cached = open_cached(store, cache, tenant, name, client.get(name))
+        if cached is not None:
+            return cached
     with client.pipeline(transaction=True) as pipe:
         pipe.get(name)
         pipe.lrange(log_name(name), 0, -1)
         header, entries = pipe.execute()
-    return open_record(store, tenant, name, header, entries)
+    opened = open_record(store, tenant, name, header, entries)
+    if cache is not None and opened[0] is not None and opened[1] is not None:
+        cache.put(name.encode(), bytes(header), opened[1], opened[0])
+    return opened
 
 
 def read_many(
@@ -116,10 +150,10 @@ def queue_write(
     record: SessionRecord,
     lists: dict[str, Any] | None,
     count: int | None,
-) -> int:
+) -> tuple[int, bytes, int]:
     """Queue on pipe (in MULTI) the header and one log entry of what the change added (lists:
     the record's lists before it; None, or a full log: a new base, the old entries dropped);
-    the bytes it puts (names and values)."""
+    the bytes it puts (names and values), the header it sets and the log's entry count."""
     tenant, logged = record.tenant, log_name(name)
     if lists is None or count is None or count >= lmdb_log.MAX_ENTRIES:
         pipe.delete(logged)
@@ -140,7 +174,7 @@ def queue_write(
         deadline_ms = int(time.time() * 1000) + 1000 * expiry_s
         pipe.set(name, header, pxat=deadline_ms)
         pipe.pexpireat(logged, deadline_ms)
-    return put + len(name) + len(header)
+    return put + len(name) + len(header), bytes(header), count
 
 
 def reseal_record(store: RecordStore, pipe: Any, tenant: str, name: str) -> bool:
