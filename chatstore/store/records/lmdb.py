@@ -249,10 +249,11 @@ class LmdbRecordStore(RecordStore):
         return bytes(values[-1][1]), entries
 
     def _read(
-        self, txn: Any, tenant: str, name: bytes, raw: Any
+        self, txn: Any, tenant: str, name: bytes, raw: Any, cache: bool = True
     ) -> tuple[SessionRecord | None, int | None]:
         """The record stored as raw under name, assembled from its header and log, and how
-        many entries its log has (None: a whole record of the older layout, or none)."""
+        many entries its log has (None: a whole record of the older layout, or none).
+        cache: keep its lists (LogCache); not for reads over many records (a start's)."""
         plain = self.unseal(tenant, name, None if raw is None else bytes(raw))
         if plain is None:
             return None, None
@@ -268,7 +269,8 @@ class LmdbRecordStore(RecordStore):
             if len(logged) != entries or any(p is None for p in logged):
                 raise ValueError(f"its log has {len(logged)} entries, not {entries}")
             record = lmdb_log.assemble(record, [p for p in logged if p is not None])
-            self._log_cache.put(name, bytes(raw), entries, record)
+            if cache:
+                self._log_cache.put(name, bytes(raw), entries, record)
             return record, entries
         except (ValueError, TypeError, KeyError) as exc:
             self.open_failures += 1
@@ -284,7 +286,10 @@ class LmdbRecordStore(RecordStore):
         prefix = SESSIONS if tenant is None else self._prefix(tenant)
         with self.env.begin() as txn:
             # The tenant is in the name (quoted).
-            records = [self._read(txn, _tenant_of(n), n, raw)[0] for n, raw in _range(txn, prefix)]
+            records = [
+                self._read(txn, _tenant_of(n), n, raw, cache=False)[0]
+                for n, raw in _range(txn, prefix)
+            ]
         return [r for r in records if r is not None]
 
     def delete_tenant(self, tenant: str) -> int:
@@ -317,7 +322,7 @@ class LmdbRecordStore(RecordStore):
         through their index (lmdb_facts.py), not every record."""
         with self.env.begin() as txn:
             names = [(t, self._prefix(t) + d) for t, d in lmdb_facts.restore_entries(txn)]
-            found = [self._read(txn, t, name, txn.get(name))[0] for t, name in names]
+            found = [self._read(txn, t, name, txn.get(name), cache=False)[0] for t, name in names]
         return [r for r in found if r is not None and self._live(r) is not None]
 
     def restore_batches(self, size: int) -> Iterator[list[SessionRecord]]:
@@ -327,7 +332,10 @@ class LmdbRecordStore(RecordStore):
             names = [(t, self._prefix(t) + d) for t, d in lmdb_facts.restore_entries(txn)]
         for i in range(0, len(names), size):
             with self.env.begin() as txn:
-                found = [self._read(txn, t, n, txn.get(n))[0] for t, n in names[i : i + size]]
+                found = [
+                    self._read(txn, t, n, txn.get(n), cache=False)[0]
+                    for t, n in names[i : i + size]
+                ]
             yield [r for r in found if r is not None and self._live(r) is not None]
 
     def _due(self, now: float) -> list[tuple[str, str]]:
