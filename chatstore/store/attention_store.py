@@ -103,12 +103,6 @@ class AttentionStore:
         self.records: RecordStore = build_records(settings, remote)
         self._hint_listeners: list[HintListener] = []
         self._build_parts(tiers, chooser)
-        self.restore = IndexRestore(
-            self.committer, self.hasher, self.versions, list(self.tiers.slow),
-            self.retainer.retain, self._needed, self._restored,
-        )  # fmt: skip
-        self.remote_fetch.ensure = self.restore.ensure
-        self.removal.wait_restored = self.restore.wait
         self.restore.start(background=settings.background_restore)
 
     def _restored(self) -> None:
@@ -133,16 +127,22 @@ class AttentionStore:
             self.versions, touch,
         )  # fmt: skip
         self.writer, self.persister = self.committer.writer, self.committer.persister
+        self.restore = IndexRestore(
+            self.committer, self.hasher, self.versions, list(self.tiers.slow),
+            self.retainer.retain, self._needed, self._restored,
+        )  # fmt: skip
         self.remote_fetch = fetch = RemoteFetch(
             self.committer, self.session_placement, self.records, self.hasher, self.versions,
-            self.retainer.retain, pins,
+            self.retainer.retain, pins, self.restore.ensure,
         )  # fmt: skip
         self.reader = ChunkReader(self.committer, fetch, self.session_placement, self.retention)
         interval = self.settings.prefetch_interval_s
         candidates = self.session_placement.prefetch_candidates
         self.prefetcher = Prefetcher(fetch.prefetch_session, candidates, interval)
         places, retention = self.session_placement, self.retention
-        self.removal = SessionRemoval(self.committer, places, retention, fetch, self.sealer)
+        self.removal = SessionRemoval(
+            self.committer, places, retention, fetch, self.sealer, self.restore.wait
+        )
         window = self.context.window
         self.truncation = SessionTruncation(self.reader, self.committer, self._save_key, window)
 

@@ -35,7 +35,7 @@ class SharedWarmth:
         """A commit's chunks that were stored before it (the writer thread, off `mutate`)."""
         if not chunks or not any(t.remote for t in self.tiers.slow):
             return
-        shared = {c for c in chunks if self.copy_shared and self.index.owner_count(c) > 1}
+        shared = {c for c in chunks if self.index.owner_count(c) > 1} if self.copy_shared else set()
         self.tiers.refresh_shared(chunks, copy_unknown=shared)
         now = time.monotonic()
         with self._lock:

@@ -320,10 +320,7 @@ class LmdbRecordStore(RecordStore):
     def restore_sessions(self) -> list[SessionRecord]:
         """The records the start needs (with KV chunks, or retention of their own): read
         through their index (lmdb_facts.py), not every record."""
-        with self.env.begin() as txn:
-            names = [(t, self._prefix(t) + d) for t, d in lmdb_facts.restore_entries(txn)]
-            found = [self._read(txn, t, name, txn.get(name), cache=False)[0] for t, name in names]
-        return [r for r in found if r is not None and self._live(r) is not None]
+        return [r for batch in self.restore_batches(1024) for r in batch]
 
     def restore_batches(self, size: int) -> Iterator[list[SessionRecord]]:
         """The start's names first (one read of the index), then their records `size` at a

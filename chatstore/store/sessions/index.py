@@ -13,11 +13,15 @@ made a turn cost O(sessions)); `owners_of` hands out a copy, made in one step un
 
 from __future__ import annotations
 
+import array
 import builtins
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from chatstore.store.chunks import ChunkKey
+from chatstore.store.chunks.keys import ChunkHasher
+from chatstore.store.records import SessionRecord
 from chatstore.store.session_kv import SessionKey
 
 _NOBODY: frozenset[SessionKey] = frozenset()
@@ -25,9 +29,25 @@ _NOBODY: frozenset[SessionKey] = frozenset()
 
 @dataclass(frozen=True)
 class SessionChain:
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a list, or a 32-bit array for chains read from records
     chunks: list[ChunkKey]
     updated_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def of_record(
+        cls, record: SessionRecord, hasher: ChunkHasher, fingerprint: str
+    ) -> SessionChain | None:
+        """The chain a session record lists, when its KV is reusable here: it lists chunks,
+        made by this model (`fingerprint`: another model's ids are not ours) with this chunk
+        size; else None. Token ids as a 32-bit array (4 bytes a token, not a Python int's ~36:
+        what a server holds for each idle session)."""
+        chunks = record.chunks
+        if not chunks or not record.token_ids or record.fingerprint != fingerprint:
+            return None
+        if hasher.num_chunks(len(record.token_ids)) != len(chunks):
+            return None  # a record from another chunk size
+        keys = [ChunkKey(record.tenant, d) for d in chunks]
+        return cls(array.array("i", record.token_ids), keys, record.updated_at)
 
 
 class SessionIndex:

@@ -52,7 +52,10 @@ class RemoteFetch:
         versions: SessionVersions,
         retain: Callable[[SessionRecord], None],
         pins: ChunkPins,
+        ensure: Callable[[SessionKey], None] = lambda key: None,
     ) -> None:
+        """ensure(key): the session's chain read from its record while the index is still
+        being restored (restore.py IndexRestore.ensure)."""
         self.committer, self.placement, self.records = committer, placement, records
         self.tiers: ChunkTiers = committer.tiers
         self.index, self.lock = committer.index, committer.lock
@@ -67,9 +70,7 @@ class RemoteFetch:
         # it was opened): served by `borrowed` until the engine admits the turn.
         self._borrowed: dict[SessionKey, tuple[SessionChain, float]] = {}
         self._borrow_lock = threading.Lock()
-        # The session's chain from its record while the index is still being restored
-        # (restore.py IndexRestore.ensure, set by the store).
-        self.ensure: Callable[[SessionKey], None] = lambda key: None
+        self.ensure = ensure
 
     def fetch(self, key: SessionKey, prompt_ids: Sequence[int] = ()) -> int:
         """In chain order, stopping at the first chunk that is gone or cannot be held (the
@@ -229,20 +230,17 @@ class RemoteFetch:
         if record is None:
             return
         self._retain(record)  # another replica may have changed it
-        if record.fingerprint != self.committer.fingerprint or not record.chunks:
+        chain = SessionChain.of_record(record, self.hasher, self.committer.fingerprint)
+        if chain is None:
             return
-        if self.hasher.num_chunks(len(record.token_ids)) != len(record.chunks):
-            return
-        keys = [ChunkKey(key.tenant, d) for d in record.chunks]
         try:  # those our Redis tier does not know yet (stored by another replica), one round
-            self.remote.discover(keys)  # type: ignore[union-attr]
+            self.remote.discover(chain.chunks)  # type: ignore[union-attr]
         except Exception as exc:  # TierUnavailable
             log.debug("could not look up %s's chunks: %s", key, exc)
             return
         current = self.index.get(key)
-        if current is not None and current.chunks == keys:
+        if current is not None and current.chunks == chain.chunks:
             return  # the chain we know (read from the record at start, or our own)
-        chain = SessionChain(list(record.token_ids), keys, record.updated_at)
         with self.lock:
             freed = self.index.set(key, chain)
             self.placement.tell("touch", key)

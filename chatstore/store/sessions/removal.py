@@ -24,14 +24,15 @@ class SessionRemoval:
         retention: RetentionTable,
         fetch: RemoteFetch,
         sealer: Sealer | None,
+        wait_restored: Callable[[float | None], bool] = lambda timeout: True,
     ) -> None:
+        """wait_restored: until the index restore is done (restore.py): a shred or a flush
+        must see every session, not those restored so far."""
         self.committer, self.placement, self.retention = committer, placement, retention
         self.fetch, self.sealer = fetch, sealer
         self.index, self.tiers, self.records = committer.index, committer.tiers, committer.records
         self.writer, self.versions = committer.writer, committer.versions
-        # Until the index restore is done (set by the store): a shred or a flush must see
-        # every session, not those restored so far.
-        self.wait_restored: Callable[[float | None], bool] = lambda timeout: True
+        self.wait_restored = wait_restored
 
     def _forget(self, key: SessionKey) -> list[ChunkKey]:
         """Under the store's lock: the session leaves the index, the policy, retention and

@@ -15,13 +15,12 @@ runs on a thread of its own (`chatstore-restore`) and the store serves at once:
     the end                                              under the committer's `mutate`: the
                                                          waiting deletes, then the orphan sweep
 
-Restored chains keep their token ids as 32-bit arrays (4 bytes a token, not a Python int's
-~36): the index of 100,000 idle sessions is what a server holds in memory for them.
+Restored chains keep their token ids as 32-bit arrays (SessionChain.of_record): the index of
+100,000 idle sessions is what a server holds in memory for them.
 """
 
 from __future__ import annotations
 
-import array
 import logging
 import threading
 import time
@@ -126,18 +125,12 @@ class IndexRestore:
             log.info("session index restored: %d sessions in %.2f s", self.restored, self.seconds)
 
     def _chain(self, record: SessionRecord) -> SessionChain | None:
-        chunks = record.chunks
-        if not chunks or not record.token_ids:
-            return None
-        if record.fingerprint != self.fingerprint:
+        chain = SessionChain.of_record(record, self.hasher, self.fingerprint)
+        if chain is None and record.chunks and record.fingerprint != self.fingerprint:
             # Another model's ids (the API hides them: the next turn re-renders the
             # messages); its chunks are orphans, deleted at the end.
             log.info("session %s was saved by another model: its KV is not reused", record.key)
-            return None
-        if self.hasher.num_chunks(len(record.token_ids)) != len(chunks):
-            return None  # a record from another chunk size: its KV is not reused
-        keys = [ChunkKey(record.tenant, d) for d in chunks]
-        return SessionChain(array.array("i", record.token_ids), keys, record.updated_at)  # type: ignore[arg-type]
+        return chain
 
     def _index(self, records: list[SessionRecord]) -> int:
         """Index the records' chains, except sessions the index already knows (a turn or

@@ -75,10 +75,14 @@ class SharedTierOps:
             refresh = getattr(tier, "refresh", None)
             if not tier.remote or refresh is None:
                 continue
-            known = [k for k in keys if tier.contains(k)]
+            known, unknown = [], []
+            for k in keys:
+                if tier.contains(k):
+                    known.append(k)
+                elif k in copy_unknown:
+                    unknown.append(k)
             try:
                 held += int(refresh(known))
-                unknown = [k for k in keys if k in copy_unknown and not tier.contains(k)]
                 held += sum(self._copy_down(k, tier) for k in unknown)
             except Exception as exc:  # TierUnavailable
                 log.debug("could not refresh chunks in the %s tier: %s", tier.name, exc)
