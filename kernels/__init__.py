@@ -7,8 +7,9 @@
 - `paged_prefill.paged_prefill`: any batch of new tokens over the pool, in place.
 - `fused_ops`: the element-wise parts of a layer.
 
-What runs where (`native.py`): the C kernels are built for the CPU they run on; with AVX512-BF16,
-bf16 attention and the norm's sum of squares use bf16 dot products with fp32 accumulation, and
-without it the same sources compile to the fp32 path (`native.fallback_library()` is that build
-on any CPU; `CHATSTORE_BF16_DOT=0` serves it).
+What runs where (`native.py`): the C kernels are built once per instruction set (avx512_bf16,
+avx512, avx2, generic) and the best variant the CPU reports serves, chosen at run time; with
+AVX512-BF16, bf16 attention and the norm's sum of squares use bf16 dot products with fp32
+accumulation, and every other variant computes the fp32 path (`native.fallback_library()` is the
+best of those on this CPU; `CHATSTORE_BF16_DOT=0` serves it, `CHATSTORE_KERNEL_ISA` pins one).
 """

@@ -1,22 +1,31 @@
 """Native CPU kernels from `kernels/csrc`, built with gcc at first use and cached on disk.
 
-The C sources include no torch headers, so a build takes a few seconds, even on 2 cores. The
-shared library is cached under `$CHATSTORE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/chatstore/kernels`
-(`~/.cache/chatstore/kernels`), named by a hash of the source, the flags, the compiler and the CPU
-(the build uses `-march=native`). It links the `libgomp.so.1` that torch has already loaded, so
-torch's ops and these kernels share one OpenMP thread pool.
+The C sources include no torch headers, so a build takes a few seconds, even on 2 cores. Each
+shared library is cached under `$CHATSTORE_KERNEL_CACHE`, else
+`$XDG_CACHE_HOME/chatstore/kernels` (`~/.cache/chatstore/kernels`), named by a hash of the
+source, the flags, the compiler and the CPU (the builds are tuned with `-mtune=native`). It links
+the `libgomp.so.1` that torch has already loaded, so torch's ops and these kernels share one
+OpenMP thread pool.
 
-Anything that goes wrong (no compiler, a failed build, a failed load) logs one warning and
-`native_library()` returns None: callers then take their torch path. `CHATSTORE_NATIVE_KERNELS=0`
-turns the native kernels off; `CHATSTORE_BF16_DOT=0` serves the fallback build below (the fp32
-path) on any CPU, to compare the two in the engine or to rule the dot-product path out.
+**One variant per instruction set, chosen at run time.** The same sources compile to
 
-What runs where is decided when the library is built, for the CPU it is built on: with
-AVX512-BF16 (`-march=native` defines `__AVX512BF16__`), bf16 attention and the rms norm's sum of
-squares use bf16 dot products with fp32 accumulation; without it the same sources compile to the
-fp32 path (bf16 widened on load), so no CPU ever meets an instruction it lacks.
-`kernel_features(lib)` says which path a loaded library has; `fallback_library()` is the same
-kernels built with `-mno-avx512bf16` (what a CPU without it runs), for tests and benchmarks.
+    variant       gcc target                      vectors   bf16 attention
+    avx512_bf16   x86-64-v4 + AVX512-BF16         512-bit   bf16 dot products (VDPBF16PS)
+    avx512        x86-64-v4 (AVX512 F/BW/CD/DQ/VL) 512-bit   widened to fp32 on load
+    avx2          x86-64-v3 (AVX2, FMA, BMI2)     256-bit   widened to fp32 on load
+    generic       x86-64 (SSE2)                   128-bit   widened to fp32 on load
+
+(`native` on other machines: `-march=native`). The best variant whose instructions the OS
+reports in /proc/cpuinfo serves (`selected_variant()`; logged once), so no CPU ever meets an
+instruction it lacks, and every variant this CPU can execute is built and tested by `make test`
+(`runnable_variants()`), which is how the AVX2 path runs in CI on an AVX512 machine.
+`CHATSTORE_KERNEL_ISA=<variant>` pins one (an error if this CPU cannot run it);
+`CHATSTORE_BF16_DOT=0` serves the best variant without the bf16 dot-product path;
+`CHATSTORE_NATIVE_KERNELS=0` turns the native kernels off.
+
+Anything that goes wrong building or loading (no compiler, a failed build) logs one warning and
+`native_library()` returns None: callers then take their torch path.
+`kernel_features(lib)` says what a loaded library computes with.
 """
 
 from __future__ import annotations
@@ -48,16 +57,35 @@ SOURCES = tuple(
         "features.c",
     )
 )
-HEADERS = (CSRC / "common.h", CSRC / "vec16.h", CSRC / "attention_bf16.h")
+HEADERS = (CSRC / "common.h", CSRC / "vec.h", CSRC / "attention_bf16.h")
 # ISO C mode turns FMA contraction off: ask for it, or `a += b * c` stays two instructions.
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
-# Extra flags of the fallback build: the fp32 path, as on a CPU without AVX512-BF16.
-NO_BF16_DOT = ("-mno-avx512bf16",)
+CFLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 BUILD_TIMEOUT_S = 120
 _OFF = ("0", "false", "no", "off")
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+class IsaVariant(NamedTuple):
+    """One build of the kernels: the gcc target and the CPU flags (/proc/cpuinfo) it needs."""
+
+    name: str
+    cflags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+
+
+_V3 = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "xsave"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_TUNE = ("-mtune=native",)
+# Best first: the first one this CPU can run serves.
+X86_VARIANTS = (
+    IsaVariant("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16", *_TUNE), _V4 | {"avx512_bf16"}),
+    IsaVariant("avx512", ("-march=x86-64-v4", *_TUNE), _V4),
+    IsaVariant("avx2", ("-march=x86-64-v3", *_TUNE), _V3),
+    IsaVariant("generic", ("-march=x86-64", *_TUNE), frozenset()),
+)
+NATIVE_VARIANT = IsaVariant("native", ("-march=native",), frozenset())  # not x86-64
+
 # int paged_decode(dtype, q, k, v, tables, table_width, ctx_lens, S, Hq, Hkv, D, B, scale, out, n)
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 PAGED_DECODE_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
 PAGED_DECODE_ARGTYPES += [_i64] * 5 + [ctypes.c_float, _ptr, ctypes.c_int]
 # int paged_prefill(dtype, q, k, v, tables, table_width, q_start, q_len, ctx_len, S, Hq, Hkv, D,
@@ -71,13 +99,15 @@ FUSED_ARGTYPES = {
     "rope_store_kv": [ctypes.c_int, *[_ptr] * 7, _i64, _i64, _i64, _i64],
     "silu_mul": [ctypes.c_int, _ptr, _ptr, _i64, _i64],
 }
-FEATURE_BF16_DOT = 1  # bit of kernel_features() in csrc/features.c
+FEATURE_BF16_DOT = 1  # bits of kernel_features() in csrc/features.c
+FEATURE_VECTOR_BITS_SHIFT = 8  # bits 8..: the width of the attention kernels' vectors
 
 
 class KernelFeatures(NamedTuple):
     """What a loaded build computes with."""
 
     bf16_dot: bool  # bf16 on AVX512-BF16 dot products (else: widened to fp32 on load)
+    vector_bits: int  # the width of the prefill kernel's lane vectors (512 or 256)
 
 
 def cache_dir() -> Path:
@@ -92,10 +122,23 @@ def _compiler() -> str:
     return os.environ.get("CC", "gcc")
 
 
-def _cpu_identity() -> str:
+@functools.cache
+def _cpuinfo() -> str:
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
+        return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The flags the OS reports for this CPU (empty where /proc/cpuinfo is unreadable)."""
+    line = next((ln for ln in _cpuinfo().splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def _cpu_identity() -> str:
+    lines = _cpuinfo().splitlines()
+    if not lines:
         return platform.processor()
     keep = [line for line in lines if line.startswith(("model name", "flags"))]
     return platform.machine() + "".join(sorted(set(keep)))
@@ -103,19 +146,50 @@ def _cpu_identity() -> str:
 
 def cpu_has_avx512_bf16() -> bool:
     """Whether this CPU reports AVX512-BF16 (Linux /proc/cpuinfo; False where unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return "avx512_bf16" in flags.split()
+    return "avx512_bf16" in cpu_flags()
 
 
-def _build_key(extra_cflags: tuple[str, ...]) -> str:
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def all_variants() -> tuple[IsaVariant, ...]:
+    return X86_VARIANTS if _is_x86() else (NATIVE_VARIANT,)
+
+
+def runnable_variants() -> list[IsaVariant]:
+    """The variants this CPU can execute, best first (tests run every one of them)."""
+    flags = cpu_flags()
+    return [v for v in all_variants() if v.cpu_flags <= flags]
+
+
+def variant(name: str) -> IsaVariant:
+    """The variant of this name; ValueError naming the choices, or what this CPU lacks."""
+    found = {v.name: v for v in all_variants()}
+    if name not in found:
+        raise ValueError(f"unknown kernel ISA {name!r}: one of {sorted(found)}")
+    chosen = found[name]
+    missing = chosen.cpu_flags - cpu_flags()
+    if missing:
+        raise ValueError(f"this CPU cannot run the {name} kernels: it lacks {sorted(missing)}")
+    return chosen
+
+
+def selected_variant() -> IsaVariant:
+    """What serves: `CHATSTORE_KERNEL_ISA` when set, else the best this CPU runs, without the
+    bf16 dot-product variant when `CHATSTORE_BF16_DOT=0`."""
+    pinned = os.environ.get("CHATSTORE_KERNEL_ISA", "auto").strip().lower()
+    if pinned not in ("", "auto"):
+        return variant(pinned)
+    no_dot = os.environ.get("CHATSTORE_BF16_DOT", "1").lower() in _OFF
+    return next(v for v in runnable_variants() if not (no_dot and v.name == "avx512_bf16"))
+
+
+def _build_key(cflags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
-    h.update(" ".join((*CFLAGS, *extra_cflags)).encode())
+    h.update(" ".join((*CFLAGS, *cflags)).encode())
     version = subprocess.run(
         [_compiler(), "--version"], capture_output=True, text=True, timeout=30, check=True
     )
@@ -124,17 +198,18 @@ def _build_key(extra_cflags: tuple[str, ...]) -> str:
     return h.hexdigest()[:16]
 
 
-def build(extra_cflags: tuple[str, ...] = ()) -> Path:
-    """Compile the sources (or reuse the cached build); the path of the shared library."""
-    target = cache_dir() / f"chatstore_kernels_{_build_key(extra_cflags)}.so"
+def build(cflags: tuple[str, ...]) -> Path:
+    """Compile the sources with CFLAGS + cflags (or reuse the cached build); the library's path."""
+    target = cache_dir() / f"chatstore_kernels_{_build_key(cflags)}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building the native CPU kernels with %s (first run only, a few seconds)", _compiler())
+    flags = " ".join(cflags)
+    log.info("building the native CPU kernels (%s; first run only, a few seconds)", flags)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [_compiler(), *CFLAGS, *extra_cflags, *map(str, SOURCES), "-o", tmp, "-lm"]
+        cmd = [_compiler(), *CFLAGS, *cflags, *map(str, SOURCES), "-o", tmp, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
@@ -146,40 +221,47 @@ def build(extra_cflags: tuple[str, ...] = ()) -> Path:
 
 
 def native_library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None when they are turned off or cannot be built here."""
+    """The loaded kernels of the selected variant, or None when they are turned off or cannot be
+    built here."""
     if os.environ.get("CHATSTORE_NATIVE_KERNELS", "1").lower() in _OFF:
         return None
-    if os.environ.get("CHATSTORE_BF16_DOT", "1").lower() in _OFF:
-        return fallback_library()
-    return _this_cpu_library()
+    chosen = selected_variant()
+    _log_choice(chosen.name)
+    return variant_library(chosen.name)
 
 
 @functools.cache
-def _this_cpu_library() -> ctypes.CDLL | None:
-    """The -march=native build, unless it has the bf16 dot-product path and the OS does not report
-    AVX512-BF16 (gcc asks CPUID, the kernel may mask a feature it does not support): then the
-    fallback, so that an instruction the OS would fault on is never run."""
-    lib = load_library()
-    if lib is not None and kernel_features(lib).bf16_dot and not cpu_has_avx512_bf16():
-        log.warning("the kernels were built with AVX512-BF16 the OS does not report: fp32 path")
-        return fallback_library()
-    return lib
+def _log_choice(name: str) -> None:
+    log.info(
+        "native CPU kernels: the %s variant (of %s this CPU runs)",
+        name,
+        ", ".join(v.name for v in runnable_variants()),
+    )
 
 
 def fallback_library() -> ctypes.CDLL | None:
-    """The kernels without AVX512-BF16 instructions (the fp32 path), or None if not buildable."""
-    return load_library(NO_BF16_DOT)
+    """The best variant this CPU runs without AVX512-BF16 instructions (the fp32 path)."""
+    plain = next((v for v in runnable_variants() if v.name != "avx512_bf16"), None)
+    return None if plain is None else variant_library(plain.name)
 
 
 def kernel_features(lib: ctypes.CDLL) -> KernelFeatures:
-    return KernelFeatures(bf16_dot=bool(lib.kernel_features() & FEATURE_BF16_DOT))
+    bits = lib.kernel_features()
+    return KernelFeatures(
+        bf16_dot=bool(bits & FEATURE_BF16_DOT), vector_bits=bits >> FEATURE_VECTOR_BITS_SHIFT
+    )
+
+
+def variant_library(name: str) -> ctypes.CDLL | None:
+    """The kernels of one variant (which this CPU must be able to run), loaded; None (and a
+    warning) when they cannot be built."""
+    return _load(variant(name).cflags)
 
 
 @functools.cache
-def load_library(extra_cflags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The kernels built with CFLAGS plus extra_cflags, loaded; None (and a warning) on failure."""
+def _load(cflags: tuple[str, ...]) -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(build(extra_cflags)))
+        lib = ctypes.CDLL(str(build(cflags)))
         lib.paged_decode.argtypes = PAGED_DECODE_ARGTYPES
         lib.paged_decode.restype = ctypes.c_int
         lib.paged_prefill.argtypes = PAGED_PREFILL_ARGTYPES

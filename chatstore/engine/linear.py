@@ -26,13 +26,23 @@ PACKED_MIN_TOKENS = 2  # from the table above: packing loses at 1 token and wins
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks a weight of this dtype here. bf16 needs AVX512 BW/VL/DQ (or
+    AVX-NE-CONVERT) on the CPU: on an AVX2-only CPU oneDNN refuses it, and bf16 is emulated there
+    anyway (`dtype = auto` computes in fp32 on such a CPU)."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (dtype != torch.bfloat16 or bf16_prepack_supported())
     )
+
+
+def bf16_prepack_supported() -> bool:
+    """oneDNN's own test of the CPU for bf16 (what `_reorder_linear_weight` refuses without)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 class Linear:

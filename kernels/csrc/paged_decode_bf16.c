@@ -5,7 +5,7 @@
  *
  * Per query row and key, as the prefill item's lanes: the score is one fp32 accumulator over the
  * D/2 pairs (VDPBF16PS, pairs in order) times scale; the same chunks of keys (16, never across a
- * block, from position 0), the same lane-wise online softmax (vec16.h) with rows in lanes, P
+ * block, from position 0), the same lane-wise online softmax (vec.h) with rows in lanes, P
  * rounded to bf16 unnormalised (pair_lanes), PV pairs in order into fp32, the rescale by corr,
  * and out = bf16(acc * (1 / l)). Only the layout is decode's: keys in lanes for QK^T (K pairs
  * gathered once per chunk, shared by the G query heads) and dims in lanes for PV, so a query
@@ -16,9 +16,11 @@
 #include <stdint.h>
 
 #include "attention_bf16.h"
-#include "vec16.h"
+#include "vec.h"
 
 #if CHATSTORE_BF16_DOT
+
+_Static_assert(VL == 16, "the bf16 dot-product path is written for 512-bit lane vectors");
 
 size_t decode_bf16_scratch_bytes(int64_t D) {
     /* KT [D/2][16] pairs, VI [CHUNK/2][D] pairs, acc [LANES][D], sc [LANES][16], PW [CHUNK/2][LANES] */
@@ -26,7 +28,7 @@ size_t decode_bf16_scratch_bytes(int64_t D) {
 }
 
 /* As paged_prefill_bf16.c: bf16(a[l]) and bf16(b[l]) side by side in 32-bit lane l. */
-INLINE __m512i pair_lanes_d(v16 a, v16 b) {
+INLINE __m512i pair_lanes_d(vf a, vf b) {
     static const uint16_t order[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
                                        21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
                                        11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -77,13 +79,13 @@ INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t se
     const uint16_t* q = A->q + (seq * A->Hq + h * G + r0) * D;
     const int64_t last_pos = ctx - 1;
     const int nv = rows > 16 ? 2 : 1; /* lane vectors holding rows */
-    i16 pos[NV];
-    v16 m[NV], l[NV];
+    vint pos[NV];
+    vf m[NV], l[NV];
     for (int g = 0; g < NV; g++) {
         for (int lane = 0; lane < 16; lane++)
             pos[g][lane] = g * 16 + lane < rows ? (int32_t)last_pos : -1;
         m[g] = splat(-INFINITY);
-        l[g] = (v16){0};
+        l[g] = (vf){0};
     }
     for (int64_t i = 0; i < rows * D; i++) acc[i] = 0.f;
     for (int64_t i = 0; i < LANES * 16; i++) sc[i] = 0.f;
@@ -120,15 +122,15 @@ INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t se
             for (int j = 0; j < QK_ROWS && i0 + j < rows; j++)
                 _mm512_storeu_ps(sc + (i0 + j) * 16, _mm512_mul_ps(s[j], scv));
         }
-        v16 s[CHUNK][NV]; /* rows in lanes, as the prefill item has them */
+        vf s[CHUNK][NV]; /* rows in lanes, as the prefill item has them */
         for (int g = 0; g < nv; g++) {
             __m512i r[16];
             for (int lane = 0; lane < 16; lane++)
                 r[lane] = _mm512_loadu_si512(sc + (g * 16 + lane) * 16);
             transpose16(r);
-            for (int64_t o = 0; o < n; o++) s[o][g] = (v16)r[o];
+            for (int64_t o = 0; o < n; o++) s[o][g] = (vf)r[o];
         }
-        v16 corr[NV];
+        vf corr[NV];
         const int rescale = online_softmax(s, n, t0, last_pos, pos, m, l, corr, nv);
         const int64_t pairs = (n + 1) / 2;
         for (int64_t p = 0; p < pairs; p++) {

@@ -8,9 +8,10 @@
  *   k, v     [N, B, Hkv, D]      one layer's pool; token t of s in block tables[s][t / B]
  *   new token i of s sits at position ctx_len[s] - q_len[s] + i and sees keys 0 .. position
  *
- * A work item is (sequence, KV head, 16 query rows), a row being (new token i, head g of the
- * G = Hq / Hkv that share the KV head). The 16 rows are the 16 lanes of a vector, so nothing
- * is transposed per key: Q is transposed once per item into QT [D][16], then for each chunk of
+ * A work item is (sequence, KV head, LANES query rows), a row being (new token i, head g of the
+ * G = Hq / Hkv that share the KV head). The rows are the lanes of NV vectors (VL lanes each:
+ * 16 with AVX512, 8 with AVX2, see vec.h), so nothing
+ * is transposed per key: Q is transposed once per item into QT [D][LANES], then for each chunk of
  * up to 16 keys of one block, read where they lie,
  *
  *   S[o]    = sum_d QT[d] * K[o][d]          (a lane-wise FMA with K[o][d] broadcast)
@@ -29,25 +30,32 @@
 
 #include "attention_bf16.h"
 #include "common.h"
-#include "vec16.h"
+#include "vec.h"
 
+/* Register tiles: QK_KEYS x NV score accumulators, then PV_DIMS x NV output accumulators, sized
+ * to the register file (32 zmm with AVX512, 16 ymm/xmm otherwise) so that neither spills. */
+#if VL == 16
 #define QK_KEYS 8 /* keys whose scores are accumulated together */
 #define PV_DIMS 8 /* output dims accumulated together */
+#else
+#define QK_KEYS 4
+#define PV_DIMS 4
+#endif
 
 /* One chunk of n keys (rows kr + o * stride, vr + o * stride) against the item's lanes:
- * qt [D][NV][16], ot [D][NV][16], pos / m / l one vector per lane group. */
+ * qt [D][NV][VL], ot [D][NV][VL], pos / m / l one vector per lane group. */
 INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_t stride,
-                       int64_t n, int64_t t0, int64_t min_pos, const i16* pos, v16* m, v16* l,
+                       int64_t n, int64_t t0, int64_t min_pos, const vint* pos, vf* m, vf* l,
                        float* ot, const int64_t D) {
-    v16 s[CHUNK][NV];
+    vf s[CHUNK][NV];
     int64_t o = 0;
     for (; o + QK_KEYS <= n; o += QK_KEYS) {
-        v16 acc[QK_KEYS][NV];
+        vf acc[QK_KEYS][NV];
         for (int j = 0; j < QK_KEYS; j++)
-            for (int g = 0; g < NV; g++) acc[j][g] = (v16){0};
+            for (int g = 0; g < NV; g++) acc[j][g] = (vf){0};
         for (int64_t d = 0; d < D; d++) {
-            v16 q[NV];
-            for (int g = 0; g < NV; g++) q[g] = *(const v16*)(qt + (d * NV + g) * 16);
+            vf q[NV];
+            for (int g = 0; g < NV; g++) q[g] = *(const vf*)(qt + (d * NV + g) * VL);
             for (int j = 0; j < QK_KEYS; j++) {
                 const float kv = kr[(o + j) * stride + d];
                 for (int g = 0; g < NV; g++) acc[j][g] += q[g] * kv;
@@ -57,20 +65,20 @@ INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_
             for (int g = 0; g < NV; g++) s[o + j][g] = acc[j][g];
     }
     for (; o < n; o++) {
-        v16 acc[NV];
-        for (int g = 0; g < NV; g++) acc[g] = (v16){0};
+        vf acc[NV];
+        for (int g = 0; g < NV; g++) acc[g] = (vf){0};
         for (int64_t d = 0; d < D; d++)
             for (int g = 0; g < NV; g++)
-                acc[g] += *(const v16*)(qt + (d * NV + g) * 16) * kr[o * stride + d];
+                acc[g] += *(const vf*)(qt + (d * NV + g) * VL) * kr[o * stride + d];
         for (int g = 0; g < NV; g++) s[o][g] = acc[g];
     }
-    v16 corr[NV];
+    vf corr[NV];
     const int rescale = online_softmax(s, n, t0, min_pos, pos, m, l, corr, NV);
     for (int64_t d = 0; d < D; d += PV_DIMS) {
-        v16 a[PV_DIMS][NV];
+        vf a[PV_DIMS][NV];
         for (int j = 0; j < PV_DIMS; j++)
             for (int g = 0; g < NV; g++) {
-                a[j][g] = *(v16*)(ot + ((d + j) * NV + g) * 16);
+                a[j][g] = *(vf*)(ot + ((d + j) * NV + g) * VL);
                 if (rescale) a[j][g] *= corr[g];
             }
         for (o = 0; o < n; o++) {
@@ -81,13 +89,13 @@ INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_
             }
         }
         for (int j = 0; j < PV_DIMS; j++)
-            for (int g = 0; g < NV; g++) *(v16*)(ot + ((d + j) * NV + g) * 16) = a[j][g];
+            for (int g = 0; g < NV; g++) *(vf*)(ot + ((d + j) * NV + g) * VL) = a[j][g];
     }
 }
 
 static void chunk_step_any(const float* qt, const float* kr, const float* vr, int64_t stride,
-                           int64_t n, int64_t t0, int64_t min_pos, const i16* pos, v16* m,
-                           v16* l, float* ot, int64_t D) {
+                           int64_t n, int64_t t0, int64_t min_pos, const vint* pos, vf* m,
+                           vf* l, float* ot, int64_t D) {
     if (D == 64)
         chunk_step(qt, kr, vr, stride, n, t0, min_pos, pos, m, l, ot, 64);
     else if (D == 128)
@@ -103,7 +111,7 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
                   const int64_t* ctx_len, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
                   int64_t B, float scale, void* out, int nthreads) {
     const int64_t G = Hq / Hkv, row_stride = Hkv * D;
-    /* Work items: each sequence's groups of 16 rows, for every KV head. */
+    /* Work items: each sequence's groups of LANES rows, for every KV head. */
     int64_t* first_group = malloc(sizeof(int64_t) * (size_t)(S + 1));
     if (!first_group) return -1;
     int64_t groups = 0;
@@ -112,7 +120,7 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
         groups += (q_len[s] * G + LANES - 1) / LANES;
     }
     first_group[S] = groups;
-    /* QT and OT [D][16], then bf16 chunks widened to K and V [16][D]. */
+    /* QT and OT [D][LANES], then bf16 chunks widened to K and V [16][D]. */
     size_t bytes = (size_t)(2 * D * LANES + 2 * CHUNK * D) * sizeof(float);
 #if CHATSTORE_BF16_DOT
     const int bf16_dot = dtype == DTYPE_BF16;
@@ -152,12 +160,12 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
             float* ot = qt + D * LANES;
             float* kb = ot + D * LANES;
             float* vb = kb + CHUNK * D;
-            i16 pos[NV];
+            vint pos[NV];
             int64_t last_pos = 0;
             for (int lane = 0; lane < LANES; lane++) {
                 const int64_t r = r0 + lane, i = r / G, g = r % G;
                 /* -1: a padding lane, which sees nothing */
-                pos[lane / 16][lane % 16] = lane < rows ? (int32_t)(first_pos + i) : -1;
+                pos[lane / VL][lane % VL] = lane < rows ? (int32_t)(first_pos + i) : -1;
                 last_pos = lane < rows ? first_pos + i : last_pos;
                 const int64_t at = ((q_start[s] + i) * Hq + h * G + g) * D;
                 for (int64_t d = 0; d < D; d++) {
@@ -165,10 +173,10 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
                     ot[d * LANES + lane] = 0.f;
                 }
             }
-            v16 m[NV], l[NV];
+            vf m[NV], l[NV];
             for (int g = 0; g < NV; g++) {
                 m[g] = splat(-INFINITY);
-                l[g] = (v16){0};
+                l[g] = (vf){0};
             }
             const int64_t* table = tables + s * table_width;
             const int64_t min_pos = first_pos + r0 / G; /* lane 0's: rows go up in position */
@@ -199,7 +207,7 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
             for (int lane = 0; lane < rows; lane++) {
                 const int64_t r = r0 + lane, i = r / G, g = r % G;
                 const int64_t at = ((q_start[s] + i) * Hq + h * G + g) * D;
-                const float inv = 1.f / l[lane / 16][lane % 16];
+                const float inv = 1.f / l[lane / VL][lane % VL];
                 for (int64_t d = 0; d < D; d++)
                     store_elem(dtype, out, at + d, ot[d * LANES + lane] * inv);
             }

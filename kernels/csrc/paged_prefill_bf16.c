@@ -17,9 +17,11 @@
 #include <stdint.h>
 
 #include "attention_bf16.h"
-#include "vec16.h"
+#include "vec.h"
 
 #if CHATSTORE_BF16_DOT
+
+_Static_assert(VL == 16, "the bf16 dot-product path is written for 512-bit lane vectors");
 
 #define QK_KEYS 8 /* keys whose scores are accumulated together */
 #define PV_DIMS 8 /* output dims accumulated together */
@@ -30,7 +32,7 @@ size_t prefill_bf16_scratch_bytes(int64_t D) {
 }
 
 /* bf16(a[l]) and bf16(b[l]) side by side in 32-bit lane l: two keys' probabilities as a pair. */
-INLINE __m512i pair_lanes(v16 a, v16 b) {
+INLINE __m512i pair_lanes(vf a, vf b) {
     static const uint16_t order[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
                                        21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
                                        11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -40,9 +42,9 @@ INLINE __m512i pair_lanes(v16 a, v16 b) {
 
 /* One chunk of n keys (K, V rows kr + o * stride, vr + o * stride) against the item's lanes. */
 INLINE void chunk_bf16(const uint32_t* qt2, const uint16_t* kr, const uint16_t* vr,
-                       int64_t stride, int64_t n, int64_t t0, int64_t min_pos, const i16* pos,
-                       v16* m, v16* l, float* ot, uint32_t* vi, float scale, const int64_t D) {
-    v16 s[CHUNK][NV];
+                       int64_t stride, int64_t n, int64_t t0, int64_t min_pos, const vint* pos,
+                       vf* m, vf* l, float* ot, uint32_t* vi, float scale, const int64_t D) {
+    vf s[CHUNK][NV];
     const __m512 sc = _mm512_set1_ps(scale);
     int64_t o = 0;
     for (; o + QK_KEYS <= n; o += QK_KEYS) {
@@ -58,7 +60,7 @@ INLINE void chunk_bf16(const uint32_t* qt2, const uint16_t* kr, const uint16_t* 
             }
         }
         for (int j = 0; j < QK_KEYS; j++)
-            for (int g = 0; g < NV; g++) s[o + j][g] = (v16)_mm512_mul_ps(acc[j][g], sc);
+            for (int g = 0; g < NV; g++) s[o + j][g] = (vf)_mm512_mul_ps(acc[j][g], sc);
     }
     for (; o < n; o++) {
         __m512 acc[NV];
@@ -68,9 +70,9 @@ INLINE void chunk_bf16(const uint32_t* qt2, const uint16_t* kr, const uint16_t* 
             for (int g = 0; g < NV; g++)
                 acc[g] = dot_bf16(acc[g], _mm512_load_si512(qt2 + (e * NV + g) * 16), kp);
         }
-        for (int g = 0; g < NV; g++) s[o][g] = (v16)_mm512_mul_ps(acc[g], sc);
+        for (int g = 0; g < NV; g++) s[o][g] = (vf)_mm512_mul_ps(acc[g], sc);
     }
-    v16 corr[NV];
+    vf corr[NV];
     const int rescale = online_softmax(s, n, t0, min_pos, pos, m, l, corr, NV);
     /* Pairs of keys (2p, 2p + 1); an odd chunk's last key pairs with a zero key (P = 0, V = 0:
      * the row past the chunk is never read). */
@@ -102,7 +104,7 @@ INLINE void chunk_bf16(const uint32_t* qt2, const uint16_t* kr, const uint16_t* 
 
 static void chunk_bf16_any(const uint32_t* qt2, const uint16_t* kr, const uint16_t* vr,
                            int64_t stride, int64_t n, int64_t t0, int64_t min_pos,
-                           const i16* pos, v16* m, v16* l, float* ot, uint32_t* vi, float scale,
+                           const vint* pos, vf* m, vf* l, float* ot, uint32_t* vi, float scale,
                            int64_t D) {
     if (D == 64)
         chunk_bf16(qt2, kr, vr, stride, n, t0, min_pos, pos, m, l, ot, vi, scale, 64);
@@ -118,7 +120,7 @@ void prefill_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t q_r
     uint32_t* qt2 = scratch;
     float* ot = (float*)(qt2 + D / 2 * LANES);
     uint32_t* vi = (uint32_t*)(ot + D * LANES);
-    i16 pos[NV];
+    vint pos[NV];
     int64_t last_pos = 0;
     for (int lane = 0; lane < LANES; lane++) {
         const int64_t r = r0 + lane, i = r / G, g = r % G;
@@ -130,10 +132,10 @@ void prefill_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t q_r
             qt2[e * LANES + lane] = lane < rows ? (uint32_t)load_pair(qr + 2 * e) : 0u;
         for (int64_t d = 0; d < D; d++) ot[d * LANES + lane] = 0.f;
     }
-    v16 m[NV], l[NV];
+    vf m[NV], l[NV];
     for (int g = 0; g < NV; g++) {
         m[g] = splat(-INFINITY);
-        l[g] = (v16){0};
+        l[g] = (vf){0};
     }
     const int64_t min_pos = first_pos + r0 / G; /* lane 0's: rows go up in position */
     for (int64_t t0 = 0, n; t0 <= last_pos; t0 += n) {

@@ -110,6 +110,17 @@ def test_native_bf16_matches_reference():
     torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=2**-7)
 
 
+@pytest.mark.parametrize(("hq", "hkv"), HEADS)
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_every_isa_variant_matches_reference(hq, hkv, head_dim, variant_lib):
+    contexts = [17, 1, 100, 16, 15, 33, 64]
+    q, k_cache, v_cache, tables = _case(contexts, hq, hkv, torch.float32, hq * hkv, head_dim)
+    plan = make_decode_plan(tables, contexts, BLOCK, torch.device("cpu"))
+    out = paged_decode_native(q, k_cache, v_cache, plan, 64**-0.5, variant_lib)
+    ref = _reference(q, k_cache, v_cache, tables, contexts, 64**-0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_native_reads_only_the_sequence_blocks():
     """NaN in every block no sequence owns (and past each context) changes nothing."""
     _native_or_skip()

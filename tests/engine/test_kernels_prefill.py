@@ -2,8 +2,9 @@
 
 Ragged batches that mix fresh prompts, new tokens on top of pooled history and single decode
 tokens; block sizes that do and do not divide the kernel's 16-key chunks; GQA groups; head dims
-the kernel specialises (64, 128) and a generic one; shuffled block ids with NaN in every slot no
-sequence owns, so a read outside a sequence's blocks or past a query's position shows up.
+the kernel specialises (64, 128) and a generic one; every ISA variant this CPU runs; shuffled
+block ids with NaN in every slot no sequence owns, so a read outside a sequence's blocks or past
+a query's position shows up.
 """
 
 from __future__ import annotations
@@ -63,20 +64,20 @@ def _reference(q, k_cache, v_cache, tables, seqs, scale):
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2), (9, 3)])
 @pytest.mark.parametrize("block", [4, 16, 24, 32])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_mixed_batch_matches_reference(hq, hkv, block, head_dim):
+def test_mixed_batch_matches_reference(hq, hkv, block, head_dim, variant_lib):
     q, k_cache, v_cache, tables = _case(MIXED, hq, hkv, head_dim, block, torch.float32, seed=block)
     plan = make_prefill_plan(tables, [n for n, _ in MIXED], [c for _, c in MIXED])
-    out = paged_prefill_native(q, k_cache, v_cache, plan, head_dim**-0.5)
+    out = paged_prefill_native(q, k_cache, v_cache, plan, head_dim**-0.5, variant_lib)
     ref = _reference(q, k_cache, v_cache, tables, MIXED, head_dim**-0.5)
     assert out.shape == q.shape and not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_long_history_prefill_matches_reference():
+def test_long_history_prefill_matches_reference(variant_lib):
     seqs = [(100, 1100), (1, 700), (64, 64)]
     q, k_cache, v_cache, tables = _case(seqs, 9, 3, 64, 16, torch.float32, seed=5)
     plan = make_prefill_plan(tables, [n for n, _ in seqs], [c for _, c in seqs])
-    out = paged_prefill_native(q, k_cache, v_cache, plan, 0.125)
+    out = paged_prefill_native(q, k_cache, v_cache, plan, 0.125, variant_lib)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, seqs, 0.125))
 
 

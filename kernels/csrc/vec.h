@@ -1,0 +1,80 @@
+/* fp32 lane vectors as wide as the target's registers (GCC vector extensions, any ISA) and the
+ * lane-wise online softmax that the paged-prefill kernels share: the fp32 path and the
+ * AVX512-BF16 path run the same softmax.
+ *
+ * VL, the lanes of a vector, follows the build's target (native.py builds one variant per ISA):
+ * 16 with AVX512, 8 with AVX/AVX2, 4 otherwise. A vector wider than the registers would be split
+ * by the compiler into several, and the kernels' register tiles (QK_KEYS x NV accumulators) would
+ * spill: 512-bit vectors on AVX2 ran the prefill attention several times slower. */
+#ifndef CHATSTORE_VEC_H
+#define CHATSTORE_VEC_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "common.h"
+
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vint __attribute__((vector_size(VL * 4)));
+
+#define NV 2            /* lane vectors per work item */
+#define LANES (VL * NV) /* query rows per work item */
+#define CHUNK 16        /* keys per chunk */
+
+INLINE vf splat(float x) { return (vf){0} + x; }
+
+INLINE vf select_v(vint mask, vf a, vf b) { return (vf)(((vint)a & mask) | ((vint)b & ~mask)); }
+
+/* exp of VL lanes (the polynomial of exp_f32 in common.h); lanes below -87 give 0. */
+INLINE vf exp_vf(vf x) {
+    const vint under = x < -87.f; /* comparisons give 0 / -1 lanes */
+    vf xc = select_v(under, splat(-87.f), x);
+    xc = select_v(xc > 88.f, splat(88.f), xc);
+    EXP_REDUCE_AND_POLY(vf, xc, n, p);
+    const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+    return (vf)((vint)(p * (vf)bits) & ~under);
+}
+
+/* Flash attention's online softmax, lane-wise, over the scores s[o][g] of a chunk of n keys
+ * starting at position t0: keys past a lane's position are masked, s becomes exp(s - new max),
+ * m and l are updated, and corr[g] is the factor the lane's running output must be scaled by.
+ * min_pos: the smallest position of the item's rows; a chunk at or below it needs no mask (most
+ * chunks of a long prompt). nv: the lane vectors in use (NV; decode's fewer rows may use 1).
+ * Returns whether any corr differs from 1 (a new max in some lane). */
+INLINE int online_softmax(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_pos,
+                          const vint* pos, vf* m, vf* l, vf* corr, int nv) {
+    const int masked = t0 + n - 1 > min_pos;
+    vint rescale = {0};
+    for (int g = 0; g < nv; g++) {
+        vf mx = m[g];
+        for (int64_t o = 0; o < n; o++) {
+            if (masked)
+                s[o][g] = select_v(pos[g] >= (int32_t)(t0 + o), s[o][g], splat(-INFINITY));
+            mx = select_v(s[o][g] > mx, s[o][g], mx);
+        }
+        /* Lanes that have seen no key yet keep m = -inf: subtract 0 there (no inf - inf). */
+        const vf base = select_v(mx == -INFINITY, (vf){0}, mx);
+        corr[g] = exp_vf(m[g] - base);
+        vf sum = (vf){0};
+        for (int64_t o = 0; o < n; o++) {
+            s[o][g] = exp_vf(s[o][g] - base);
+            sum += s[o][g];
+        }
+        l[g] = l[g] * corr[g] + sum;
+        m[g] = mx;
+        rescale |= corr[g] != 1.f;
+    }
+    int any = 0;
+    for (int i = 0; i < VL; i++) any |= rescale[i];
+    return any;
+}
+
+#endif
