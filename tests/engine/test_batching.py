@@ -124,6 +124,33 @@ def test_long_prompt_is_chunked_and_never_stalls_running_decodes(layout: str) ->
     assert_pool_clean(engine)
 
 
+def test_long_prompts_arriving_together_are_prefilled_in_arrival_order() -> None:
+    """vLLM's chunked-prefill FCFS: prompts that arrive together are prefilled one after the
+    other, each taking what the step's budget leaves after the decodes, so the first prompt's
+    first token does not wait for the backlog behind it, and the running decode gets its token
+    every step meanwhile."""
+    budget, length = 16, 80
+    engine = LLMEngine(tiny_runtime(num_blocks=256), EngineConfig(max_tokens_per_step=budget))
+    engine.add_request(Request("running", prompt(1, 5), greedy(60)))
+    engine.step()
+    names = [f"p{i}" for i in range(4)]
+    for i, name in enumerate(names):
+        engine.add_request(Request(name, prompt(10 + i, length), greedy(2)))
+    first_token_step: dict[str, int] = {}
+    step = 0
+    while engine.has_work():
+        step += 1
+        got = {o.request_id for o in engine.step() if any(s.token_ids for s in o.samples)}
+        for rid in got:
+            first_token_step.setdefault(rid, step)
+        if len(first_token_step) < len(names) + 1 and step < 60:
+            assert "running" in got, f"step {step}: the running decode got no token"
+    assert sorted(names, key=first_token_step.__getitem__) == names
+    # The first prompt had the whole budget less the one decode token, every step.
+    assert first_token_step["p0"] == -(-length // (budget - 1))
+    assert_pool_clean(engine)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_static_batching_and_max_reservation_give_the_same_tokens(layout: str) -> None:
     requests = make_requests(6, seed=3)

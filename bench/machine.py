@@ -1,0 +1,47 @@
+"""What machine a benchmark ran on: CPU model, instruction sets, the kernel variant serving and
+torch's vector width. Every benchmark that claims a number names these (issue 32)."""
+
+from __future__ import annotations
+
+import torch
+
+from chatstore.kernels import native
+
+
+def cpu_model() -> str:
+    for line in native._cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return "unknown"
+
+
+def cpu_isa() -> str:
+    """The widest vector ISA the OS reports: AVX2, AVX512, AVX512-BF16, with +AMX when present."""
+    flags = native.cpu_flags()
+    if "avx512_bf16" in flags:
+        isa = "AVX512-BF16"
+    elif "avx512f" in flags:
+        isa = "AVX512"
+    elif "avx2" in flags:
+        isa = "AVX2"
+    else:
+        isa = "other"
+    return isa + ("+AMX" if "amx_bf16" in flags else "")
+
+
+def machine_report() -> dict[str, object]:
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_isa": cpu_isa(),
+        "kernel_variant": native.selected_variant().name,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def describe() -> str:
+    m = machine_report()
+    return (
+        f"{m['cpu_model']} ({m['cpu_isa']}), kernels {m['kernel_variant']}, torch "
+        f"{m['torch_cpu_capability']}, {m['threads']} threads"
+    )

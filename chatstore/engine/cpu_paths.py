@@ -1,0 +1,29 @@
+"""What each CPU path computes with on this machine, chosen at run time, in one log line.
+
+Nothing here decides anything: `dtype = auto` (config.resolve_dtype: bf16 only where the CPU
+computes it natively), the native kernels' ISA variant (kernels/native.py), oneDNN's prepacking
+(linear.packing_available: not for bf16 where oneDNN cannot) and torch's own vector width each
+choose for the CPU they run on. This says what they chose, once at start, so that a slow run
+on an unusual CPU can be read from its log.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from chatstore.engine.linear import packing_available
+from chatstore.kernels import native
+
+
+def describe_cpu_paths(dtype: torch.dtype) -> str:
+    flags = native.cpu_flags()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    lib = native.native_library()
+    kernels = "off (torch path)" if lib is None else native.selected_variant().name
+    packed = packing_available(torch.device("cpu"), dtype)
+    return (
+        f"CPU paths: cpu flags {'+'.join(isa) or 'none of avx2/avx512'}; compute dtype "
+        f"{str(dtype).removeprefix('torch.')}; native kernels {kernels}; torch vectors "
+        f"{torch.backends.cpu.get_cpu_capability()}; oneDNN prepacked weights "
+        f"{'on' if packed else 'off'}"
+    )
