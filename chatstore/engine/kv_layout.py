@@ -6,12 +6,15 @@
 
 Two layouts: `PagedLayout` here (fixed-size blocks anywhere in the pool, the prefix cache, the
 paged decode / prefill kernels) and `VAttentionLayout` (`vattention/layout.py`: each sequence's
-KV contiguous in a slot, stock SDPA over it, no prefix cache).
+KV contiguous in a slot, stock SDPA over it, no prefix cache). On CUDA, with Triton installed, the
+paged layout's attention is Triton's unified kernel (`chatstore.kernels.triton`): one launch per
+layer for decode, prefill and mixed batches alike; Triton is imported only then.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,6 +27,7 @@ from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.kernels.paged_attention import attend, paged_attention_reference
 from chatstore.kernels.paged_decode import paged_decode
 from chatstore.kernels.paged_prefill import paged_prefill
+from chatstore.kernels.triton import available as triton_available
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,14 @@ class AttentionKernels:
     native_prefill: bool  # the native paged-prefill kernel runs for this dtype, device, head dim
     scale: float  # head_dim ** -0.5
     groups: int  # query heads per KV head (GQA)
+    # Triton's unified attention: None = where the pool is on CUDA and Triton is installed;
+    # True = on any device (tests run it in Triton's CPU interpreter); False = never.
+    triton: bool | None = None
+
+    def use_triton(self, device: torch.device) -> bool:
+        if not self.fast or self.triton is False:
+            return False
+        return self.triton is True or (device.type == "cuda" and triton_available())
 
 
 class StepAttention(ABC):
@@ -75,18 +87,27 @@ class PagedLayout(KVLayout):
 
 
 class PagedAttention(StepAttention):
-    """Through the block tables: the decode kernel when every sequence has one new token, the
-    paged-prefill kernel for everything else, gather-and-SDPA on the reference path."""
+    """Through the block tables: Triton's unified kernel for every batch where it applies (CUDA);
+    else the decode kernel when every sequence has one new token, the paged-prefill kernel for
+    everything else, gather-and-SDPA on the reference path."""
 
     def __init__(self, kv_cache: PagedKVCache, batch: ForwardBatch, kernels: AttentionKernels):
         self.kv_cache, self.batch, self.kernels = kv_cache, batch, kernels
-        self.in_place = kernels.fast and (batch.decode_plan is not None or kernels.native_prefill)
+        self.triton: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
+        self.triton = None
+        if kernels.use_triton(kv_cache.device):
+            self.triton = _triton_attention(batch, kernels.scale)
+        self.in_place = self.triton is not None or (
+            kernels.fast and (batch.decode_plan is not None or kernels.native_prefill)
+        )
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
         batch, kernels = self.batch, self.kernels
         k_cache, v_cache = self.kv_cache.k(layer), self.kv_cache.v(layer)
+        if self.triton is not None:
+            return self.triton(q, k_cache, v_cache)
         if kernels.fast:
             if batch.decode_plan is not None:
                 return paged_decode(q, k_cache, v_cache, batch.decode_plan, kernels.scale)
@@ -109,3 +130,13 @@ class PagedAttention(StepAttention):
             batch.context_lens,
             kernels.scale,
         )
+
+
+def _triton_attention(
+    batch: ForwardBatch, scale: float
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The step's Triton attention, its sequence layout put on the device once for all layers."""
+    from chatstore.kernels.triton.unified_attention import make_attention_meta, unified_attention
+
+    meta = make_attention_meta(batch.block_tables, batch.query_lens, batch.context_lens)
+    return lambda q, k_cache, v_cache: unified_attention(q, k_cache, v_cache, meta, scale)
