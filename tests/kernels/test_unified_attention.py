@@ -97,8 +97,10 @@ def test_q_may_be_a_view_of_the_fused_projection() -> None:
     check(case)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    ("dtype", "block_size"),
+    [(torch.float32, 16), (torch.bfloat16, 32), (torch.float16, 16), (torch.float32, 32)],
+)
 def test_split_kv_decode(dtype: torch.dtype, block_size: int) -> None:
     """Long decode contexts over 4 segments; one context shorter than a segment's share leaves
     segments that see no key (m = -inf), which the reduce must weigh as zero."""
