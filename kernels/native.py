@@ -88,9 +88,9 @@ NATIVE_VARIANT = IsaVariant("native", ("-march=native",), frozenset())  # not x8
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 PAGED_DECODE_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
 PAGED_DECODE_ARGTYPES += [_i64] * 5 + [ctypes.c_float, _ptr, ctypes.c_int]
-# int paged_prefill(dtype, q, k, v, tables, table_width, q_start, q_len, ctx_len, S, Hq, Hkv, D,
-#                   B, scale, out, n)
-PAGED_PREFILL_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
+# int paged_prefill(dtype, q, q_stride, k, v, tables, table_width, q_start, q_len, ctx_len, S,
+#                   Hq, Hkv, D, B, scale, out, n)
+PAGED_PREFILL_ARGTYPES = [ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
 PAGED_PREFILL_ARGTYPES += [_i64] * 5 + [ctypes.c_float, _ptr, ctypes.c_int]
 # The fused element-wise ops of fused_ops.c: (name, argtypes); all return void.
 FUSED_ARGTYPES = {

@@ -106,14 +106,16 @@ def paged_prefill_native(
     lib = lib or native_library()
     if lib is None:
         raise RuntimeError("native kernels are not available")
-    q = q.contiguous()
     _, num_heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:  # token rows may be apart: read in place
+        q = q.contiguous()
     _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)  # [T, Hq, D], packed
     tables = plan.block_tables
     rc = lib.paged_prefill(
         _NATIVE_DTYPES[q.dtype],
         q.data_ptr(),
+        q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         tables.data_ptr(),

@@ -16,9 +16,10 @@
 
 /* One layer's bf16 tensors and shapes, as both kernels see them. */
 typedef struct {
-    const uint16_t *q, *k, *v; /* q [T, Hq, D]; k, v [N, B, Hkv, D] */
+    const uint16_t *q, *k, *v; /* q [T, Hq, D] rows q_stride apart; k, v [N, B, Hkv, D] */
     uint16_t* out;             /* [T, Hq, D] */
     int64_t Hq, Hkv, G, D, B;
+    int64_t q_stride; /* elements from one token's q row to the next (Hq * D when packed) */
     float scale;
 } Bf16Attention;
 

@@ -144,7 +144,7 @@ int paged_decode(int dtype, const void* q, const void* k, const void* v, const i
     size_t bytes = sizeof(float) * (size_t)(rows * max_ctx + 2 * rows * D + B * nh * D);
 #if CHATSTORE_BF16_DOT
     const int bf16_dot = dtype == DTYPE_BF16 && D % 16 == 0; /* as paged_prefill's */
-    const Bf16Attention A = {q, k, v, out, Hq, Hkv, L.G, D, B, scale};
+    const Bf16Attention A = {q, k, v, out, Hq, Hkv, L.G, D, B, Hq * D, scale};
     if (bf16_dot) bytes = decode_bf16_scratch_bytes(D);
 #endif
     int failed = 0;

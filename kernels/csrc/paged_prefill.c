@@ -104,12 +104,13 @@ static void chunk_step_any(const float* qt, const float* kr, const float* vr, in
         chunk_step(qt, kr, vr, stride, n, t0, min_pos, pos, m, l, ot, D);
 }
 
-/* D must be a multiple of 16 (checked by the caller). Returns 0, or -1 when scratch memory
- * cannot be allocated. */
-int paged_prefill(int dtype, const void* q, const void* k, const void* v, const int64_t* tables,
-                  int64_t table_width, const int64_t* q_start, const int64_t* q_len,
-                  const int64_t* ctx_len, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                  int64_t B, float scale, void* out, int nthreads) {
+/* D must be a multiple of 16 (checked by the caller). q_stride: elements from one token's q row
+ * to the next, so q may be the query part of the fused qkv projection, read in place (Hq * D
+ * when packed). Returns 0, or -1 when scratch memory cannot be allocated. */
+int paged_prefill(int dtype, const void* q, int64_t q_stride, const void* k, const void* v,
+                  const int64_t* tables, int64_t table_width, const int64_t* q_start,
+                  const int64_t* q_len, const int64_t* ctx_len, int64_t S, int64_t Hq,
+                  int64_t Hkv, int64_t D, int64_t B, float scale, void* out, int nthreads) {
     const int64_t G = Hq / Hkv, row_stride = Hkv * D;
     /* Work items: each sequence's groups of LANES rows, for every KV head. */
     int64_t* first_group = malloc(sizeof(int64_t) * (size_t)(S + 1));
@@ -124,7 +125,7 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
     size_t bytes = (size_t)(2 * D * LANES + 2 * CHUNK * D) * sizeof(float);
 #if CHATSTORE_BF16_DOT
     const int bf16_dot = dtype == DTYPE_BF16;
-    const Bf16Attention A = {q, k, v, out, Hq, Hkv, G, D, B, scale};
+    const Bf16Attention A = {q, k, v, out, Hq, Hkv, G, D, B, q_stride, scale};
     if (bf16_dot) bytes = prefill_bf16_scratch_bytes(D);
 #endif
     int failed = 0;
@@ -167,7 +168,7 @@ int paged_prefill(int dtype, const void* q, const void* k, const void* v, const 
                 /* -1: a padding lane, which sees nothing */
                 pos[lane / VL][lane % VL] = lane < rows ? (int32_t)(first_pos + i) : -1;
                 last_pos = lane < rows ? first_pos + i : last_pos;
-                const int64_t at = ((q_start[s] + i) * Hq + h * G + g) * D;
+                const int64_t at = (q_start[s] + i) * q_stride + (h * G + g) * D;
                 for (int64_t d = 0; d < D; d++) {
                     qt[d * LANES + lane] = lane < rows ? scale * load_elem(dtype, q, at + d) : 0.f;
                     ot[d * LANES + lane] = 0.f;

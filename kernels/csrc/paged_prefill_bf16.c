@@ -127,7 +127,7 @@ void prefill_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t q_r
         /* -1: a padding lane, which sees nothing */
         pos[lane / 16][lane % 16] = lane < rows ? (int32_t)(first_pos + i) : -1;
         last_pos = lane < rows ? first_pos + i : last_pos;
-        const uint16_t* qr = A->q + ((q_row0 + i) * Hq + h * G + g) * D;
+        const uint16_t* qr = A->q + (q_row0 + i) * A->q_stride + (h * G + g) * D;
         for (int64_t e = 0; e < D / 2; e++)
             qt2[e * LANES + lane] = lane < rows ? (uint32_t)load_pair(qr + 2 * e) : 0u;
         for (int64_t d = 0; d < D; d++) ot[d * LANES + lane] = 0.f;

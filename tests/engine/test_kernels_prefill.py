@@ -99,3 +99,19 @@ def test_head_dim_not_multiple_of_16_takes_the_reference_path():
     plan = make_prefill_plan(tables, [3], [10])
     out = paged_prefill(q, k_cache, v_cache, plan, 0.3)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, seqs, 0.3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_read_in_place_from_the_fused_qkv_rows(dtype, variant_lib):
+    """q as the runner hands it: the first Hq * D columns of the fused [T, (Hq + 2 Hkv) D]
+    projection, rows apart by the whole width; read in place, it gives what a packed copy does."""
+    hq, hkv, d = 9, 3, 64
+    q, k_cache, v_cache, tables = _case(MIXED, hq, hkv, d, 16, dtype, seed=11)
+    qkv = torch.randn(q.shape[0], (hq + 2 * hkv) * d).to(dtype)
+    qkv[:, : hq * d] = q.reshape(q.shape[0], -1)
+    strided = qkv[:, : hq * d].view(-1, hq, d)
+    assert not strided.is_contiguous()
+    plan = make_prefill_plan(tables, [n for n, _ in MIXED], [c for _, c in MIXED])
+    got = paged_prefill_native(strided, k_cache, v_cache, plan, 0.125, variant_lib)
+    want = paged_prefill_native(q.contiguous(), k_cache, v_cache, plan, 0.125, variant_lib)
+    assert got.is_contiguous() and torch.equal(got, want)
