@@ -547,9 +547,11 @@ def replicas(args: argparse.Namespace, work: Path) -> dict:
     import redis as redis_lib
 
     from chatstore.store.records import RedisRecordStore
-    from chatstore.store.sealing import sealer_for
-    from chatstore.store.sealing.keyring import new_secret_line
+    from chatstore.store.sealing import Keyring, Sealer
+    from chatstore.store.sealing.key_store_redis import RedisKeyStore
+    from chatstore.store.sealing.master_key import new_secret_line, parse_secrets
     from chatstore.store.session_kv import SessionKey
+    from chatstore.store.tiers.redis import connect_redis
     from tests.support.redis_server import start_local_redis
 
     shared = run_child("prefix-len", work / "tokens")
@@ -595,7 +597,10 @@ def replicas(args: argparse.Namespace, work: Path) -> dict:
         reused = sum(n for tier, n in by_tier[0].items() if tier != "device")
         out["shared_prompt_reuse_share"] = min(1.0, reused / max(1, shared["reusable_tokens"]))
         out["b_cached_tokens_by_tier"] = by_tier
-        records = RedisRecordStore(records_redis.url, sealer=sealer_for(True, work, secret))
+        keys = RedisKeyStore(connect_redis(records_redis.url, 5.0))  # the replicas' data keys
+        records = RedisRecordStore(
+            records_redis.url, sealer=Sealer(Keyring(parse_secrets(secret, "bench"), keys))
+        )
         referenced: set[str] = set()
         for i in range(n):
             record = records.get(SessionKey(TENANT, f"b{i}"))

@@ -40,7 +40,7 @@ from bench import progress  # noqa: E402
 from bench.store_io import Rig, words  # noqa: E402
 from chatstore.config import cpu_has_fast_bf16, load_config  # noqa: E402
 from chatstore.store.sealing import KV_PURPOSE, Keyring, Sealer  # noqa: E402
-from chatstore.store.sealing.keyring import Secret  # noqa: E402
+from chatstore.store.sealing.master_key import Secret, new_secret_line  # noqa: E402
 from chatstore.store.session_kv import SessionKV  # noqa: E402
 from chatstore.store.tiers import codec  # noqa: E402
 
@@ -96,6 +96,7 @@ def later_turn_ttfts(args, encrypt: bool, data_dir: str) -> list[float]:
     rig = Rig(
         data_dir,
         encrypt_at_rest=encrypt,
+        secret_key=BENCH_SECRET,  # given: the bench never generates one in the user's home
         dram_bytes=0,
         enable_prefix_cache=False,
         persist="write_through",
@@ -178,6 +179,7 @@ def main() -> None:
 
 
 ARGS: argparse.Namespace
+BENCH_SECRET = new_secret_line("bench")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """`chatstore admin …`: operator commands run against a live server's /admin API.
 
-    chatstore admin rotate-keys   re-seal every stored value under the newest key (the server
-                                  does it in the background; this starts or resumes it and
-                                  prints its progress until done)
-    chatstore admin shred-tenant T  crypto-shred tenant T (its key, then its data)
+    chatstore admin rotate-keys       master-key rotation: every tenant's data key wrapped by
+                                      the newest master key (seconds; no data is re-sealed)
+    chatstore admin rotate-data-keys  new data keys for every tenant, every value re-sealed
+                                      under them, the old keys dropped (in the background;
+                                      this starts or resumes it and prints its progress)
+    chatstore admin encrypt-existing  seal the values written with encrypt_at_rest = false
+                                      (the only way a clear value becomes sealed; as above)
+    chatstore admin shred-tenant T    crypto-shred tenant T (its data keys, then its data)
 
 They talk to the server rather than open the data directory: the server holds the LMDB
 environments and its in-memory index, and with replicas the values live in Redis.
@@ -21,6 +25,15 @@ from urllib.parse import quote
 import httpx
 
 POLL_S = 1.0
+# command -> (help, the endpoint that starts it)
+JOBS = {
+    "rotate-data-keys": "new data keys for every tenant; re-seal all stored data under them",
+    "encrypt-existing": "seal the values written with encrypt_at_rest = false",
+}
+ENDPOINTS = {
+    "rotate-data-keys": "/admin/keys/rotate-data",
+    "encrypt-existing": "/admin/keys/encrypt-existing",
+}
 
 
 def add_admin_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,8 +50,10 @@ def add_admin_parser(sub: argparse._SubParsersAction) -> None:
         help="sent as Authorization: Bearer (default $CHATSTORE_ADMIN_KEY; none in local mode)",
     )
     what = admin.add_subparsers(dest="admin_command", required=True)
-    rotate = what.add_parser("rotate-keys", help="re-seal all stored data under the newest key")
-    rotate.add_argument("--no-wait", action="store_true", help="start it and return")
+    what.add_parser("rotate-keys", help="wrap every data key by the newest master key")
+    for job, text in JOBS.items():
+        parser = what.add_parser(job, help=text)
+        parser.add_argument("--no-wait", action="store_true", help="start it and return")
     shred = what.add_parser("shred-tenant", help="destroy a tenant's key, then its data")
     shred.add_argument("tenant")
 
@@ -61,13 +76,17 @@ def _run(args: argparse.Namespace) -> int:
                 f"{reply['responses']} stored responses purged"
             )
             return 0
-        progress = _checked(http.post("/admin/keys/rotate", json={}))
+        if args.admin_command == "rotate-keys":
+            reply = _checked(http.post("/admin/keys/rotate", json={}))
+            print(f"rewrapped the data keys of {reply['rewrapped_tenants']} tenants")
+            return 0
+        progress = _checked(http.post(ENDPOINTS[args.admin_command], json={}))
         while True:
             print(_progress_line(progress), flush=True)
             if progress["done"] or args.no_wait:
                 return 0
             if not progress["running"]:
-                print(f"chatstore: rotation stopped: {progress['error']}", file=sys.stderr)
+                print(f"chatstore: {progress['job']} stopped: {progress['error']}", file=sys.stderr)
                 print("run the same command again to resume from its cursor", file=sys.stderr)
                 return 1
             time.sleep(POLL_S)
@@ -75,10 +94,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _progress_line(p: dict[str, Any]) -> str:
+    unopened = f", {p['unopened']} did not open (left as they were)" if p["unopened"] else ""
     if p["done"]:
-        return f"done: {p['resealed']} values re-sealed under key {p['sealing_id']!r}"
+        return f"done: {p['job']}: {p['resealed']} values sealed{unopened}"
     chunks = f"{p['scanned_chunks']}/{p['total_chunks']} chunks" if p["total_chunks"] else ""
-    return f"{p['phase']}: {p['resealed']} values re-sealed {chunks}".rstrip()
+    return f"{p['job']}: {p['phase']}: {p['resealed']} values sealed {chunks}".rstrip() + unopened
 
 
 def _checked(response: httpx.Response) -> dict[str, Any]:

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", dest="log_level", choices=["debug", "info", "warning", "error"]
     )
     serve.add_argument("--data-dir", dest="data_dir", help="where sessions and KV are kept on disk")
+    serve.add_argument(
+        "--secret-file",
+        dest="secret_key_file",
+        help="the master key file (mode 0600, never inside the data dir; docs/security.md)",
+    )
     serve.add_argument("--kv-store", dest="kv_store", choices=["on", "off"], help="off = recompute")
     serve.add_argument(
         "--kv-storage-dtype",
@@ -113,7 +118,7 @@ def _config_from(args: argparse.Namespace):
     keys = (
         "model", "dtype", "weights", "device", "block_size", "kv_cache_bytes", "attention",
         "kv_layout", "host", "port", "log_level", "data_dir", "kv_store", "redis_url",
-        "kv_storage_dtype",
+        "kv_storage_dtype", "secret_key_file",
     )  # fmt: skip
     return load_config(args.config, {k: getattr(args, k, None) for k in keys})
 

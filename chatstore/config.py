@@ -137,8 +137,8 @@ class Config:
     persist: str = "write_back"  # completed chunks reach LMDB: write_back | write_through | off
     persist_lag_s: float = 2.0  # write_back: at most this long after a chunk is stored
     encrypt_at_rest: bool = True  # seal records and KV in LMDB / Redis (AES-256-GCM per tenant)
-    secret_key: str = ""  # "id:base64,..." (set CHATSTORE_SECRET_KEY); the first seals, all open
-    secret_key_file: str = ""  # "id:base64" per line, mode 0600 ("" = <data_dir>/secret.key)
+    secret_key: str = ""  # master key "id:base64,..." (CHATSTORE_SECRET_KEY); the first wraps
+    secret_key_file: str = ""  # "id:base64" per line, 0600 ("" = ~/.config/chatstore/secret.key)
 
     @property
     def resolved_dtype(self) -> str:

@@ -4,11 +4,15 @@ a test calls live in tests/support/; a fixture used by one folder only lives in 
 
 from __future__ import annotations
 
+import atexit
+import base64
 import contextlib
 import ctypes
 import ctypes.util
 import gc
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +25,19 @@ import torch
 # still run the suite's servers in bf16 with CHATSTORE_DTYPE=bfloat16.
 TEST_DTYPE = "float32"
 os.environ.setdefault("CHATSTORE_DTYPE", TEST_DTYPE)
+
+# The master key (encryption at rest) of every server the tests start, in process or as a child
+# process, is $XDG_CONFIG_HOME/chatstore/secret.key: here a directory of this run's own, made
+# before any server starts and holding one key, so no test writes into the real home and replicas
+# started without a secret of their own share this one (store/sealing/master_key.py). Tests of
+# the key's generation and refusals point XDG_CONFIG_HOME elsewhere themselves.
+_TEST_CONFIG_HOME = tempfile.mkdtemp(prefix="chatstore-test-config-")
+atexit.register(shutil.rmtree, _TEST_CONFIG_HOME, True)
+os.environ["XDG_CONFIG_HOME"] = _TEST_CONFIG_HOME
+_key_dir = os.path.join(_TEST_CONFIG_HOME, "chatstore")
+os.makedirs(_key_dir, mode=0o700)
+with open(os.open(os.path.join(_key_dir, "secret.key"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+    f.write("k1:" + base64.b64encode(os.urandom(32)).decode() + "\n")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -90,7 +90,7 @@ class AttentionStore:
         self.hasher = ChunkHasher(fingerprint, dtype, settings.chunk_tokens)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         remote = build_remote(settings, redis_client)
-        self.sealer, self.shared_shreds = remote.sealer, remote.shared_shreds
+        self.sealer, self.key_watch = remote.sealer, remote.key_watch
         self.redis_breaker = remote.breaker if remote.client is not None else None
         tiers = build_tiers(settings, self.layout, fingerprint, remote)
         self.events, self.index = EventLog(), SessionIndex()
@@ -398,11 +398,13 @@ class AttentionStore:
                 self.tiers.demote_all()
         else:
             self.tiers.drain_background()  # write-downs in flight land before the tiers close
-        if self.shared_shreds is not None:
-            self.shared_shreds.close()
+        if self.key_watch is not None:
+            self.key_watch.close()
         for tier in self.tiers.tiers:
             tier.close()
         self.records.close()
+        if self.sealer is not None:
+            self.sealer.keyring.store.close()
 
 
 def create_store(

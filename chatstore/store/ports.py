@@ -62,7 +62,7 @@ from chatstore.store.retention import (
     RetentionError,
     check_retention,
 )
-from chatstore.store.sealing.shared_shreds import ShredNotShared
+from chatstore.store.sealing.keyring import KeyUnavailable, ShredFailed
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.sessions.holds import TurnHold
 
@@ -251,9 +251,14 @@ class SessionKVAdmin(Protocol):
     def remote_health(self) -> dict[str, object] | None:
         """The remote (Redis) tier's circuit breaker; None without one."""
 
-    def rotate_keys(self) -> dict[str, object] | None:
-        """Start (or resume) re-sealing every stored value under the newest key; its progress.
-        None: encryption at rest is off."""
+    def rewrap_keys(self) -> int | None:
+        """Master-key rotation: wrap every tenant's data keys by the newest master key (no
+        value is touched); how many tenants changed. None: encryption at rest is off."""
+
+    def rotate_keys(self, job: str = "data-keys") -> dict[str, object] | None:
+        """Start (or resume) a background job over every stored value, "data-keys" (new data
+        keys, re-seal, retire the old) or "encrypt-existing" (seal clear values); its
+        progress. None: encryption at rest is off."""
 
     def rotation_progress(self) -> dict[str, object] | None: ...
     def shred_tenant(self, tenant: str) -> dict[str, int]:
@@ -298,6 +303,7 @@ __all__ = [
     "HintListener",
     "KVPlacement",
     "KVSource",
+    "KeyUnavailable",
     "Listener",
     "RecordConflict",
     "RecordStoreError",
@@ -313,7 +319,7 @@ __all__ = [
     "SessionKey",
     "SessionLease",
     "SessionRecord",
-    "ShredNotShared",
+    "ShredFailed",
     "StoreEvent",
     "StoreStats",
     "StoredSession",

@@ -182,13 +182,18 @@ class RecordsOnlyStore:
     def flush(self, shared: bool = False) -> int:
         return 0
 
-    def rotate_keys(self) -> dict[str, object] | None:
-        """Start (or resume, or report) re-sealing every stored value under the newest key in
-        the background (sealing/reseal.py)."""
+    def rewrap_keys(self) -> int | None:
+        """Wrap every data key by the newest master key (seconds: no value is touched)."""
+        sealer = self.records.sealer
+        return sealer.keyring.rewrap_all() if sealer is not None else None
+
+    def rotate_keys(self, job: str = "data-keys") -> dict[str, object] | None:
+        """Start (or resume, or report) a job over every stored value in the background
+        (sealing/reseal.py: data-keys, encrypt-existing)."""
         resealer = self._get_resealer()
         if resealer is None:
             return None
-        resealer.start()
+        resealer.start(job)
         return self.rotation_progress()
 
     def rotation_progress(self) -> dict[str, object] | None:
@@ -234,7 +239,7 @@ class RecordsOnlyStore:
         return self.records.purge_expired()
 
     def _shred(self, tenant: str) -> int:
-        """Shred the tenant's key; its sessions with KV (none here)."""
+        """Shred the tenant's data keys; its sessions with KV (none here)."""
         sealer = self.records.sealer
         if sealer is not None:
             sealer.keyring.shred(tenant)  # first: nothing of it opens from here on
@@ -247,6 +252,8 @@ class RecordsOnlyStore:
 
     def _close(self) -> None:
         self.records.close()
+        if self.records.sealer is not None:
+            self.records.sealer.keyring.store.close()  # the data keys, after their last user
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -259,5 +266,5 @@ class RecordsOnlyStore:
         with self._lock:
             if self._resealer is None:
                 tiers, data_dir = self._reseal_scope()
-                self._resealer = Resealer(sealer.sealing_id, self.records, tiers, data_dir)
+                self._resealer = Resealer(sealer.keyring, self.records, tiers, data_dir)
             return self._resealer

@@ -50,8 +50,8 @@ class StoreSettings:
     persist_lag_s: float = 2.0
     # Encryption at rest (sealing/): records and chunks in LMDB and Redis sealed per tenant.
     encrypt_at_rest: bool = True
-    secret_key: str = field(default="", repr=False)  # "id:base64,..." (else the key file)
-    secret_key_file: str = ""  # "" = <data_dir>/secret.key, generated on first start
+    secret_key: str = field(default="", repr=False)  # master key "id:base64,..." (else a file)
+    secret_key_file: str = ""  # "" = $XDG_CONFIG_HOME/chatstore/secret.key (master_key.py)
 
     @classmethod
     def from_config(cls, config: Config) -> StoreSettings:

@@ -9,8 +9,11 @@ from typing import Any
 
 from chatstore.store.events import StoreStats
 from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordStore
-from chatstore.store.sealing import Sealer, sealer_for
-from chatstore.store.sealing.shared_shreds import SharedShreds
+from chatstore.store.sealing import KeyStore, Sealer, sealer_for
+from chatstore.store.sealing.key_store_lmdb import FILE_NAME as KEYS_FILE
+from chatstore.store.sealing.key_store_lmdb import LmdbKeyStore
+from chatstore.store.sealing.key_store_redis import RedisKeyStore
+from chatstore.store.sealing.key_watch import KeyWatch
 from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers.base import StorageTier
 from chatstore.store.tiers.breaker import CircuitBreaker
@@ -26,14 +29,16 @@ EVICTING = ("allkeys-", "volatile-")  # maxmemory-policy prefixes that evict key
 
 @dataclass(frozen=True)
 class RemoteParts:
-    """One sealer for the records and the slow tiers (DRAM stays in the clear); the KV Redis
-    client and breaker; and where records live (records_url): the same client (they fail and
-    recover together), a Redis of their own (`records_client`, its own breaker), or LMDB."""
+    """One sealer for the records and the slow tiers (DRAM stays in the clear), its data keys
+    in the records' key store (their Redis, watched for other replicas' changes, or LMDB);
+    the KV Redis client and breaker; and where records live (records_url): the same client
+    (they fail and recover together), a Redis of their own (`records_client`, its own
+    breaker), or LMDB."""
 
     sealer: Sealer | None
     client: Any  # the KV tier's Redis client, or None without Redis
     breaker: CircuitBreaker
-    shared_shreds: SharedShreds | None
+    key_watch: KeyWatch | None
     records_client: Any = None  # the records' Redis (leases, shreds too), or None: LMDB
     records_breaker: CircuitBreaker | None = None
 
@@ -71,9 +76,6 @@ def warn_if_evicting(client: Any, what: str) -> str | None:
 
 
 def build_remote(settings: StoreSettings, redis_client: Any = None) -> RemoteParts:
-    sealer = sealer_for(
-        settings.encrypt_at_rest, settings.data_dir, settings.secret_key, settings.secret_key_file
-    )
     remote = redis_client
     if remote is None and settings.redis_url:
         # Every call gives up after the timeout, so a hung Redis costs a bounded wait (and
@@ -101,15 +103,27 @@ def build_remote(settings: StoreSettings, redis_client: Any = None) -> RemotePar
             settings.redis_breaker_failures, settings.redis_breaker_reset_s
         )
         warn_if_evicting(records, "records_url")
-    # Replicas share the shred list in Redis as they share the secret (shared_shreds.py): in
-    # the records' Redis, which never evicts it (else a KV-only Redis, else none).
-    shred_client = records if records is not None else remote
-    shreds = (
-        SharedShreds(shred_client, sealer.keyring)
-        if shred_client is not None and sealer is not None
-        else None
+    # The data keys live with the records: in their Redis, shared by the replicas (a change
+    # another replica makes is seen through the key store's epoch), else in LMDB beside them.
+    sealer = build_sealer(settings, records)
+    watch = KeyWatch(sealer.keyring) if sealer is not None and records is not None else None
+    return RemoteParts(sealer, remote, breaker, watch, records, records_breaker)
+
+
+def build_sealer(settings: StoreSettings, redis_keys: Any = None) -> Sealer | None:
+    """The sealer (None: encryption at rest off); its data keys in the Redis client
+    redis_keys, else in LMDB in the data directory."""
+    s = settings
+    replicas = bool(s.redis_url or s.records_url not in ("", "lmdb"))
+
+    def key_store() -> KeyStore:
+        if redis_keys is not None:
+            return RedisKeyStore(redis_keys)
+        return LmdbKeyStore(s.data_dir / KEYS_FILE)
+
+    return sealer_for(
+        s.encrypt_at_rest, s.data_dir, key_store, s.secret_key, s.secret_key_file, replicas
     )
-    return RemoteParts(sealer, remote, breaker, shreds, records, records_breaker)
 
 
 def build_tiers(
@@ -163,7 +177,7 @@ def build_records_only(settings: StoreSettings) -> RecordStore:
     """kv_store = "off" (every turn recomputes): the session records still need a home, in
     LMDB under data_dir (no Redis: no KV to share), sealed as the store would seal them."""
     s = settings
-    sealer = sealer_for(s.encrypt_at_rest, s.data_dir, s.secret_key, s.secret_key_file)
+    sealer = build_sealer(s)
     return LmdbRecordStore(
         s.data_dir / "records.lmdb", s.session_ttl_s, map_size=s.records_map_bytes, sealer=sealer
     )

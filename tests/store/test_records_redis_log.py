@@ -21,7 +21,8 @@ from chatstore.store.records import (
     redis_log,
 )
 from chatstore.store.sealing import Keyring, Sealer
-from chatstore.store.sealing.keyring import Secret
+from chatstore.store.sealing.key_store_redis import RedisKeyStore
+from chatstore.store.sealing.master_key import Secret
 from chatstore.store.sealing.sealer import read_header
 from chatstore.store.session_kv import SessionKey
 from tests.support.records import server_turn
@@ -214,13 +215,15 @@ def test_expiry_removes_header_and_log_together(redis_client):
 
 
 def test_reseal_covers_the_log_and_a_moved_entry_does_not_open(redis_client):
-    old, new = Secret("k1", os.urandom(32)), Secret("k2", os.urandom(32))
-    records = RedisRecordStore(redis_client, ttl_s=600, sealer=Sealer(Keyring([old])))
+    master, keys = Secret("k1", os.urandom(32)), RedisKeyStore(redis_client)
+    keyring = Keyring([master], keys)
+    records = RedisRecordStore(redis_client, ttl_s=600, sealer=Sealer(keyring))
     version, tokens = 0, []
     for i in range(1, 4):
         version = turn(records, i, version, tokens)
     before = records.get(KEY)
-    rotated = RedisRecordStore(redis_client, ttl_s=600, sealer=Sealer(Keyring([new, old])))
+    assert keyring.add_data_key("acme", older_than=time.time() + 1)  # a data-key rotation
+    rotated = RedisRecordStore(redis_client, ttl_s=600, sealer=Sealer(Keyring([master], keys)))
     cursor, done = b"", 0
     while cursor is not None:
         n, cursor = rotated.reseal_all(cursor, batch=1)
@@ -229,9 +232,10 @@ def test_reseal_covers_the_log_and_a_moved_entry_does_not_open(redis_client):
     header, logged = names(records)
     entries = redis_client.lrange(logged, 0, -1)
     assert len(entries) == 3  # one a turn (the record was made by its first turn)
-    assert {read_header(v).key_id for v in [redis_client.get(header), *entries]} == {"k2"}
+    assert {read_header(v).dek_id for v in [redis_client.get(header), *entries]} == {"d2"}
     assert 590 <= redis_client.ttl(logged) <= 600 and 590 <= redis_client.ttl(header) <= 600
-    only_new = RedisRecordStore(redis_client, ttl_s=600, sealer=Sealer(Keyring([new])))
+    assert keyring.retire_data_keys("acme")  # d1 is gone: everything still opens
+    only_new = RedisRecordStore(redis_client, ttl_s=600, sealer=Sealer(Keyring([master], keys)))
     assert comparable(only_new.get(KEY)) == comparable(before)
     assert rotated.reseal_all(b"", batch=8)[0] == 0  # a second pass: nothing left to rewrite
 
@@ -240,7 +244,7 @@ def test_reseal_covers_the_log_and_a_moved_entry_does_not_open(redis_client):
     # holds, LogCache: it serves what it verified; a store reading the log now is refused.)
     redis_client.lset(logged, 0, entries[1])
     redis_client.lset(logged, 1, entries[0])
-    fresh = RedisRecordStore(redis_client, ttl_s=600, sealer=Sealer(Keyring([new])))
+    fresh = RedisRecordStore(redis_client, ttl_s=600, sealer=Sealer(Keyring([master], keys)))
     assert fresh.get(KEY) is None and fresh.open_failures > 0
     redis_client.lset(logged, 0, entries[0])
     redis_client.lset(logged, 1, entries[1])

@@ -173,20 +173,25 @@ def test_a_wrong_ca_refuses_and_the_store_serves_from_local_tiers(tmp_path, tls_
         redis_breaker_reset_s=60,
         chunk_tokens=16,
         persist="write_through",
+        # Records (and so the tenants' data keys) in LMDB: with them in the refused Redis, no
+        # tenant's key could be read to seal its KV for LMDB either (docs/security.md).
+        records_url="lmdb",
     )
     started = time.monotonic()
     store = AttentionStore(settings, SPEC, "fp")
     assert time.monotonic() - started < 30  # liveness: a refused handshake is not a hang
-    assert store.redis_breaker.health().state == "open"
     chunk = ChunkKey("acme", "ab" * 16)
     store.tiers.put(chunk, value(16, seed=1))
-    assert store.tiers.persist(chunk)  # LMDB takes it (the open breaker skips Redis)
+    assert store.tiers.persist(chunk)  # LMDB takes it
     assert store.tier("ssd").contains(chunk)
     with store.tiers.lock:
         store.tier("dram").delete(chunk)
     assert store.tiers.get(chunk).equal(value(16, seed=1))  # read back from LMDB
     assert not store.tier("remote").contains(chunk) and not store.tiers.share(chunk)
-    assert "CERTIFICATE_VERIFY_FAILED" in (store.redis_breaker.health().last_error or "")
+    with pytest.raises(TierUnavailable):  # the KV Redis refuses the handshake: an outage
+        store.tier("remote").get(chunk)
+    health = store.redis_breaker.health()
+    assert health.failures >= 1 and "CERTIFICATE_VERIFY_FAILED" in (health.last_error or "")
     store.close()
     remote.close()
 

@@ -1,21 +1,21 @@
-"""Encryption at rest (issue 26): what reaches LMDB and Redis is sealed per tenant, proven on the
-bytes themselves. Real LMDB, a real redis-server, the real default model and server.
+"""Encryption at rest (issues 26, 33): what reaches LMDB and Redis is sealed per tenant, proven
+on the bytes themselves. Real LMDB, a real redis-server, the real default model and server.
+(Envelope keys without a server: test_envelope_keys.py; replicas: test_replica_keys.py.)
 
 - a marker planted in a conversation is found by a byte grep of the data dir and of a Redis dump
-  with encryption off, and not with it on (and neither are the chunks' token ids);
+  with encryption off, and not with it on (and neither are the chunks' token ids); a copy of the
+  data directory served without the master key opens nothing;
 - a value swapped between two tenants' keys, or with one flipped bit, fails to open (a miss,
-  counted), for KV chunks and records;
-- a rotated key still opens old values, seals new ones under the new id, and the background
-  re-seal (resumed after a crash mid-way) leaves every value under the new key;
-- a crypto-shredded tenant's sessions are absent after a restart, and a backup taken before the
-  shred no longer opens;
+  counted, left in place), for KV chunks and records;
+- a crypto-shredded tenant's sessions are absent after a restart, and a backup of the data taken
+  before the shred, restored beside the current key store, opens nothing of the tenant;
+- `rotate-keys` rewraps the data keys, `rotate-data-keys` re-seals every value;
 - a later turn after a restart restores its KV from sealed LMDB chunks with the recompute's
   greedy tokens.
 """
 
 from __future__ import annotations
 
-import base64
 import os
 import shutil
 import struct
@@ -30,17 +30,13 @@ from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import ServerSettings
 from chatstore.store import AttentionStore
 from chatstore.store.chunks import ChunkKey
-from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
-from chatstore.store.sealing import Keyring, KeyringError, OpenError, Sealer, load_keyring
-from chatstore.store.sealing import reseal as reseal_module
-from chatstore.store.sealing.keyring import Secret, new_secret_line, parse_secrets
-from chatstore.store.sealing.reseal import Resealer
+from chatstore.store.records import LmdbRecordStore, SessionRecord
+from chatstore.store.sealing import Keyring, OpenError, Sealer, load_master_secrets
+from chatstore.store.sealing.key_store_lmdb import LmdbKeyStore
+from chatstore.store.sealing.master_key import Secret, new_secret_line, parse_secrets
 from chatstore.store.sealing.sealer import read_header
-from chatstore.store.sealing.shared_shreds import SharedShreds
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.tiers.codec import CorruptValueError
 from chatstore.store.tiers.lmdb import LmdbTier
-from chatstore.store.tiers.redis import RedisTier
 from chatstore.transfer import StoreConnector
 from tests.support.multiturn import CHUNK, MiniEngine, make_store
 from tests.support.tiny_models import chat_ids
@@ -64,7 +60,7 @@ def chunk(seed: int, tokens: int = 8) -> SessionKV:
 # -- the seal itself: tenants, keys, bits ---------------------------------------------------------
 
 
-def test_kv_value_swapped_between_tenants_or_flipped_fails_to_open(tmp_path):
+def test_kv_value_swapped_between_tenants_or_flipped_is_a_miss_left_in_place(tmp_path):
     sealer = Sealer(Keyring([secret("k1")]))
     tier = LmdbTier(tmp_path / "kv.lmdb", 1 << 24, "fp", sealer=sealer)
     a, b = ChunkKey("alice", "aa" * 16), ChunkKey("bob", "bb" * 16)
@@ -75,12 +71,13 @@ def test_kv_value_swapped_between_tenants_or_flipped_fails_to_open(tmp_path):
     tier.write_raw_value(a, raw_b)  # bob's value under alice's key
     with pytest.raises(OpenError):
         tier.get(a)
-    assert not tier.contains(a)  # dropped, never served
+    assert tier.contains(a) and tier.raw_value(a) == raw_b  # a miss, never a delete
     flipped = bytearray(raw_b)
     flipped[len(flipped) // 2] ^= 0x01
     tier.write_raw_value(b, bytes(flipped))
-    with pytest.raises(CorruptValueError):  # OpenError is a CorruptValueError: readers drop it
+    with pytest.raises(OpenError):  # never served, and left in place
         tier.get(b)
+    assert tier.raw_value(b) == bytes(flipped)
     # Another tenant with the same digest (keys are per tenant): the seal says no as well.
     c = ChunkKey("bob", "aa" * 16)
     tier.put(c, chunk(3))
@@ -106,136 +103,6 @@ def test_record_swapped_between_tenants_or_flipped_reads_absent(tmp_path):
     assert store.open_failures == 2
     assert store.list_sessions() == []
     store.close()
-
-
-def test_key_file_must_be_private_and_is_generated_once(tmp_path, caplog):
-    with caplog.at_level("WARNING"):
-        first = load_keyring(tmp_path)
-    path = tmp_path / "secret.key"
-    assert (path.stat().st_mode & 0o777) == 0o600
-    assert "generated a new server secret" in caplog.text
-    assert load_keyring(tmp_path).secrets == first.secrets  # read back, not regenerated
-    os.chmod(path, 0o644)
-    with pytest.raises(KeyringError, match="mode 644"):
-        load_keyring(tmp_path)
-    with pytest.raises(KeyringError, match="base64"):
-        parse_secrets("k1:not base64!", "env")
-    with pytest.raises(KeyringError, match="at least 32"):
-        parse_secrets("k1:" + base64.b64encode(b"short").decode(), "env")
-
-
-# -- rotation -------------------------------------------------------------------------------------
-
-
-def test_rotated_key_opens_old_values_seals_new_ones_and_reseal_resumes(tmp_path, monkeypatch):
-    old, new = secret("k1"), secret("k2")
-    shreds = tmp_path / "shredded.json"
-    sealer = Sealer(Keyring([old], shreds))
-    tier = LmdbTier(tmp_path / "kv.lmdb", 1 << 24, "fp", sealer=sealer)
-    records = LmdbRecordStore(tmp_path / "records.lmdb", sealer=sealer)
-    keys = [ChunkKey(f"t{i % 3}", f"{i:032x}") for i in range(7)]
-    for i, key in enumerate(keys):
-        tier.put(key, chunk(i))
-        records.put(SessionRecord(key.tenant, f"s{i}", [{"role": "user", "content": f"m{i}"}]))
-    tier.close()
-    records.close()
-
-    rotated = Sealer(Keyring([new, old], shreds))  # k2 first: it seals, k1 still opens
-    tier = LmdbTier(tmp_path / "kv.lmdb", 1 << 24, "fp", sealer=rotated)
-    records = LmdbRecordStore(tmp_path / "records.lmdb", sealer=rotated)
-    assert torch.equal(tier.get(keys[0]).kv, chunk(0).kv)
-    assert records.get(SessionKey("t0", "s0")).messages[0]["content"] == "m0"
-    fresh = ChunkKey("t9", "f" * 32)
-    tier.put(fresh, chunk(9))
-    assert read_header(tier.raw_value(fresh)).key_id == "k2"
-    assert read_header(tier.raw_value(keys[0])).key_id == "k1"
-
-    # The re-seal job dies after its second batch (as a crash would): its cursor is on disk.
-    monkeypatch.setattr(reseal_module, "BATCH", 3)
-    batches = []
-
-    def crash_after_two() -> None:
-        batches.append(1)
-        if len(batches) == 2:
-            raise RuntimeError("simulated crash")
-
-    job = Resealer("k2", records, [tier], tmp_path, on_batch=crash_after_two)
-    job.start()
-    assert job.wait(30)
-    assert job.progress.error and not job.progress.done
-    part = job.progress.resealed
-    assert 0 < part < 21
-    resumed = Resealer("k2", records, [tier], tmp_path)  # a new process: from the saved cursor
-    assert resumed.progress.cursor == job.progress.cursor and resumed.progress.resealed == part
-    resumed.start()
-    assert resumed.wait(30) and resumed.progress.done, resumed.progress
-    # 7 records (a header and a log entry each: records/lmdb_log.py) + 7 chunks: none twice,
-    # none missed
-    assert resumed.progress.resealed == 21
-    tier.close()
-    records.close()
-
-    only_new = Sealer(Keyring([new], shreds))  # k1 dropped: everything still opens
-    tier = LmdbTier(tmp_path / "kv.lmdb", 1 << 24, "fp", sealer=only_new)
-    records = LmdbRecordStore(tmp_path / "records.lmdb", sealer=only_new)
-    for i, key in enumerate(keys):
-        assert read_header(tier.raw_value(key)).key_id == "k2"
-        assert torch.equal(tier.get(key).kv, chunk(i).kv)
-        assert records.get(SessionKey(key.tenant, f"s{i}")).messages[0]["content"] == f"m{i}"
-    assert records.open_failures == 0
-    tier.close()
-    records.close()
-
-
-def test_redis_values_rotate_and_refuse_a_swap(redis_client, tmp_path):
-    old, new = secret("k1"), secret("k2")
-    tier = RedisTier(redis_client, 1 << 24, "fp", ttl_s=60, sealer=Sealer(Keyring([old])))
-    records = RedisRecordStore(redis_client, sealer=Sealer(Keyring([old])))
-    a, b = ChunkKey("alice", "aa" * 16), ChunkKey("bob", "bb" * 16)
-    tier.put_many([(a, chunk(1)), (b, chunk(2))])
-    records.put(SessionRecord("alice", "s", [{"role": "user", "content": "hi"}]))
-
-    rotated = Sealer(Keyring([new, old]))
-    tier2 = RedisTier(redis_client, 1 << 24, "fp", ttl_s=60, sealer=rotated)
-    records2 = RedisRecordStore(redis_client, sealer=rotated)
-    job = Resealer("k2", records2, [tier2], tmp_path)
-    job.start()
-    assert job.wait(30) and job.progress.done and job.progress.resealed == 3
-    assert redis_client.ttl(tier2._name(a)) > 0  # the TTL survived the rewrite
-    for name in (tier2._name(a), records2._name(SessionKey("alice", "s"))):
-        assert read_header(redis_client.get(name)).key_id == "k2"
-    only_new = Sealer(Keyring([new]))
-    tier3 = RedisTier(redis_client, 1 << 24, "fp", ttl_s=60, sealer=only_new)
-    assert torch.equal(tier3.get(a).kv, chunk(1).kv)
-    redis_client.set(tier3._name(a), redis_client.get(tier3._name(b)))  # bob's under alice's
-    with pytest.raises(OpenError):
-        tier3.get(a)
-    assert RedisRecordStore(redis_client, sealer=only_new).get(SessionKey("alice", "s"))
-
-
-def test_replicas_share_the_shred_list_through_redis(redis_client, tmp_path):
-    """Two replicas with one secret: a tenant shredded on one stops opening on the other once
-    it pulls the shared list (its thread does so every second), and both seal its new data
-    under the same fresh key."""
-    shared = secret("k1")
-    a = Keyring([shared], tmp_path / "a" / "shredded.json")
-    b = Keyring([shared], tmp_path / "b" / "shredded.json")
-    ra, rb = SharedShreds(redis_client, a, 60.0), SharedShreds(redis_client, b, 60.0)
-    records_a = RedisRecordStore(redis_client, sealer=Sealer(a))
-    records_b = RedisRecordStore(redis_client, sealer=Sealer(b))
-    records_a.put(SessionRecord("alice", "s", [{"role": "user", "content": "x"}]))
-    sealed_before = redis_client.get(records_a._name(SessionKey("alice", "s")))
-    assert records_b.get(SessionKey("alice", "s")) is not None
-    assert a.shred("alice") == 1
-    assert rb.pull() == ["alice"] and b.generation("alice") == 1
-    redis_client.set(records_a._name(SessionKey("alice", "s")), sealed_before)  # a backup
-    assert records_b.get(SessionKey("alice", "s")) is None
-    records_b.put(SessionRecord("alice", "t", [{"role": "user", "content": "new"}]))
-    assert records_a.get(SessionKey("alice", "t")).messages[0]["content"] == "new"
-    assert b.shred("alice") == 2 and ra.pull() == ["alice"]  # a second shred, from b
-    assert Keyring([shared], tmp_path / "b" / "shredded.json").generation("alice") == 2
-    ra.close()
-    rb.close()
 
 
 # -- the bytes at rest, through the real server ---------------------------------------------------
@@ -278,10 +145,13 @@ def test_marker_in_data_dir_and_redis_dump_only_in_the_clear(
     head = _head_token_ids(default_model)
     local = tmp_path / "local"
     with _server(local, default_model, encrypt_at_rest=encrypt, persist="write_through") as srv:
-        _converse(srv.url, marker)
+        sid = _converse(srv.url, marker)
     on_disk = _files_bytes(local)
     assert (marker.encode() in on_disk) is not encrypt  # the records in records.lmdb
     assert (head in on_disk) is not encrypt  # the KV chunks' token ids in kv.lmdb
+    if encrypt:  # everything the server wrote under its data dir, restored on a fresh machine
+        assert not [p for p in local.rglob("*") if p.name.endswith(".key")]
+        _served_without_the_master_key(local, tmp_path / "copy", default_model, sid)
 
     shared = tmp_path / "shared"
     with _server(
@@ -298,8 +168,25 @@ def test_marker_in_data_dir_and_redis_dump_only_in_the_clear(
     assert (marker.encode() in _files_bytes(shared)) is False  # records went to Redis
 
 
+def _served_without_the_master_key(data: Path, copy: Path, model, sid: str) -> None:
+    """A copy of the data directory, served where the master key is not (another
+    $XDG_CONFIG_HOME: the server generates a key of its own): nothing of it opens."""
+    shutil.copytree(data, copy)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CONFIG_HOME", str(copy.parent / "another-machine"))
+    try:
+        with _server(copy, model) as srv, httpx.Client(base_url=srv.url, trust_env=False) as c:
+            alice = {"Authorization": "Bearer key-alice"}
+            assert c.get(f"/v1/sessions/{sid}", headers=alice).status_code == 404
+            assert c.get("/v1/sessions", headers=alice).json()["data"] == []
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            assert c.get("/admin/cache", headers=admin).json()["open_failures"]["records"] >= 1
+    finally:
+        mp.undo()
+
+
 @pytest.mark.model
-def test_shredded_tenant_is_absent_after_restart_and_its_backup_no_longer_opens(
+def test_shredded_tenant_is_absent_after_restart_and_a_pre_shred_backup_opens_nothing(
     default_model, tmp_path
 ):
     data, backup = tmp_path / "data", tmp_path / "backup"
@@ -331,15 +218,20 @@ def test_shredded_tenant_is_absent_after_restart_and_its_backup_no_longer_opens(
         assert bob.status_code == 200  # another tenant is untouched
         reused = _converse(srv.url, "after", key="key-alice")  # the tenant may start over
         assert c.get(f"/v1/sessions/{reused}", headers=alice).status_code == 200
-    # The backup, read with the server's secret and its shred list: alice's records fail to
-    # open (her key is gone), bob's still do.
-    keyring = load_keyring(data)
+    # The backup, read with the server's master key and its key store as it is now: alice's
+    # records fail to open (her data key is gone), bob's still do; her marker is nowhere in the
+    # clear.
+    keys = LmdbKeyStore(data / "keys.lmdb")
+    keyring = Keyring(load_master_secrets(data), keys)
     old = LmdbRecordStore(backup / "records.lmdb", sealer=Sealer(keyring))
     tenants = {r.tenant for r in old.list_sessions()}
     assert "bob" in tenants and "alice" not in tenants and old.open_failures >= 1
     old.close()
-    # The backup restored in place of the data: alice's sessions are still absent, bob's
-    # are back, and the records that failed to open are counted where operators look.
+    keys.close()
+    assert b"alice-secret" not in _files_bytes(backup) + _files_bytes(data)
+    # The backup restored in place of the data (beside today's key store): alice's sessions
+    # are still absent, bob's are back, and the records that failed to open are counted where
+    # operators look.
     for name in ("records.lmdb", "kv.lmdb"):
         shutil.rmtree(data / name)
         shutil.copytree(backup / name, data / name)
@@ -357,9 +249,12 @@ def test_shredded_tenant_is_absent_after_restart_and_its_backup_no_longer_opens(
 
 
 @pytest.mark.model
-def test_rotate_keys_command_reseals_a_live_servers_data(default_model, tmp_path, capsys):
-    """`chatstore admin rotate-keys` against a server restarted with a new key in front: it
-    reports done, and every record and chunk on disk is sealed under the new key id."""
+def test_rotate_keys_rewraps_and_rotate_data_keys_reseals_a_live_servers_data(
+    default_model, tmp_path, capsys
+):
+    """`chatstore admin rotate-keys` against a server restarted with a new master key in
+    front rewraps the data keys (no value moves); `rotate-data-keys` re-seals every record and
+    chunk on disk under a new data key and retires the old one."""
     from chatstore.cli import main
 
     data = tmp_path / "data"
@@ -373,23 +268,27 @@ def test_rotate_keys_command_reseals_a_live_servers_data(default_model, tmp_path
         assert main(["admin", "--url", srv.url, "rotate-keys"]) == 1  # no admin key: refused
         assert "HTTP 401" in capsys.readouterr().err
         assert main(["admin", "--url", srv.url, "--admin-key", ADMIN, "rotate-keys"]) == 0
-        assert "done:" in capsys.readouterr().out
+        assert "rewrapped the data keys of 1 tenants" in capsys.readouterr().out
+        assert main(["admin", "--url", srv.url, "--admin-key", ADMIN, "rotate-data-keys"]) == 0
+        assert "done: data-keys" in capsys.readouterr().out
         with httpx.Client(base_url=srv.url, trust_env=False) as c:
             alice = {"Authorization": "Bearer key-alice"}
             assert c.get(f"/v1/sessions/{sid}", headers=alice).status_code == 200
-            admin = {"Authorization": f"Bearer {ADMIN}"}
             progress = c.get("/admin/keys/rotation", headers=admin).json()
-            assert progress["done"] and progress["sealing_id"] == "k2"
+            assert progress["done"] and progress["job"] == "data-keys"
             assert progress["resealed"] >= 2  # the session's record and its chunks
-    keyring = Keyring(parse_secrets(k2, "test"))  # k1 dropped
+    keys = LmdbKeyStore(data / "keys.lmdb")
+    keyring = Keyring(parse_secrets(k2, "test"), keys)  # k1 dropped
+    assert [(w.dek_id, w.master_id) for w in keys.load("alice").keys] == [("d2", "k2")]
     records = LmdbRecordStore(data / "records.lmdb", sealer=Sealer(keyring))
     assert [r.session_id for r in records.list_sessions("alice")] == [sid]
     assert records.open_failures == 0
     records.close()
     tier = LmdbTier(data / "kv.lmdb", 1 << 30, default_model.fingerprint, sealer=Sealer(keyring))
     chunks = list(tier.keys())
-    assert chunks and all(read_header(tier.raw_value(k)).key_id == "k2" for k in chunks)
+    assert chunks and all(read_header(tier.raw_value(k)).dek_id == "d2" for k in chunks)
     tier.close()
+    keys.close()
 
 
 # -- KV restored from sealed LMDB gives the recompute's tokens ------------------------------------
@@ -411,7 +310,8 @@ def test_later_turn_after_restart_restores_sealed_kv_with_identical_tokens(
             store = make_store(default_model, tmp_path, "restart")
             ssd = store.tier("ssd")
             for key in list(ssd.keys()):
-                assert read_header(ssd.raw_value(key)).key_id == store.sealer.sealing_id
+                sealing = store.sealer.keyring.sealing_dek_id(key.tenant)
+                assert read_header(ssd.raw_value(key)).dek_id == sealing
         engine.attach(StoreConnector(store, engine.cache, engine.runner.rope))
         got = engine.turn(ref.prompt)
         assert got.output == ref.output, f"turn {i + 1} differs when restored from sealed LMDB"

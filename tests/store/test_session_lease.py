@@ -20,7 +20,8 @@ from chatstore.store.records.leases import (
     session_tag,
 )
 from chatstore.store.sealing import Keyring, Sealer
-from chatstore.store.sealing.keyring import new_secret_line, parse_secrets
+from chatstore.store.sealing.key_store_redis import RedisKeyStore
+from chatstore.store.sealing.master_key import new_secret_line, parse_secrets
 from chatstore.store.session_kv import SessionKey
 
 KEY = SessionKey("t", "s")
@@ -271,8 +272,9 @@ def test_a_turn_whose_session_changed_meanwhile_is_refused_not_overwritten(
     that read the older version gets 409 session_conflict instead of replacing it."""
     a = httpx.Client(base_url=two_replicas[0].url, timeout=120)
     sid = a.post("/v1/sessions", json={}).json()["id"]
-    sealer = Sealer(Keyring(parse_secrets(REPLICA_SECRET, "test")))  # a third replica's view
-    other = RedisRecordStore(redis_server.url, sealer=sealer)
+    other = RedisRecordStore(redis_server.url)  # a third replica's view: its data keys too
+    keys = RedisKeyStore(other.client)
+    other.sealer = Sealer(Keyring(parse_secrets(REPLICA_SECRET, "test"), keys))
     key = SessionKey("local", sid)
     body = {"content": "mine", "stream": True, **LONG}
     with a.stream("POST", f"/v1/sessions/{sid}/messages", json=body) as response:

@@ -19,7 +19,7 @@ from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
 from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.sealing.keyring import new_secret_line
+from chatstore.store.sealing.master_key import new_secret_line
 from chatstore.store.session_kv import SessionKey
 from chatstore.transfer import StoreConnector
 from tests.support.engine import greedy, run_all, run_alone, tiny_runtime, tokens_of

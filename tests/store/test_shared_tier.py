@@ -25,7 +25,7 @@ from chatstore.engine.request import Request
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.records import RedisRecordStore
-from chatstore.store.sealing.keyring import new_secret_line
+from chatstore.store.sealing.master_key import new_secret_line
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.transfer import StoreConnector
 from tests.support.engine import greedy, prompt, run_all, run_alone, tiny_runtime, tokens_of

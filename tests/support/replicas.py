@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from chatstore.store.sealing.keyring import new_secret_line
+from chatstore.store.sealing.master_key import new_secret_line
 from tests.chaos.harness import (
     RedisProcess,
     ServerProcess,

@@ -18,8 +18,10 @@ POST /admin/cache/flush  drop this replica's cached session KV (records stay; ne
 DELETE /admin/tenants/{tenant}/data  crypto-shred: destroy the tenant's data key (every sealed
                          copy of its data stops opening at once), then purge its sessions, KV
                          and stored Responses
-POST /admin/keys/rotate  re-seal every stored value under the newest key, in the background
-                         (resumes from its saved cursor); GET /admin/keys/rotation: progress
+POST /admin/keys/rotate  master-key rotation: every data key wrapped by the newest master key
+POST /admin/keys/rotate-data  new data keys, every value re-sealed, old keys dropped; and
+POST /admin/keys/encrypt-existing  seal values written in the clear: background jobs,
+                         resumable from their saved cursor; GET /admin/keys/rotation: progress
 GET  /healthz            the process is up
 GET  /readyz             the engine is started and not draining (503 otherwise)
 """
@@ -38,7 +40,13 @@ from chatstore.api.common.auth import Principal, admin_principal
 from chatstore.api.common.errors import APIError, store_error
 from chatstore.api.sessions.bodies import session_info
 from chatstore.api.sessions.service import ChatService
-from chatstore.store.ports import RecordStoreError, SessionRecord, ShredNotShared, store_hits
+from chatstore.store.ports import (
+    KeyUnavailable,
+    RecordStoreError,
+    SessionRecord,
+    ShredFailed,
+    store_hits,
+)
 
 CACHE_SESSIONS_SHOWN = 50  # rows of the session table inlined in /admin/cache
 # The pagination of every admin listing.
@@ -187,16 +195,40 @@ def shred_tenant(request: Request, tenant: str, _: Admin) -> dict[str, Any]:
         purged = service.store.shred_tenant(tenant)
     except RecordStoreError as exc:
         raise store_error(exc) from None
-    except ShredNotShared as exc:  # the key is gone here; the other replicas must hear it
+    except ShredFailed as exc:  # the key store did not take it: nothing was destroyed
         raise APIError(503, str(exc), code="shred_not_shared") from None
     return {"tenant": tenant, "key_destroyed": True, **purged}
 
 
-@router.post("/admin/keys/rotate", status_code=202)
+@router.post("/admin/keys/rotate")
 def rotate_keys(request: Request, _: Admin) -> dict[str, Any]:
-    progress = request.app.state.service.store.rotate_keys()
+    """Master-key rotation: every data key wrapped by the newest master key (no data moves)."""
+    try:
+        rewrapped = request.app.state.service.store.rewrap_keys()
+    except KeyUnavailable as exc:  # a data key wrapped by a master key this server lacks
+        raise APIError(409, str(exc), code="key_unavailable") from None
+    if rewrapped is None:
+        raise APIError(409, "encryption at rest is off: there are no keys to rotate")
+    return {"rewrapped_tenants": rewrapped}
+
+
+@router.post("/admin/keys/rotate-data", status_code=202)
+def rotate_data_keys(request: Request, _: Admin) -> dict[str, Any]:
+    """New data keys for every tenant, every value re-sealed under them, the old ones dropped:
+    in the background, resumable (GET /admin/keys/rotation)."""
+    return _start_job(request, "data-keys")
+
+
+@router.post("/admin/keys/encrypt-existing", status_code=202)
+def encrypt_existing(request: Request, _: Admin) -> dict[str, Any]:
+    """Seal the values written in the clear (encrypt_at_rest = false) in the background."""
+    return _start_job(request, "encrypt-existing")
+
+
+def _start_job(request: Request, job: str) -> dict[str, Any]:
+    progress = request.app.state.service.store.rotate_keys(job)
     if progress is None:
-        raise APIError(409, "encryption at rest is off: there is nothing to re-seal")
+        raise APIError(409, "encryption at rest is off: there is nothing to seal")
     return progress
 
 

@@ -37,6 +37,7 @@ from chatstore.store.records.record import (
 )
 from chatstore.store.records.responses import ResponseRecords
 from chatstore.store.sealing import RECORD_PURPOSE, OpenError, Sealer
+from chatstore.store.sealing.sealer import is_sealed
 from chatstore.store.session_kv import SessionKey
 
 log = logging.getLogger(__name__)
@@ -94,23 +95,31 @@ class RecordStore(ABC):
             log.warning("session record %r failed to open (%s): read as absent", name, exc)
             return None
 
-    def reseal(self, tenant: str, name: bytes, raw: bytes) -> bytes | None:
-        """raw re-sealed under the sealing key when it is under an older key or in the clear
-        (key rotation); None when it needs nothing or opens under no key. Any record kind
-        (a session, a stored Response): the JSON is checked, not its fields."""
-        if self.sealer is None or not self.sealer.needs_reseal(raw):
+    def reseal(
+        self, tenant: str, name: bytes, raw: bytes, adopt_clear: bool = False
+    ) -> bytes | None:
+        """raw re-sealed under its tenant's sealing data key when it is under an older one
+        (data-key rotation); None when it needs nothing or does not open (counted, left as
+        it is). A value in the clear is never accepted here, except by `adopt_clear`
+        (encrypt-existing: the operator's explicit conversion of data written with
+        encrypt_at_rest = false), which seals clear JSON and leaves sealed values alone. Any
+        record kind (a session, a stored Response): the JSON is checked, not its fields."""
+        sealer = self.sealer
+        if sealer is None:
             return None
-        try:
-            plain = self.sealer.open(RECORD_PURPOSE, tenant, name, raw)
-        except OpenError:
-            if not raw.startswith(b"{"):
+        if is_sealed(raw):
+            if adopt_clear or not sealer.needs_reseal(tenant, raw):
                 return None
-            plain = raw  # written in the clear before encryption was on
+            plain = self.unseal(tenant, name, raw)  # counted when it does not open
+        else:
+            plain = raw if adopt_clear and raw.startswith(b"{") else None
+        if plain is None:
+            return None
         try:
             json.loads(plain)
         except ValueError:
             return None
-        return bytes(self.sealer.seal(RECORD_PURPOSE, tenant, name, plain))
+        return bytes(sealer.seal(RECORD_PURPOSE, tenant, name, plain))
 
     # -- expiry -----------------------------------------------------------------------------
 
@@ -306,9 +315,12 @@ class RecordStore(ABC):
         """Delete every record of tenant by name (none is opened); how many."""
 
     @abstractmethod
-    def reseal_all(self, after: bytes = b"", batch: int = 64) -> tuple[int, bytes | None]:
-        """Re-seal up to `batch` records (sessions and Responses) after `after` (key rotation):
-        (how many were rewritten, the cursor to resume from; None when done)."""
+    def reseal_all(
+        self, after: bytes = b"", batch: int = 64, adopt_clear: bool = False
+    ) -> tuple[int, bytes | None]:
+        """Re-seal up to `batch` records (sessions and Responses) after `after` (`reseal`;
+        adopt_clear: encrypt-existing): (how many were rewritten, the cursor to resume from;
+        None when done)."""
 
     @abstractmethod
     def _load(self, key: SessionKey) -> SessionRecord | None: ...

@@ -305,7 +305,9 @@ class RedisRecordStore(RedisFacts):
 
     # -- key rotation -----------------------------------------------------------------------
 
-    def reseal_all(self, after: bytes = b"", batch: int = 64) -> tuple[int, bytes | None]:
+    def reseal_all(
+        self, after: bytes = b"", batch: int = 64, adopt_clear: bool = False
+    ) -> tuple[int, bytes | None]:
         """Re-seal the records and stored Responses (key rotation), `batch` names after
         `after`, in name order (SCAN has no cursor that survives a restart); (rewritten, the
         cursor; None: done). The names are listed once per job (a first call, or one
@@ -317,25 +319,25 @@ class RedisRecordStore(RedisFacts):
                 self._reseal_order = sorted(n.encode() for n in every)
             order = self._reseal_order
             todo = order[bisect.bisect_right(order, after) :][:batch]
-            done = sum(self._reseal_one(name.decode()) for name in todo)
+            done = sum(self._reseal_one(name.decode(), adopt_clear) for name in todo)
             if not todo:
                 self._reseal_order = None
             return done, todo[-1] if todo else None
 
         return self._call(run)
 
-    def _reseal_one(self, name: str) -> bool:
+    def _reseal_one(self, name: str, adopt_clear: bool) -> bool:
         if name.startswith(self.PREFIX):  # a session: its header and log entries
 
             def whole(pipe: Any) -> bool:  # retried by redis-py if either changes meanwhile
-                return redis_log.reseal_record(self, pipe, tagged_tenant(name), name)
+                return redis_log.reseal_record(self, pipe, tagged_tenant(name), name, adopt_clear)
 
             watched = (name, redis_log.log_name(name))
             return bool(self.client.transaction(whole, *watched, value_from_callable=True))
 
         def attempt(pipe: Any) -> bool:  # retried by redis-py if `name` changes meanwhile
             raw = pipe.get(name)
-            sealed = raw and self.reseal(tagged_tenant(name), name.encode(), raw)
+            sealed = raw and self.reseal(tagged_tenant(name), name.encode(), raw, adopt_clear)
             if not sealed:
                 return False
             pipe.multi()

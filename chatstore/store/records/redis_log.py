@@ -177,18 +177,20 @@ def queue_write(
     return put + len(name) + len(header), bytes(header), count
 
 
-def reseal_record(store: RecordStore, pipe: Any, tenant: str, name: str) -> bool:
+def reseal_record(
+    store: RecordStore, pipe: Any, tenant: str, name: str, adopt_clear: bool = False
+) -> bool:
     """Re-seal a record's header and log entries under the sealing key (key rotation), in
     one MULTI under WATCH of both (pipe: watching them); whether anything was rewritten. Each
     value keeps its TTL (SET KEEPTTL, LSET)."""
     logged = log_name(name)
     raw = pipe.get(name)
     entries = pipe.lrange(logged, 0, -1)
-    header = raw and store.reseal(tenant, name.encode(), raw)
+    header = raw and store.reseal(tenant, name.encode(), raw, adopt_clear)
     changed = {
         i: sealed
         for i, entry in enumerate(entries)
-        if (sealed := store.reseal(tenant, entry_ad(logged, i), entry))
+        if (sealed := store.reseal(tenant, entry_ad(logged, i), entry, adopt_clear))
     }
     if not raw or not (header or changed):
         return False

@@ -1,199 +1,257 @@
-"""Server secrets and the per-tenant keys derived from them.
+"""Envelope keys: per-tenant random data keys (DEKs), kept only wrapped by the master key.
 
-    secret   32 random bytes with a key id ("k1"); several for rotation, the first seals
-    tenant   HKDF-SHA256(secret, salt=SALT, info="<tenant>\\0<generation>") -> 32-byte AES key
+    master key (master_key.py)  never stored with the data; wraps DEKs, seals nothing itself
+    tenant DEK                  32 random bytes, made on the tenant's first seal; stored only as
+                                AES-256-GCM(master, DEK, ad = "chatstore-dek-v1" | tenant | dek
+                                id) in a key store (key_store.py); unwrapped once, then cached
 
-Keys are derived, never stored: what must be kept (and shared by replicas) is the secret. The
-secret comes from `CHATSTORE_SECRET_KEY` / `secret_key` ("id:base64,id:base64"), else a key file
-("id:base64" per line, mode 0600), else `<data_dir>/secret.key`, generated on first start.
+Shredding a tenant deletes its wrapped DEKs from the key store (durably): no key material the
+server holds opens its values again, on any tier or in any backup of the data. Master-key
+rotation rewraps the DEKs under the newest master key (`rewrap_all`: seconds, no data is
+touched); a data-key rotation gives each tenant a new DEK in front (`add_data_key`), re-seals
+its values (reseal.py), then retires the old ones (`retire_data_keys`).
 
-Crypto-shredding bumps a tenant's generation in `<data_dir>/shredded.json` (written atomically
-and fsynced; with Redis also in a hash replicas share, shared_shreds.py): the key its values
-were sealed under is never derived again, so they stop opening everywhere at once, and the
-tenant's later data is sealed under a fresh key.
+Replicas share one key store (the records' Redis). A DEK another replica shreds or replaces is
+dropped here on its next use: every cache entry remembers the store's epoch it was read at, and
+a watcher (key_watch.py) raises the epoch this keyring has seen once a second.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import logging
-import secrets
-import stat
+import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-from cryptography.hazmat.primitives import hashes
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from chatstore.private_file import write_private
+from chatstore.store.sealing.key_store import KeyStore, MemoryKeyStore, TenantKeys, WrappedKey
+from chatstore.store.sealing.master_key import KeyringError, Secret
 
 log = logging.getLogger(__name__)
 
-SALT = b"chatstore-at-rest-v1"
-SECRET_BYTES = 32
-KEY_FILE_NAME = "secret.key"
-SHRED_FILE_NAME = "shredded.json"
-MAX_KEY_ID = 32  # bytes: the id is stored in every sealed value
+DEK_BYTES = 32
+NONCE_BYTES = 12
+WRAP_DOMAIN = b"chatstore-dek-v1"
 
 
-class KeyringError(ValueError):
-    """The secrets given cannot be used (bad format, short, a key file others can read)."""
+class KeyUnavailable(KeyringError):
+    """A tenant's data key exists but this server cannot unwrap it (another master key, or one
+    it lacks): it must not seal that tenant's values (the key store is never overwritten)."""
+
+
+class ShredFailed(RuntimeError):
+    """The key store did not take a shred (Redis out of reach): nothing was destroyed or
+    purged; retry once it is back."""
 
 
 @dataclass(frozen=True)
-class Secret:
-    key_id: str
-    material: bytes = field(repr=False)
+class DataKey:
+    dek_id: str
+    cipher: AESGCM = field(repr=False)
 
 
-def parse_secrets(text: str, where: str) -> list[Secret]:
-    """`id:base64` entries separated by commas or newlines (blank lines and # comments skipped)."""
-    out: list[Secret] = []
-    for raw in text.replace(",", "\n").splitlines():
-        entry = raw.strip()
-        if not entry or entry.startswith("#"):
-            continue
-        key_id, colon, b64 = entry.partition(":")
-        key_id = key_id.strip()
-        if not colon or not key_id:
-            raise KeyringError(f"{where}: each secret is 'id:base64', got an entry without an id")
-        if len(key_id.encode()) > MAX_KEY_ID:
-            raise KeyringError(f"{where}: key id {key_id!r} is over {MAX_KEY_ID} bytes")
-        try:
-            material = base64.b64decode(b64.strip(), validate=True)
-        except binascii.Error:
-            raise KeyringError(f"{where}: secret {key_id!r} is not valid base64") from None
-        if len(material) < SECRET_BYTES:
-            raise KeyringError(
-                f"{where}: secret {key_id!r} has {len(material)} bytes, at least {SECRET_BYTES}"
-            )
-        if any(s.key_id == key_id for s in out):
-            raise KeyringError(f"{where}: key id {key_id!r} given twice")
-        out.append(Secret(key_id, material))
-    if not out:
-        raise KeyringError(f"{where}: no secret")
-    return out
+@dataclass(frozen=True)
+class _Cached:
+    epoch: int  # the store's epoch this entry was read at
+    version: int
+    keys: dict[str, DataKey]  # by dek id; the ones this server could unwrap
+    sealing: DataKey | None  # the tenant's first key (None: not unwrappable here)
 
 
-def new_secret_line(key_id: str = "k1") -> str:
-    return f"{key_id}:{base64.b64encode(secrets.token_bytes(SECRET_BYTES)).decode()}"
+# A change to a tenant's keys: the keys it should have now (None: leave them as they are).
+KeyChange = Callable[[str, TenantKeys], "tuple[WrappedKey, ...] | None"]
 
 
-def read_key_file(path: Path) -> list[Secret]:
-    """The secrets in path; KeyringError if group or others may read it."""
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        raise KeyringError(
-            f"secret key file {path} has mode {mode:o}: it must be readable by its owner only "
-            f"(chmod 600 {path})"
-        )
-    return parse_secrets(path.read_text(), str(path))
+def _wrap_ad(tenant: str, dek_id: str) -> bytes:
+    return WRAP_DOMAIN + b"\0" + tenant.encode() + b"\0" + dek_id.encode()
 
 
 class Keyring:
-    """The secrets (first = sealing) and the tenants' shred generations; derived keys cached."""
+    """The master secrets (first = wraps) and the tenants' data keys, unwrapped once."""
 
-    def __init__(self, secrets_: list[Secret], shred_file: Path | None = None) -> None:
+    def __init__(self, secrets_: list[Secret], store: KeyStore | None = None) -> None:
         if not secrets_:
             raise KeyringError("a keyring needs at least one secret")
         self.secrets = {s.key_id: s for s in secrets_}
-        self.sealing_id = secrets_[0].key_id
-        self.shred_file = shred_file
-        self._generations: dict[str, int] = self._read_generations()
-        self._cache: dict[tuple[str, str, int], AESGCM] = {}
+        self.sealing_id = secrets_[0].key_id  # the master key that wraps
+        self.store = store if store is not None else MemoryKeyStore()
+        self.seen_epoch = 0  # raised by a watcher (key_watch.py); no I/O at start
+        self._cache: dict[str, _Cached] = {}
         self._lock = threading.Lock()
-        self.shared: Any = None  # SharedShreds: the shred list replicas share in Redis
 
     @property
     def key_ids(self) -> list[str]:
         return list(self.secrets)
 
-    def _read_generations(self) -> dict[str, int]:
-        if self.shred_file is None or not self.shred_file.exists():
-            return {}
-        data = json.loads(self.shred_file.read_text())
-        return {str(t): int(g) for t, g in data.get("generations", {}).items()}
+    # -- wrapping ---------------------------------------------------------------------------
 
-    def generation(self, tenant: str) -> int:
-        return self._generations.get(tenant, 0)
-
-    def cipher(self, key_id: str, tenant: str) -> AESGCM | None:
-        """The AES-GCM cipher of tenant's key under secret key_id (None: no such secret)."""
-        gen = self.generation(tenant)
-        cached = self._cache.get((key_id, tenant, gen))
-        if cached is not None:
-            return cached
+    def _master(self, key_id: str) -> AESGCM | None:
         secret = self.secrets.get(key_id)
-        if secret is None:
+        return AESGCM(secret.material[:32]) if secret is not None else None
+
+    def _wrap(self, tenant: str, dek_id: str, dek: bytes, created: float) -> WrappedKey:
+        master = self._master(self.sealing_id)
+        assert master is not None  # the wrapping secret is always held
+        nonce = os.urandom(NONCE_BYTES)
+        blob = nonce + master.encrypt(nonce, dek, _wrap_ad(tenant, dek_id))
+        return WrappedKey(dek_id, self.sealing_id, blob, created)
+
+    def _unwrap(self, tenant: str, wrapped: WrappedKey) -> bytes | None:
+        """The DEK, or None when this server lacks (or holds another) master key wrapping it."""
+        master = self._master(wrapped.master_id)
+        if master is None:
             return None
-        info = tenant.encode() + b"\0" + str(gen).encode()
-        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=SALT, info=info)
-        cipher = AESGCM(hkdf.derive(secret.material))
+        nonce, body = wrapped.blob[:NONCE_BYTES], wrapped.blob[NONCE_BYTES:]
+        try:
+            return master.decrypt(nonce, body, _wrap_ad(tenant, wrapped.dek_id))
+        except InvalidTag:
+            return None
+
+    def _new_key(self, tenant: str, dek_id: str) -> WrappedKey:
+        return self._wrap(tenant, dek_id, os.urandom(DEK_BYTES), time.time())
+
+    # -- the cache --------------------------------------------------------------------------
+
+    def _entry(self, tenant: str, create: bool) -> _Cached | None:
+        """tenant's keys as cached (read again when the store's epoch moved past the entry);
+        None when it has none (and `create` is off)."""
+        cached = self._cache.get(tenant)
+        if cached is not None and cached.epoch >= self.seen_epoch:
+            return cached
+        epoch = self.seen_epoch
+        stored = self.store.load(tenant)
+        if stored is None and create:
+            stored = self.store.create(tenant, TenantKeys(1, (self._new_key(tenant, "d1"),)))
+        if stored is None:
+            with self._lock:
+                self._cache.pop(tenant, None)
+            return None
+        if cached is not None and cached.version == stored.version:
+            entry = _Cached(epoch, cached.version, cached.keys, cached.sealing)
+        else:
+            entry = self._unwrapped(tenant, stored, epoch)
         with self._lock:
-            self._cache[(key_id, tenant, gen)] = cipher
-        return cipher
+            self._cache[tenant] = entry
+        return entry
 
-    def shred(self, tenant: str) -> int:
-        """Destroy tenant's current key: its generation goes up, persisted before this returns
-        (so a crash right after still never derives the old key), and shared with the other
-        replicas when a shared list is set (its error is raised, the local shred stands).
-        The new generation."""
-        if self.shared is not None:
-            self.shared.pull()  # another replica may have shredded it meanwhile
-        gen = self.generation(tenant) + 1
-        self._adopt({tenant: gen})
-        log.warning("tenant %r: its data key was destroyed (crypto-shredded)", tenant)
-        if self.shared is not None:
-            self._adopt({tenant: self.shared.publish(tenant, gen)})
-        return self.generation(tenant)
+    def _unwrapped(self, tenant: str, stored: TenantKeys, epoch: int) -> _Cached:
+        keys: dict[str, DataKey] = {}
+        for wrapped in stored.keys:
+            dek = self._unwrap(tenant, wrapped)
+            if dek is not None:
+                keys[wrapped.dek_id] = DataKey(wrapped.dek_id, AESGCM(dek))
+            else:
+                log.warning(
+                    "tenant %r: data key %s is wrapped by master key %r, which this server "
+                    "lacks or holds with other bytes: its values do not open here",
+                    tenant, wrapped.dek_id, wrapped.master_id,
+                )  # fmt: skip
+        sealing = keys.get(stored.keys[0].dek_id)
+        return _Cached(epoch, stored.version, keys, sealing)
 
-    def merge_generations(self, seen: dict[str, int]) -> list[str]:
-        """Adopt the higher of each tenant's generations (another replica's shreds); the
-        tenants whose key changed."""
-        changed = {t: g for t, g in seen.items() if g > self.generation(t)}
-        if changed:
-            self._adopt(changed)
-        return sorted(changed)
+    def observe_epoch(self, epoch: int) -> None:
+        """The store's epoch as a watcher read it: entries older are read again on next use."""
+        if epoch > self.seen_epoch:
+            self.seen_epoch = epoch
 
-    def _adopt(self, generations: dict[str, int]) -> None:
-        """Raise these tenants' generations: written to the shred file, then used."""
+    # -- what the sealer asks ---------------------------------------------------------------
+
+    def sealing_key(self, tenant: str) -> DataKey:
+        """The key tenant's new values are sealed under (made on its first seal);
+        KeyUnavailable when this server cannot unwrap it."""
+        entry = self._entry(tenant, create=True)
+        assert entry is not None
+        if entry.sealing is None:
+            raise KeyUnavailable(
+                f"tenant {tenant!r}: its data key is wrapped by a master key this server does "
+                f"not hold: give every replica the same master key"
+            )
+        return entry.sealing
+
+    def opening_key(self, tenant: str, dek_id: str) -> DataKey | None:
+        """tenant's key dek_id (None: shredded, retired, or not unwrappable here)."""
+        entry = self._entry(tenant, create=False)
+        return entry.keys.get(dek_id) if entry is not None else None
+
+    def sealing_dek_id(self, tenant: str) -> str | None:
+        """The id of the key tenant's values are sealed under now (None: it has no key)."""
+        entry = self._entry(tenant, create=False)
+        return entry.sealing.dek_id if entry is not None and entry.sealing else None
+
+    # -- shredding and rotation -------------------------------------------------------------
+
+    def shred(self, tenant: str) -> bool:
+        """Destroy tenant's data keys in the key store (durably) and here; whether it had any.
+        Its values never open again; its later data is sealed under a fresh key."""
+        try:
+            found = self.store.delete(tenant)
+        except Exception as exc:  # Redis out of reach: the key stands, so must the data
+            raise ShredFailed(
+                f"tenant {tenant!r}: the key store did not take the shred ({exc}): retry"
+            ) from exc
         with self._lock:
-            merged = dict(self._generations)
-            for tenant, gen in generations.items():
-                merged[tenant] = max(gen, merged.get(tenant, 0))
-            if merged == self._generations:
-                return
-            if self.shred_file is not None:
-                self.shred_file.parent.mkdir(parents=True, exist_ok=True)
-                write_private(self.shred_file, json.dumps({"generations": merged}))
-            self._generations = merged
-            self._cache = {k: v for k, v in self._cache.items() if k[1] not in generations}
+            self._cache.pop(tenant, None)
+        log.warning("tenant %r: its data keys were destroyed (crypto-shredded)", tenant)
+        return found
 
+    def rewrap_all(self) -> int:
+        """Master-key rotation: every data key wrapped by an older master key is wrapped by
+        the newest one (no value is touched); how many tenants changed."""
+        changed = 0
+        for tenant in self.store.tenants():
+            changed += self._change(tenant, self._rewrapped)
+        return changed
 
-def load_keyring(data_dir: Path, secret_key: str = "", secret_key_file: str = "") -> Keyring:
-    """The server's keyring: secret_key (text), else secret_key_file, else the generated
-    `<data_dir>/secret.key` (made on first start)."""
-    shreds = data_dir / SHRED_FILE_NAME
-    if secret_key.strip():
-        return Keyring(parse_secrets(secret_key, "CHATSTORE_SECRET_KEY"), shreds)
-    if secret_key_file:
-        path = Path(secret_key_file).expanduser()
-        if not path.is_file():
-            raise KeyringError(f"secret_key_file {path} does not exist")
-        return Keyring(read_key_file(path), shreds)
-    path = data_dir / KEY_FILE_NAME
-    if not path.exists():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        write_private(path, new_secret_line() + "\n")
-        log.warning(
-            "encryption at rest: generated a new server secret in %s (mode 0600). Back it up "
-            "apart from the data: without it nothing stored can be read. Replicas must share "
-            "one secret (CHATSTORE_SECRET_KEY).",
-            path,
-        )
-    return Keyring(read_key_file(path), shreds)
+    def _rewrapped(self, tenant: str, stored: TenantKeys) -> tuple[WrappedKey, ...] | None:
+        if all(k.master_id == self.sealing_id for k in stored.keys):
+            return None
+        out = []
+        for wrapped in stored.keys:
+            dek = self._unwrap(tenant, wrapped)
+            if dek is None:
+                raise KeyUnavailable(
+                    f"tenant {tenant!r}: data key {wrapped.dek_id} is wrapped by master key "
+                    f"{wrapped.master_id!r}, which this server lacks: keep it in the keyring "
+                    f"until every data key is rewrapped"
+                )
+            out.append(self._wrap(tenant, wrapped.dek_id, dek, wrapped.created))
+        return tuple(out)
+
+    def add_data_key(self, tenant: str, older_than: float) -> bool:
+        """Data-key rotation: a new key in front of tenant's if its sealing key was made
+        before older_than (so a resumed rotation adds none twice); whether one was added."""
+
+        def added(tenant: str, stored: TenantKeys) -> tuple[WrappedKey, ...] | None:
+            if stored.keys[0].created >= older_than:
+                return None
+            number = 1 + max(int(k.dek_id.lstrip("d") or 0) for k in stored.keys)
+            return (self._new_key(tenant, f"d{number}"), *stored.keys)
+
+        return bool(self._change(tenant, added))
+
+    def retire_data_keys(self, tenant: str) -> bool:
+        """Drop every key of tenant but its sealing one (a finished data-key rotation)."""
+
+        def retired(tenant: str, stored: TenantKeys) -> tuple[WrappedKey, ...] | None:
+            return stored.keys[:1] if len(stored.keys) > 1 else None
+
+        return bool(self._change(tenant, retired))
+
+    def _change(self, tenant: str, change: KeyChange) -> int:
+        """Apply change(tenant, stored) -> new keys (None: nothing to do) by compare-and-set,
+        again if another writer won; 1 if changed."""
+        while True:
+            stored = self.store.load(tenant)
+            if stored is None:
+                return 0
+            keys = change(tenant, stored)
+            if keys is None:
+                return 0
+            if self.store.replace(tenant, stored.version, TenantKeys(stored.version + 1, keys)):
+                with self._lock:
+                    self._cache.pop(tenant, None)
+                return 1

@@ -1,11 +1,22 @@
-"""Key rotation: re-seal every stored value under the newest key, in the background, resumably.
+"""Background jobs over every stored value, resumable: data-key rotation and encrypt-existing.
 
-The job walks the session records (and stored Responses), then the KV chunks of each slow tier
-(LMDB, Redis), in a fixed order, and re-seals every value that is under an older key or in the
-clear (`reseal` of the records store and of each tier: a value changed meanwhile is left as its
-writer sealed it). After each batch it writes its cursor to `<data_dir>/reseal.json`
-(atomically), so a job cut short by a crash resumes where it stopped when started again with
-the same sealing key; with a newer sealing key it starts over.
+    data-keys         keys -> records -> each KV tier -> retire -> done
+    encrypt-existing          records -> each KV tier           -> done
+
+`data-keys` (`chatstore admin rotate-data-keys`) gives every tenant a new data key in front of
+its old ones (`keys`: a tenant whose sealing key is newer than the job is left alone, so a
+resumed job adds none twice), re-seals every value sealed under an older data key of its
+tenant (`reseal` of the records store and of each tier: a value changed meanwhile is left as
+its writer sealed it; one that does not open is left as it is and counted in `unopened`), then
+drops the old data keys (`retire`). Master-key rotation needs no job: it rewraps the data keys
+only (Keyring.rewrap_all).
+
+`encrypt-existing` (`chatstore admin encrypt-existing`) is the one way a value written in the
+clear (encrypt_at_rest = false) becomes sealed: it seals clear values that are valid records or
+chunks and touches nothing sealed. No read, re-seal or migration ever accepts a clear value.
+
+After each batch the job writes its cursor to `<data_dir>/reseal.json` (atomically), so a job
+cut short by a crash resumes where it stopped when the same job is started again.
 """
 
 from __future__ import annotations
@@ -22,19 +33,23 @@ from typing import Any
 
 from chatstore.private_file import write_private
 from chatstore.store.chunks import ChunkKey
+from chatstore.store.sealing.keyring import Keyring
 
 log = logging.getLogger(__name__)
 
 CURSOR_FILE = "reseal.json"
 BATCH = 64
+JOBS = ("data-keys", "encrypt-existing")
 
 
 @dataclass
 class ResealProgress:
-    sealing_id: str
-    phase: str = "records"  # (idle: none yet) records -> each KV tier by name -> done
-    cursor: str = ""  # the last name or chunk looked at in this phase
-    resealed: int = 0  # values rewritten under the sealing key
+    job: str  # data-keys | encrypt-existing
+    phase: str = "keys"  # (idle: none yet) [keys ->] records -> each KV tier [-> retire] -> done
+    cursor: str = ""  # the last tenant, name or chunk looked at in this phase
+    resealed: int = 0  # values rewritten (sealed under the newest data key, or adopted)
+    unopened: int = 0  # values left as they were because they did not open
+    new_keys: int = 0  # tenants given a new data key (data-keys)
     scanned_chunks: int = 0  # chunks looked at in the KV phases
     total_chunks: int = 0  # chunks the KV tiers held when the job started its KV phases
     running: bool = False
@@ -48,17 +63,17 @@ class ResealProgress:
 
 
 class Resealer:
-    """One re-seal job at a time over a records store and KV tiers (those with `reseal`)."""
+    """One job at a time over a records store and KV tiers (those with `reseal`)."""
 
     def __init__(
         self,
-        sealing_id: str,
+        keyring: Keyring,
         records: Any,
         tiers: list[Any],
         data_dir: Path,
         on_batch: Callable[[], None] = lambda: None,
     ) -> None:
-        self.sealing_id = sealing_id
+        self.keyring = keyring
         self.records = records
         self.tiers = [t for t in tiers if hasattr(t, "reseal")]
         self.path = data_dir / CURSOR_FILE
@@ -66,32 +81,39 @@ class Resealer:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._order: list[str] = []  # the current KV phase's chunks, sorted (cursor order)
+        self._order: list[str] = []  # the current phase's names, sorted (cursor order)
         self._order_of = ""
         self.progress = self._load()
 
     def _load(self) -> ResealProgress:
         try:
-            saved = json.loads(self.path.read_text())
-            progress = ResealProgress(**saved)
-        except (OSError, ValueError, TypeError):
-            return ResealProgress(self.sealing_id, phase="idle")
+            progress = ResealProgress(**json.loads(self.path.read_text()))
+        except (OSError, ValueError, TypeError):  # none, or another version's
+            return ResealProgress(JOBS[0], phase="idle")
         progress.running = False
-        if progress.sealing_id != self.sealing_id:  # a newer key: everything again
-            return ResealProgress(self.sealing_id, phase="idle")
         return progress
 
     def _save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_private(self.path, json.dumps(asdict(self.progress)))
 
-    def start(self) -> ResealProgress:
-        """Start (or resume from the saved cursor) unless running; the progress now."""
+    def phases(self, job: str) -> list[str]:
+        tiers = [t.name for t in self.tiers]
+        if job == "data-keys":
+            return ["keys", "records", *tiers, "retire", "done"]
+        return ["records", *tiers, "done"]
+
+    def start(self, job: str = "data-keys") -> ResealProgress:
+        """Start `job` (or resume it from the saved cursor) unless one is running; the
+        progress now (the running job's, whichever it is)."""
+        if job not in JOBS:
+            raise ValueError(f"unknown job {job!r}: one of {JOBS}")
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return self.progress
-            if self.progress.phase in ("idle", "done"):
-                self.progress = ResealProgress(self.sealing_id)
+            p = self.progress
+            if p.phase in ("idle", "done") or p.job != job:
+                self.progress = ResealProgress(job, phase=self.phases(job)[0])
             self.progress.running = True
             self.progress.error = ""
             self._stop.clear()
@@ -112,12 +134,9 @@ class Resealer:
     def _run(self) -> None:
         p = self.progress
         try:
-            phases = ["records", *(t.name for t in self.tiers), "done"]
+            phases = self.phases(p.job)
             while not p.done and not self._stop.is_set():
-                if p.phase == "records":
-                    self._records_batch()
-                else:
-                    self._tier_batch(next(t for t in self.tiers if t.name == p.phase))
+                self._batch(p.phase)
                 if p.cursor == "" and not p.done:  # the phase is over: the next one
                     p.phase = phases[phases.index(p.phase) + 1]
                     p.total_chunks = sum(len(t.keys()) for t in self.tiers)
@@ -125,35 +144,61 @@ class Resealer:
                 self.on_batch()
             if p.done:
                 p.finished_at = time.time()
-                log.info("key rotation: %d values re-sealed under %r", p.resealed, p.sealing_id)
+                log.info("%s: %d values re-sealed, %d left unopened", p.job, p.resealed, p.unopened)
         except Exception as exc:  # kept for the next start, which resumes from the cursor
-            log.exception("key rotation stopped")
+            log.exception("%s stopped", p.job)
             p.error = f"{type(exc).__name__}: {exc}"
         finally:
             p.running = False
             self._save()
 
+    def _batch(self, phase: str) -> None:
+        if phase in ("keys", "retire"):
+            self._tenants_batch(phase)
+        elif phase == "records":
+            self._records_batch()
+        else:
+            self._tier_batch(next(t for t in self.tiers if t.name == phase))
+
+    def _next(self, phase: str, names: Callable[[], list[str]]) -> list[str]:
+        """The next BATCH names after the cursor, listed and sorted once per phase."""
+        if self._order_of != phase:
+            self._order = sorted(names())
+            self._order_of = phase
+        at = bisect.bisect_right(self._order, self.progress.cursor)
+        return self._order[at : at + BATCH]
+
+    def _tenants_batch(self, phase: str) -> None:
+        p = self.progress
+        tenants = self._next(phase, self.keyring.store.tenants)
+        for tenant in tenants:
+            if phase == "keys":
+                p.new_keys += self.keyring.add_data_key(tenant, older_than=p.started_at)
+            else:
+                self.keyring.retire_data_keys(tenant)
+        p.cursor = tenants[-1] if tenants else ""
+
     def _records_batch(self) -> None:
         p = self.progress
-        done, last = self.records.reseal_all(p.cursor.encode("latin-1"), BATCH)
+        unopened = self.records.open_failures
+        adopt = p.job == "encrypt-existing"
+        done, last = self.records.reseal_all(p.cursor.encode("latin-1"), BATCH, adopt)
         p.resealed += done
+        p.unopened += self.records.open_failures - unopened
         p.cursor = last.decode("latin-1") if last is not None else ""
 
     def _tier_batch(self, tier: Any) -> None:
-        """The next BATCH chunks after the cursor. The tier's keys are sorted once per phase
-        (not per batch); chunks stored since were written under the sealing key already."""
+        """The next BATCH chunks after the cursor. Chunks stored since the phase began were
+        sealed under the newest data key already."""
         p = self.progress
-        if self._order_of != tier.name:
-            # A shared tier knows only some of its keys (Redis: no SCAN at start); the
-            # rotation walks all of them (stored_keys: a SCAN of the model's keys).
-            stored = getattr(tier, "stored_keys", tier.keys)
-            self._order = sorted(_chunk_cursor(k) for k in list(stored()))
-            self._order_of = tier.name
-        at = bisect.bisect_right(self._order, p.cursor)
-        names = self._order[at : at + BATCH]
+        # A shared tier knows only some of its keys (Redis: no SCAN at start); the job walks
+        # all of them (stored_keys: a SCAN of the model's keys).
+        stored = getattr(tier, "stored_keys", tier.keys)
+        names = self._next(tier.name, lambda: [_chunk_cursor(k) for k in list(stored())])
+        adopt = p.job == "encrypt-existing"
         for name in names:
             tenant, _, digest = name.partition("\x00")
-            p.resealed += bool(tier.reseal(ChunkKey(tenant, digest)))
+            p.resealed += bool(tier.reseal(ChunkKey(tenant, digest), adopt))
             p.scanned_chunks += 1
         p.cursor = names[-1] if names else ""
 

@@ -1,38 +1,43 @@
-"""Seal and open stored values: AES-256-GCM under the value's tenant key.
+"""Seal and open stored values: AES-256-GCM under the value's tenant data key (keyring.py).
 
     0        1         2          2+n      14+n
-    | version | id len n | key id | nonce (12) | ciphertext + tag (16) |
+    | version | id len n | dek id | nonce (12) | ciphertext + tag (16) |
 
-Associated data = "<purpose>\\0<tenant>\\0<key>": the tenant and the chunk or record key the value
-is stored under, so a value moved to another key or tenant fails to open, as does any changed
-bit. A fresh random nonce per seal (96 bits; a key seals far fewer than 2^32 values between
-rotations). Opening never returns unauthenticated bytes: it returns the plaintext or raises
-OpenError (a subclass of the codec's CorruptValueError, so every reader already treats it as a
-corrupt value: dropped, a miss, never served).
+The dek id names which of the tenant's data keys sealed it ("d1", "d2" during a data-key
+rotation). Associated data = "<purpose>\\0<tenant>\\0<key>": the tenant and the chunk or record
+key the value is stored under, so a value moved to another key or tenant fails to open, as does
+any changed bit. A fresh random nonce per seal (96 bits; a data key seals far fewer than 2^32
+values before it is rotated). Opening never returns unauthenticated bytes, and never a value
+that was not sealed: it returns the plaintext or raises OpenError (a subclass of the codec's
+CorruptValueError). Values of version 1 (sealed by keys derived from the master key, before
+envelope keys) do not open: they read as misses, as any value under a key the server lacks.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import NamedTuple
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from chatstore.store.sealing.keyring import Keyring
 from chatstore.store.tiers.codec import CorruptValueError
 
-VERSION = 1
+VERSION = 2
 NONCE_BYTES = 12
 TAG_BYTES = 16
 INTERNAL_PREFIX = "\x00"  # records of a tenant's internal namespace ("\x00responses:<tenant>")
 
 
 class OpenError(CorruptValueError):
-    """A sealed value could not be opened: not sealed, another key or tenant, or changed."""
+    """A value could not be opened: not sealed, another key or tenant, shredded, or changed.
+    Readers treat it as a miss (counted in open_failures) and leave the value where it is."""
 
 
 class SealedHeader(NamedTuple):
-    key_id: str
+    dek_id: str
     body_offset: int  # where the nonce starts
 
 
@@ -50,7 +55,7 @@ def associated_data(purpose: bytes, tenant: str, key: bytes) -> bytes:
 
 
 def read_header(blob: bytes | bytearray | memoryview) -> SealedHeader:
-    """The key id a sealed value names; OpenError when it is no sealed value of this version."""
+    """The data key a sealed value names; OpenError when it is no sealed value of this version."""
     data = memoryview(blob)
     if len(data) < 2 or data[0] != VERSION:
         raise OpenError("not a sealed value (version byte)")
@@ -59,61 +64,109 @@ def read_header(blob: bytes | bytearray | memoryview) -> SealedHeader:
     if n == 0 or len(data) < start + NONCE_BYTES + TAG_BYTES:
         raise OpenError("sealed value too short")
     try:
-        key_id = bytes(data[2:start]).decode()
+        dek_id = bytes(data[2:start]).decode()
     except UnicodeDecodeError:
         raise OpenError("sealed value: bad key id") from None
-    return SealedHeader(key_id, start)
+    return SealedHeader(dek_id, start)
+
+
+def is_sealed(blob: bytes | bytearray | memoryview) -> bool:
+    try:
+        read_header(blob)
+    except OpenError:
+        return False
+    return True
 
 
 class Sealer:
-    """Seals values under the keyring's sealing secret; opens values of any secret it holds."""
+    """Seals values under their tenant's sealing data key; opens values of any of its keys."""
 
     def __init__(self, keyring: Keyring) -> None:
         self.keyring = keyring
+        self._scratch = threading.local()  # each thread's buffer for open_reused
 
     @property
     def sealing_id(self) -> str:
+        """The master key id that wraps new data keys."""
         return self.keyring.sealing_id
 
     def seal(
         self, purpose: bytes, tenant: str, key: bytes, plaintext: bytes | bytearray
     ) -> bytearray:
-        key_id = self.keyring.sealing_id
-        cipher = self.keyring.cipher(key_id, owner_tenant(tenant))
-        assert cipher is not None  # the sealing secret is always in the keyring
+        data_key = self.keyring.sealing_key(owner_tenant(tenant))
         nonce = os.urandom(NONCE_BYTES)
-        kid = key_id.encode()
+        kid = data_key.dek_id.encode()
         head = bytes((VERSION, len(kid))) + kid + nonce
         # Encrypted straight into the value's buffer: a chunk (MBs) is not copied again.
         out = bytearray(len(head) + len(plaintext) + TAG_BYTES)
         out[: len(head)] = head
         aad = associated_data(purpose, tenant, key)
-        cipher.encrypt_into(nonce, plaintext, aad, memoryview(out)[len(head) :])
+        data_key.cipher.encrypt_into(nonce, plaintext, aad, memoryview(out)[len(head) :])
         return out
 
     def open(self, purpose: bytes, tenant: str, key: bytes, blob: bytes | memoryview) -> bytes:
         """The plaintext; OpenError when blob is not a value sealed for (purpose, tenant, key)
-        under a secret this keyring holds and the tenant's current key."""
-        header = read_header(blob)
-        cipher = self.keyring.cipher(header.key_id, owner_tenant(tenant))
-        if cipher is None:
-            raise OpenError(f"sealed under key id {header.key_id!r}, which this server lacks")
+        under a data key this server holds."""
+        header, cipher, aad = self._opening(purpose, tenant, key, blob)
         data = memoryview(blob)
-        nonce = data[header.body_offset : header.body_offset + NONCE_BYTES]
+        nonce = bytes(data[header.body_offset : header.body_offset + NONCE_BYTES])
         try:
-            return cipher.decrypt(
-                bytes(nonce),
-                data[header.body_offset + NONCE_BYTES :],
-                associated_data(purpose, tenant, key),
-            )
+            return cipher.decrypt(nonce, data[header.body_offset + NONCE_BYTES :], aad)
         except InvalidTag:
             raise OpenError(
                 "sealed value failed to open (another key, tenant or changed)"
             ) from None
 
-    def needs_reseal(self, blob: bytes | memoryview) -> bool:
-        """Whether blob is not sealed under the sealing key (older key, or in the clear)."""
+    def open_into(
+        self, purpose: bytes, tenant: str, key: bytes, blob: bytes | memoryview, out: memoryview
+    ) -> int:
+        """open() into `out` (a reused buffer at least as long as the plaintext); its length."""
+        header, cipher, aad = self._opening(purpose, tenant, key, blob)
+        data = memoryview(blob)
+        nonce = bytes(data[header.body_offset : header.body_offset + NONCE_BYTES])
+        body = data[header.body_offset + NONCE_BYTES :]
+        size = len(body) - TAG_BYTES
         try:
-            return read_header(blob).key_id != self.keyring.sealing_id
+            cipher.decrypt_into(nonce, body, aad, out[:size])
+        except InvalidTag:
+            raise OpenError(
+                "sealed value failed to open (another key, tenant or changed)"
+            ) from None
+        return size
+
+    def open_reused(
+        self, purpose: bytes, tenant: str, key: bytes, blob: bytes | memoryview
+    ) -> memoryview:
+        """open() into this thread's reused buffer: valid until this thread's next call, so
+        the caller copies out what it keeps (the codec does). A chunk is MBs: a fresh buffer
+        per open would be allocated and page-faulted every time (the cost the clear path
+        pays once, in the codec's copy), a reused one is already faulted in."""
+        header = read_header(blob)
+        size = len(memoryview(blob)) - header.body_offset - NONCE_BYTES - TAG_BYTES
+        buf: bytearray | None = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._scratch.buf = bytearray(size)
+        n = self.open_into(purpose, tenant, key, blob, memoryview(buf))
+        return memoryview(buf)[:n]
+
+    def _opening(
+        self, purpose: bytes, tenant: str, key: bytes, blob: bytes | memoryview
+    ) -> tuple[SealedHeader, AESGCM, bytes]:
+        header = read_header(blob)
+        data_key = self.keyring.opening_key(owner_tenant(tenant), header.dek_id)
+        if data_key is None:
+            raise OpenError(
+                f"sealed under data key {header.dek_id!r} of tenant {owner_tenant(tenant)!r}, "
+                f"which this server does not hold (shredded, retired or another master key)"
+            )
+        return header, data_key.cipher, associated_data(purpose, tenant, key)
+
+    def needs_reseal(self, tenant: str, blob: bytes | memoryview) -> bool:
+        """Whether blob is sealed under one of tenant's data keys other than its sealing one
+        (a data-key rotation under way). A value not sealed at all is never re-sealed here:
+        only `encrypt-existing` adopts values written in the clear."""
+        try:
+            header = read_header(blob)
         except OpenError:
-            return True
+            return False
+        return header.dek_id != self.keyring.sealing_dek_id(owner_tenant(tenant))

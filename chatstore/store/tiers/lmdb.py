@@ -29,9 +29,10 @@ for the process; after a full disk the capacity comes back once the file system 
 
 The files hold every tenant's KV: the directory is 0700 and its files 0600, whatever the umask.
 With a `sealer` (encryption at rest, the default) every chunk is stored sealed under its
-tenant's key with (tenant, digest) as associated data (sealing/sealer.py); a value that fails to
-open is dropped like a corrupt one (the codec's checks run beneath the seal). `reseal` re-seals
-one value under the newest key (key rotation, sealing/reseal.py).
+tenant's data key with (tenant, digest) as associated data (sealing/sealer.py); a value that
+fails to open is a miss and stays where it is (never dropped: another key may still open it); a
+value that opens but fails the codec's checks beneath the seal is dropped. `reseal` re-seals one
+value under the tenant's newest data key (sealing/reseal.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import lmdb
 
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.sealing import KV_PURPOSE, OpenError, Sealer
+from chatstore.store.sealing.sealer import is_sealed
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import IndexedTier, StorageFull
@@ -205,6 +207,10 @@ class LmdbTier(IndexedTier):
             self._index.set(key, need)
 
     def get(self, key: ChunkKey) -> SessionKV | None:
+        """The chunk (None: not here). OpenError for a value that does not open (another,
+        shredded or missing key; a clear value): a miss, and the value stays (an operator's
+        mistake in the keys must not cost the data). CorruptValueError / FingerprintMismatch
+        for a value that opened (or, unsealed, is read as stored) but is unusable: dropped."""
         if key not in self._index:
             return None
         error: ValueError | None = None
@@ -213,6 +219,8 @@ class LmdbTier(IndexedTier):
             if raw is not None:
                 try:
                     return self._decode(key, raw)  # copies out of the map once
+                except OpenError:
+                    raise
                 except (codec.CorruptValueError, codec.FingerprintMismatch) as exc:
                     error = exc
         self._drop_unreadable(key)
@@ -221,14 +229,17 @@ class LmdbTier(IndexedTier):
         return None
 
     def _drop_unreadable(self, key: ChunkKey) -> None:
-        """A reader found key's value gone or bad: under the write lock, look again (a writer
-        may have replaced it meanwhile) and drop the value and its index entry if still so."""
+        """A reader found key's value gone or unusable: under the write lock, look again (a
+        writer may have replaced it meanwhile) and drop the value and its index entry if still
+        so. A value that does not open is never dropped here."""
         with self._write_lock, self.env.begin(write=True, buffers=True) as txn:
             raw = txn.get(key.digest.encode(), db=self._chunks)
             if raw is not None and key in self._index:
                 try:
                     self._decode(key, raw)
                     return  # rewritten meanwhile: keep it
+                except OpenError:
+                    return  # not ours to judge: a miss, left in place
                 except (codec.CorruptValueError, codec.FingerprintMismatch):
                     pass
             self._delete(txn, key)
@@ -242,13 +253,15 @@ class LmdbTier(IndexedTier):
         """The chunk in raw (sealed or not, as this tier stores); CorruptValueError (OpenError
         for a value that fails to open) or FingerprintMismatch when unusable."""
         if self.sealer is not None:
-            raw = self.sealer.open(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
+            # Into this thread's reused buffer: the codec copies the chunk out of it.
+            raw = self.sealer.open_reused(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
         return codec.decode(raw, self.fingerprint)
 
-    def reseal(self, key: ChunkKey) -> bool:
-        """Re-seal key's value under the sealing key if it is under an older one (or in the
-        clear: written before encryption was on); whether it was rewritten. A value that
-        opens under no key is dropped (as a reader would) and counts as not rewritten."""
+    def reseal(self, key: ChunkKey, adopt_clear: bool = False) -> bool:
+        """Re-seal key's value under its tenant's sealing data key if it is under an older one
+        (data-key rotation); whether it was rewritten. A value that does not open is left as
+        it is (a miss for readers). A clear value is sealed only with adopt_clear
+        (encrypt-existing), and only if it is a valid chunk of this model."""
         sealer = self.sealer
         if sealer is None:
             return False
@@ -257,28 +270,29 @@ class LmdbTier(IndexedTier):
                 return False
             with self.env.begin(write=True) as txn:
                 raw = txn.get(key.digest.encode(), db=self._chunks)
-                if raw is None or not sealer.needs_reseal(raw):
-                    return False
-                try:
-                    plain = self._plain(key, raw)
-                except (codec.CorruptValueError, codec.FingerprintMismatch):
-                    self._delete(txn, key)
+                plain = None if raw is None else self._resealable(key, raw, adopt_clear)
+                if plain is None:
                     return False
                 sealed = sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), plain)
                 txn.put(key.digest.encode(), sealed, db=self._chunks)
         return True
 
-    def _plain(self, key: ChunkKey, raw: bytes) -> bytes:
-        """raw's codec bytes: opened if sealed, as is if a valid clear value."""
+    def _resealable(self, key: ChunkKey, raw: bytes, adopt_clear: bool) -> bytes | None:
+        """raw's codec bytes when `reseal` should rewrite it (module doc), else None."""
         assert self.sealer is not None
+        if is_sealed(raw) == adopt_clear:  # adopting: clear ones only; rotating: sealed ones
+            return None
+        if not adopt_clear and not self.sealer.needs_reseal(key.tenant, raw):
+            return None
         try:
-            plain = self.sealer.open(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
-        except OpenError:
-            if not raw.startswith(codec.MAGIC):
-                raise
-            plain = raw
-        codec.decode(plain, self.fingerprint)  # its checksum and model, beneath the seal
+            plain = raw if adopt_clear else self.sealer.open(*self._ad(key), raw)
+            codec.decode(plain, self.fingerprint)  # its checksum and model, beneath the seal
+        except (codec.CorruptValueError, codec.FingerprintMismatch):
+            return None
         return plain
+
+    def _ad(self, key: ChunkKey) -> tuple[bytes, str, bytes]:
+        return KV_PURPOSE, key.tenant, key.digest.encode()
 
     def delete(self, key: ChunkKey) -> bool:
         with self._write_lock:

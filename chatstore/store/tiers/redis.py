@@ -9,8 +9,10 @@ One owner of eviction: Redis. No replica deletes a shared chunk: Redis's own `ma
 policy (allkeys-lru, deploy/redis-kv.conf) evicts, and its TTL expires what nobody reads. Every
 read refreshes a chunk's TTL (GETEX … EX) and so does a put of a chunk that is there already
 (EXPIRE, and a SET only if Redis had evicted it), so a hot shared system prompt stays while it
-is used. `delete` forgets the key here and sends nothing; only `delete_shared` (a corrupt value,
-a crypto-shredded tenant, an explicit shared flush) removes keys from Redis.
+is used. `delete` forgets the key here and sends nothing; only `delete_shared` (a crypto-shredded
+tenant, an explicit shared flush) removes keys from Redis. A value a replica cannot open, or
+finds corrupt, is a miss there and stays: another replica (with another key, or mid-rotation)
+may open it, and Redis's eviction and TTL remove what nobody reads.
 
 The index is this process's view of which chunks Redis holds (written or read here, or found
 by `discover`): no SCAN at start, no round trip per key. A chunk Redis evicted reads as a miss
@@ -34,9 +36,9 @@ all start with `chatstore:`, so an ACL user limited to `~chatstore:*` is enough.
 
 Threads: the client is thread-safe (a connection pool), the index is a FootprintIndex.
 
-Encryption at rest: with a `sealer` every chunk is sealed under its tenant's key, (tenant,
+Encryption at rest: with a `sealer` every chunk is sealed under its tenant's data key, (tenant,
 digest) its associated data (sealing/sealer.py), so neither a dump nor Redis' memory holds KV
-in the clear and a value copied under another key fails to open (dropped, a miss).
+in the clear and a value copied under another key fails to open (a miss, left in place).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 from chatstore.store.chunks import ChunkKey
-from chatstore.store.sealing import KV_PURPOSE, OpenError, Sealer
+from chatstore.store.sealing import KV_PURPOSE, Sealer
+from chatstore.store.sealing.sealer import is_sealed
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import IndexedTier, TierFull, TierUnavailable
@@ -272,10 +275,14 @@ class RedisTier(IndexedTier):
                 self._index.pop(key)
                 out.append(None)
                 continue
+            # A value that does not open, or fails its checks, raises (the reader counts a
+            # miss) and stays in Redis: another replica's key may open it, and Redis's own
+            # eviction and TTL remove what nobody reads. No replica deletes it on a read;
+            # this one forgets it (no read of it again, until found anew).
             try:
                 out.append(self._decode(key, raw))
             except (codec.CorruptValueError, codec.FingerprintMismatch):
-                self.delete_shared(key)  # garbage for every replica
+                self._index.pop(key)
                 raise
             self._index.set(key, self._index.size_of(key) or len(raw))
         return out
@@ -286,30 +293,36 @@ class RedisTier(IndexedTier):
         return self.sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), blob)
 
     def _decode(self, key: ChunkKey, raw: bytes) -> SessionKV:
-        if self.sealer is not None:
-            raw = self.sealer.open(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
-        return codec.decode(raw, self.fingerprint)
+        if self.sealer is None:
+            return codec.decode(raw, self.fingerprint)
+        # Into this thread's reused buffer: the codec copies the chunk out of it.
+        plain = self.sealer.open_reused(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
+        return codec.decode(plain, self.fingerprint)
 
-    def reseal(self, key: ChunkKey) -> bool:
-        """Re-seal key's chunk under the sealing key if it is under an older one or in the
-        clear (key rotation); whether it was rewritten. Its TTL is kept, and a chunk that
-        expired meanwhile is not written back (SET XX KEEPTTL); one that opens under no key is
-        deleted. TierUnavailable when Redis is out of reach."""
+    def reseal(self, key: ChunkKey, adopt_clear: bool = False) -> bool:
+        """Re-seal key's chunk under its tenant's sealing data key if it is under an older one
+        (data-key rotation); whether it was rewritten. Its TTL is kept, and a chunk that
+        expired meanwhile is not written back (SET XX KEEPTTL). A value that does not open is
+        left as it is (another replica's key may open it). A clear value is sealed only with
+        adopt_clear (encrypt-existing), and only if it is a valid chunk of this model.
+        TierUnavailable when Redis is out of reach."""
         sealer = self.sealer
         if sealer is None:
             return False
         name = self._name(key)
         raw = self._call(lambda: self.client.get(name))
-        if raw is None or not sealer.needs_reseal(raw):
+        if raw is None or is_sealed(raw) == adopt_clear:
+            return False
+        if not adopt_clear and not sealer.needs_reseal(key.tenant, raw):
             return False
         try:
-            plain = sealer.open(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
-        except OpenError:
-            plain = raw if raw.startswith(codec.MAGIC) else b""
-        try:
+            plain = (
+                raw
+                if adopt_clear
+                else sealer.open(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
+            )
             codec.decode(plain, self.fingerprint)  # beneath the seal: checksum and model
         except (codec.CorruptValueError, codec.FingerprintMismatch):
-            self.delete_shared(key)
             return False
         sealed = sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), plain)
         return bool(self._call(lambda: self.client.set(name, sealed, xx=True, keepttl=True)))
@@ -320,8 +333,8 @@ class RedisTier(IndexedTier):
         return self._index.pop(key)
 
     def delete_shared(self, key: ChunkKey) -> bool:
-        """Remove key from Redis itself (a corrupt value, a shredded tenant); whether it was
-        stored. Not for a chunk this replica merely stopped using."""
+        """Remove key from Redis itself (a shredded tenant); whether it was stored. Not for a
+        chunk this replica merely stopped using, nor one it could not open."""
         known = self._index.pop(key)
         try:
             removed = bool(self._call(lambda: self.client.delete(self._name(key))))

@@ -41,11 +41,11 @@ class SlowTierWrites:
             return tier.get(key)
         except TierUnavailable:
             pass  # out of reach now (the tier's breaker counts it): a miss
-        except OpenError:  # a wrong, shredded or missing key, or a changed byte: a miss
-            with self._lock:  # corrupt, and said why: the seal refused it
-                self.counters.tier(tier.name).corrupt += 1
+        except OpenError:
+            # A wrong, shredded or missing key, or a clear or changed value: a miss, counted.
+            # The value stays where it is: another key (a replica's, a rotation's) may open it.
+            with self._lock:
                 self.counters.tier(tier.name).open_failures += 1
-            self._emit("corrupt", key, tier.name)
         except CorruptValueError:
             with self._lock:
                 self.counters.tier(tier.name).corrupt += 1

@@ -1,0 +1,206 @@
+"""Replicas whose keys differ never delete each other's data (issue 33): a value a replica
+cannot open is a miss there, counted in open_failures, and stays in Redis.
+
+Real engines (a tiny model), real redis-servers (KV under allkeys-lru, records under
+noeviction), real LMDB:
+
+- two replicas with different master keys (each with its own records and data keys) run the
+  same conversation over one KV Redis: both serve the fresh-run tokens, the one that cannot open
+  the other's chunks counts it, and no chunk is deleted from Redis;
+- a rolling master-key rotation, `k2,k1` on one replica and `k1` on the other, sharing records
+  and data keys: both serve a tenant made before it, a tenant made on the rotated replica opens
+  nowhere else until that replica has k2 too, and no chunk is deleted;
+- a shred on one replica stops the tenant's values opening on the other at its next key check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis as redis_lib
+
+from chatstore.engine.engine_config import EngineConfig
+from chatstore.engine.llm_engine import LLMEngine
+from chatstore.engine.request import Request
+from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.chunks import ChunkKey
+from chatstore.store.sealing.master_key import new_secret_line
+from chatstore.store.session_kv import SessionKey
+from chatstore.transfer import StoreConnector
+from tests.support.engine import greedy, prompt, run_all, run_alone, tiny_runtime, tokens_of
+from tests.support.redis_server import redis_server_binary, start_local_redis
+
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.timeout(300)]
+
+CHUNK = 64
+
+
+@pytest.fixture
+def kv_redis():
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    server = start_local_redis()  # allkeys-lru, deploy/'s policy
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def records_redis():
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    server = start_local_redis(policy="noeviction")
+    yield server
+    server.stop()
+
+
+class Replica:
+    """One server's store and engine; its KV in the shared Redis only (no LMDB)."""
+
+    def __init__(self, tmp_path, name: str, kv_url: str, records_url: str, secret: str) -> None:
+        self.runtime = tiny_runtime(num_blocks=256)
+        spec, fingerprint = self.runtime.model.spec, self.runtime.model.fingerprint
+        settings = StoreSettings(
+            data_dir=tmp_path / name,
+            dram_bytes=0,  # every read of a stored chunk goes to Redis
+            ssd_bytes=0,
+            redis_url=kv_url,
+            records_url=records_url,
+            redis_bytes=64 << 20,
+            block_size=4,
+            chunk_tokens=CHUNK,
+            persist="write_through",
+            secret_key=secret,
+        )
+        self.store = AttentionStore(settings, spec, fingerprint)
+        self.conn = StoreConnector(self.store, self.runtime.kv_cache, self.runtime.runner.rope)
+        self.engine = LLMEngine(self.runtime, EngineConfig(enable_prefix_cache=False), self.conn)
+        self._n = 0
+
+    def turn(self, tenant: str, sid: str, ids: list[int]) -> int:
+        """One turn, saved before it returns, with a fresh run's greedy tokens; its cached
+        token count."""
+        self.store.fetch_remote(tenant, sid)
+        self._n += 1
+        req = Request(f"{sid}-{self._n}", list(ids), greedy(4), tenant=tenant, session_id=sid)
+        self.engine.add_request(req)
+        outs = run_all(self.engine)[req.request_id]
+        assert self.store.flush_persist(30)
+        assert tokens_of(outs) == run_alone(req), f"{sid}: differs from a fresh run"
+        return outs[-1].usage.cached_tokens
+
+    def chunks(self, tenant: str, sid: str) -> list[ChunkKey]:
+        chain = self.store.index.get(SessionKey(tenant, sid))
+        assert chain is not None
+        return list(chain.chunks)
+
+    def open_failures(self) -> int:
+        return self.store.open_failures().get("remote", 0)
+
+    def close(self) -> None:
+        self.store.close(flush_dram=False)
+
+
+def _deletes(client) -> int:
+    """DEL / UNLINK / GETDEL calls the Redis server has answered."""
+    stats = client.info("commandstats")
+    return sum(
+        int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("del", "unlink", "getdel")
+    )
+
+
+def _chunk_names(client) -> set[bytes]:
+    return set(client.scan_iter(match="chatstore:kv:*", count=1000))
+
+
+def test_replicas_with_different_master_keys_delete_no_chunk(tmp_path, kv_redis):
+    """Each replica its own master key (and so its own data keys, records in its own LMDB):
+    the second cannot open the first's chunks, recomputes, and deletes nothing."""
+    kv = redis_lib.Redis.from_url(kv_redis.url)
+    a = Replica(tmp_path, "a", kv_redis.url, "lmdb", new_secret_line())
+    b = Replica(tmp_path, "b", kv_redis.url, "lmdb", new_secret_line())
+    try:
+        history = prompt(3, 3 * CHUNK + 5)
+        assert a.turn("t", "chat", history) == 0
+        written = _chunk_names(kv)
+        assert len(written) >= 3
+        # b: the same conversation, so the same chunk names in Redis (content-addressed),
+        # which b writes sealed under its own key over a's.
+        assert b.turn("t", "chat", history) == 0
+        assert b.turn("t", "chat", [*history, *prompt(4, 9)]) >= 3 * CHUNK  # b reads its own
+        # a's next turn finds values it cannot open: misses, counted, recomputed; it serves.
+        assert a.turn("t", "chat", [*history, *prompt(4, 9)]) == 0
+        assert a.open_failures() >= 1 and b.open_failures() == 0  # the load stops at the first
+        assert _deletes(kv) == 0
+        assert written <= _chunk_names(kv)  # every chunk name is still in Redis
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_rolling_master_key_rotation_deletes_no_chunk(tmp_path, kv_redis, records_redis):
+    """Replicas sharing records and data keys mid-rotation: `k2,k1` on a, `k1` on b."""
+    kv = redis_lib.Redis.from_url(kv_redis.url)
+    k1, k2 = new_secret_line("k1"), new_secret_line("k2")
+    b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, k1)
+    history = prompt(6, 2 * CHUNK + 3)
+    try:
+        assert b.turn("old", "chat", history) == 0  # a tenant made before the rotation
+        a = Replica(tmp_path, "a", kv_redis.url, records_redis.url, f"{k2},{k1}")
+        try:
+            # Both serve the tenant made before the rotation, from each other's chunks.
+            assert a.turn("old", "chat", [*history, *prompt(7, 5)]) >= 2 * CHUNK
+            assert b.turn("old", "chat", [*history, *prompt(7, 5), *prompt(8, 5)]) >= 2 * CHUNK
+            # A tenant made on a now: its data key is wrapped by k2, which b lacks.
+            assert a.turn("new", "chat", history) == 0
+            written = _chunk_names(kv)
+            new_chunks = a.chunks("new", "chat")
+            before = b.open_failures()
+            assert b.store.tier("remote").discover(new_chunks) == len(new_chunks)
+            for chunk in new_chunks:
+                assert b.store.tiers.get(chunk, promote=False, count=False) is None  # a miss
+            assert b.open_failures() == before + len(new_chunks)
+            assert _deletes(kv) == 0 and written <= _chunk_names(kv)
+            assert a.turn("new", "chat", [*history, *prompt(9, 5)]) >= 2 * CHUNK  # a: intact
+        finally:
+            a.close()
+        b.close()
+        # b restarted with k2 as well: the rotation is whole, and the chunks open there.
+        b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, f"{k2},{k1}")
+        b.store.tier("remote").discover(new_chunks)
+        for chunk in new_chunks:
+            assert b.store.tiers.get(chunk, promote=False, count=False) is not None
+        assert b.open_failures() == 0 and _deletes(kv) == 0
+    finally:
+        b.close()
+
+
+def test_a_shred_on_one_replica_stops_its_values_opening_on_the_other(
+    tmp_path, kv_redis, records_redis
+):
+    secret = new_secret_line()
+    a = Replica(tmp_path, "a", kv_redis.url, records_redis.url, secret)
+    b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, secret)
+    try:
+        history = prompt(11, 2 * CHUNK + 1)
+        a.turn("gone", "chat", history)
+        chunks = a.chunks("gone", "chat")
+        sealed = [
+            a.store.tier("remote").client.get(a.store.tier("remote")._name(c)) for c in chunks
+        ]
+        b.store.tier("remote").discover(chunks)
+        assert b.store.tiers.get(chunks[0], promote=False, count=False) is not None  # b: cached
+        a.store.shred_tenant("gone")
+        # A backup of the values, put back: b still holds the key in its cache until its
+        # watcher sees the key store's epoch move (once a second); then they never open.
+        remote = b.store.tier("remote")
+        for chunk, value in zip(chunks, sealed, strict=True):
+            remote.client.set(remote._name(chunk), value)
+        assert b.store.key_watch is not None
+        b.store.key_watch.poll()
+        before = b.open_failures()
+        remote.discover(chunks)
+        for chunk in chunks:
+            assert b.store.tiers.get(chunk, promote=False, count=False) is None
+        assert b.open_failures() == before + len(chunks)
+    finally:
+        a.close()
+        b.close()
