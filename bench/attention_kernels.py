@@ -13,7 +13,11 @@ kernels did before and what a CPU without AVX512-BF16 runs); `*_dot_speedup` is 
 The fused element-wise ops of a layer are timed at 2,048 rows too. Median of repeated calls; the
 last line is one JSON object. --quick: causal 2K, history 1K and decode, fewer repetitions.
 
+--variant times one ISA build of the kernels as "ours" (avx512_bf16, avx512, avx2, generic:
+kernels/native.py; default the one this CPU serves), e.g. the AVX2 build on an AVX512 machine.
+
     python bench/attention_kernels.py [--dtype float32|bfloat16] [--quick] [--threads N]
+                                      [--variant avx2]
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ import torch
 from engine_speed import median_seconds
 
 from chatstore.kernels.fused_ops import NativeOps
-from chatstore.kernels.native import fallback_library, kernel_features, native_library
+from chatstore.kernels.native import (
+    fallback_library,
+    kernel_features,
+    native_library,
+    variant_library,
+)
 from chatstore.kernels.paged_attention import attend
 from chatstore.kernels.paged_decode import make_decode_plan, paged_decode_native
 from chatstore.kernels.paged_prefill import make_prefill_plan, paged_prefill_native
@@ -42,9 +51,9 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
     return 1e3 * median_seconds(fn, reps)
 
 
-def builds(dtype: torch.dtype) -> dict[str, ctypes.CDLL]:
-    """The builds to time: this CPU's, and in bf16 the fp32-path fallback."""
-    found = {"ours": native_library()}
+def builds(dtype: torch.dtype, variant: str | None = None) -> dict[str, ctypes.CDLL]:
+    """The builds to time: this CPU's (or `variant`), and in bf16 the fp32-path fallback."""
+    found = {"ours": variant_library(variant) if variant else native_library()}
     if dtype == torch.bfloat16:
         found["fallback"] = fallback_library()
     return {name: lib for name, lib in found.items() if lib is not None}
@@ -152,20 +161,24 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--variant", help="the ISA build to time as ours (default: this CPU's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     reps = 3 if args.quick else 10
-    libs = builds(dtype)
+    libs = builds(dtype, args.variant)
     if "ours" not in libs:
         raise SystemExit("attention_kernels: the native kernels are not available")
     bf16_dot = kernel_features(libs["ours"]).bf16_dot
     threads = torch.get_num_threads()
-    print(f"attention_kernels: {args.dtype}, {threads} threads, one layer, bf16_dot={bf16_dot}")
+    variant = args.variant or "this CPU's"
+    print(f"attention_kernels: {args.dtype}, {threads} threads, one layer, {variant} build, "
+          f"bf16_dot={bf16_dot}")  # fmt: skip
     print(f"{'case':<28}{'ours ms':>10}{'fallback ms':>12}{'sdpa ms':>10}{'sdpa/ours':>11}", end="")
     print(f"{'fb/ours':>11}" if "fallback" in libs else "")
     result: dict[str, object] = {"dtype": args.dtype, "threads": threads, "bf16_dot": bf16_dot}
+    result["kernel_variant"] = args.variant or "auto"
     histories = (1024,) if args.quick else (1024, 2048, 4096, 8000)
     cases = [("causal_2k", 2048, 2048)] + [
         (f"history_{round(n / 1024)}k", 100, n + 100) for n in histories
