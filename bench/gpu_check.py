@@ -62,7 +62,28 @@ def output_folder() -> Path:
     return out
 
 
+def kernels_from_tree() -> None:
+    """Where chatstore is not installed (the tree copied to a GPU machine and run from there),
+    map `chatstore.kernels` onto kernels/ as pyproject's package-dir does for an install."""
+    import importlib.util
+
+    import chatstore
+
+    if importlib.util.find_spec("chatstore.kernels") is not None:
+        return
+    init = ROOT / "kernels" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "chatstore.kernels", init, submodule_search_locations=[str(init.parent)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["chatstore.kernels"] = module
+    spec.loader.exec_module(module)
+    chatstore.kernels = module  # type: ignore[attr-defined]
+
+
 OUT = output_folder()
+kernels_from_tree()
 
 import torch  # noqa: E402
 
