@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.kv_cache import PagedKVCache
+from chatstore.engine.kv_layout import AttentionKernels
 from chatstore.engine.runner import ModelRunner
 from chatstore.model.spec import ModelSpec
 from tests.support.tiny_models import tiny_hf_model
@@ -60,6 +61,19 @@ def test_prefill_then_a_mixed_step_match_transformers(arch: str) -> None:
     # One decode beside a 16-token turn on pooled history: one forward, one launch a layer.
     mixed = forward(runner, [SequenceChunk(a[23:], 23, table_a), SequenceChunk(b[5:], 5, table_b)])
     assert (mixed - torch.cat([ref_a[23:], ref_b[5:]])).abs().max().item() <= TOL
+
+
+def test_which_steps_take_triton() -> None:
+    """The rule: Triton when asked for (True), never when refused (False) or on the reference
+    path (fast = False); by default (None) only for a CUDA pool."""
+    base = AttentionKernels(fast=True, native_prefill=True, scale=0.125, groups=3)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not base.use_triton(cpu)
+    assert base.use_triton(cuda)  # Triton is installed here
+    assert replace(base, triton=True).use_triton(cpu)
+    assert not replace(base, triton=False).use_triton(cuda)
+    assert not replace(base, fast=False, triton=True).use_triton(cpu)
+    assert not replace(base, fast=False).use_triton(cuda)
 
 
 def test_cpu_path_never_imports_triton() -> None:
