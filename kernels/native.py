@@ -54,6 +54,7 @@ SOURCES = tuple(
         "paged_prefill.c",
         "paged_prefill_bf16.c",
         "fused_ops.c",
+        "int4_matmul.c",
         "features.c",
     )
 )
@@ -99,6 +100,9 @@ FUSED_ARGTYPES = {
     "rope_store_kv": [ctypes.c_int, *[_ptr] * 7, _i64, _i64, _i64, _i64],
     "silu_mul": [ctypes.c_int, _ptr, _ptr, _i64, _i64],
 }
+# int int4_matmul(dtype, x, T, K, repeat, packed, scales, mins, N, out, n)
+INT4_MATMUL_ARGTYPES = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr]
+INT4_MATMUL_ARGTYPES += [ctypes.c_int]
 FEATURE_BF16_DOT = 1  # bits of kernel_features() in csrc/features.c
 FEATURE_VECTOR_BITS_SHIFT = 8  # bits 8..: the width of the attention kernels' vectors
 
@@ -266,6 +270,8 @@ def _load(cflags: tuple[str, ...]) -> ctypes.CDLL | None:
         lib.paged_decode.restype = ctypes.c_int
         lib.paged_prefill.argtypes = PAGED_PREFILL_ARGTYPES
         lib.paged_prefill.restype = ctypes.c_int
+        lib.int4_matmul.argtypes = INT4_MATMUL_ARGTYPES
+        lib.int4_matmul.restype = ctypes.c_int
         lib.kernel_features.argtypes = []
         lib.kernel_features.restype = ctypes.c_int
         for name, argtypes in FUSED_ARGTYPES.items():

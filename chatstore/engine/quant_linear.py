@@ -12,14 +12,30 @@ fp32. The scales (and zeros) are bf16, as the kernels require of the activations
 count runs faster on the prepacked 16-bit GEMM (prefill: see `weight_plan.py` for the measured
 table and the choice per shape), the projection also holds a `linear.Linear` and hands those
 calls to it: `dense_from` is the first token count it takes.
+
+Int4Linear runs on one of two kernels (`int4_kernel()`, logged at start with the weights):
+
+    torch    `_weight_int4pack_mm_for_cpu`, bf16 activations: fast where the CPU computes bf16
+             (AVX512-BF16), emulated elsewhere
+    native   `chatstore.kernels.int4_matmul` (csrc/int4_matmul.c): activations quantized to int8
+             per block of 32, integer dot products (VPMADDUBSW on AVX2), as llama.cpp computes its
+             4-bit formats; 1.4-2x the torch kernel at decode's token counts with torch's AVX2
+             kernels (measured on this project's Intel Xeon, ATEN_CPU_CAPABILITY=avx2, 1 thread)
+
+`auto` takes native on a CPU without AVX512-BF16 when the native kernels build, torch
+otherwise; `CHATSTORE_INT4_KERNEL=torch|native` pins one (group-32 weights only; others torch).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from chatstore.engine.linear import Linear
 from chatstore.engine.quant_weights import Int4Weight, Int8Weight
+from chatstore.kernels import native
+from chatstore.kernels.int4_matmul import int4_matmul, int4_matmul_supported, pack_int4
 
 NEVER = 1 << 62  # dense_from for a projection without a 16-bit copy
 KERNEL_DTYPE = torch.bfloat16  # the activations' dtype in both kernels (see the module doc)
@@ -28,6 +44,21 @@ KERNEL_DTYPE = torch.bfloat16  # the activations' dtype in both kernels (see the
 def int4_supported(n: int, k: int, group: int) -> bool:
     """Shapes the int4 CPU kernel packs: N a multiple of 16, K of the group."""
     return n % 16 == 0 and k % group == 0
+
+
+INT4_KERNELS = ("auto", "torch", "native")
+
+
+def int4_kernel(setting: str | None = None) -> str:
+    """torch | native for `setting` (default: CHATSTORE_INT4_KERNEL, else auto; see the doc)."""
+    choice = (setting or os.environ.get("CHATSTORE_INT4_KERNEL") or "auto").strip().lower()
+    if choice not in INT4_KERNELS:
+        raise ValueError(f"int4 kernel must be one of {list(INT4_KERNELS)}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    if native.cpu_has_avx512_bf16() or native.native_library() is None:
+        return "torch"
+    return "native"
 
 
 def kernels_available() -> bool:
@@ -73,7 +104,9 @@ class Int4Linear(_DenseFallback):
         bias: torch.Tensor | None,
         dense: Linear | None = None,
         dense_from: int = NEVER,
+        kernel: str = "torch",
     ) -> None:
+        """`kernel`: torch | native (int4_kernel()); native needs groups of 32, else torch."""
         super().__init__(bias, dense, dense_from)
         n, k = weight.q.shape
         if not int4_supported(n, k, weight.group):
@@ -81,6 +114,11 @@ class Int4Linear(_DenseFallback):
         self.group = weight.group
         self.repeat = weight.input_repeat
         self.shape = weight.shape
+        self.kernel = kernel
+        if kernel == "native" and int4_matmul_supported(k, weight.group, weight.input_repeat):
+            self.native = pack_int4(weight.q, weight.scale, weight.zero, weight.input_repeat)
+            return
+        self.kernel = "torch"
         # innerKTiles is a CUDA tiling knob; the CPU packing ignores it (any value packs alike).
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.q.to(torch.int32).contiguous(), 2
@@ -92,6 +130,8 @@ class Int4Linear(_DenseFallback):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_from:
             return self.dense(x)
+        if self.kernel == "native":
+            return self._finish(int4_matmul(x, self.native), x.dtype)
         xk = x.to(KERNEL_DTYPE)
         if self.repeat > 1:
             xk = xk.repeat(1, self.repeat)  # [T, K * repeat]: see Int4Weight.input_repeat

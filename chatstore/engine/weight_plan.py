@@ -83,7 +83,13 @@ import torch
 
 from chatstore.config import WEIGHTS_CHOICES
 from chatstore.engine.linear import Linear, packing_available
-from chatstore.engine.quant_linear import NEVER, Int4Linear, Int8Linear, int4_supported
+from chatstore.engine.quant_linear import (
+    NEVER,
+    Int4Linear,
+    Int8Linear,
+    int4_kernel,
+    int4_supported,
+)
 from chatstore.engine.quant_weights import (
     Int4Weight,
     QuantWeight,
@@ -157,10 +163,13 @@ class Projections:
         pack: bool,
         gguf: GGUFWeights | None = None,
         dense_from: dict[str, int] | None = None,
+        int4: str | None = None,
     ) -> None:
         """`dense_from` overrides DENSE_FROM (per role; tests use it to run the quantized
-        kernels at every token count)."""
+        kernels at every token count); `int4` the int4 kernel (quant_linear.int4_kernel)."""
         self.fmt, self.dtype, self.pack, self.gguf = fmt, dtype, pack, gguf
+        self.int4_kernel = int4_kernel(int4)
+        self.int4_kernels: Counter[str] = Counter()  # what the int4 projections run on
         self.dense_from = DENSE_FROM if dense_from is None else dense_from
         self.built: Counter[str] = Counter()
 
@@ -177,13 +186,17 @@ class Projections:
         # the 16-bit copy for the token counts where it is faster (prefill), where there are any
         dense = Linear(weight, bias, self.pack) if dense_from < NEVER else None
         if isinstance(weight_q, Int4Weight):
-            return Int4Linear(weight_q, bias, dense, dense_from)
+            built = Int4Linear(weight_q, bias, dense, dense_from, self.int4_kernel)
+            self.int4_kernels[built.kernel] += 1
+            return built
         return Int8Linear(weight_q, bias, dense, dense_from)
 
     def describe(self) -> str:
         """One line for the log: what each projection computes with."""
         parts = [f"{label} x{count}" for label, count in sorted(self.built.items())]
-        return f"weights = {self.fmt}: " + ", ".join(parts)
+        kernels = [f"{kernel} x{count}" for kernel, count in sorted(self.int4_kernels.items())]
+        tail = f"; int4 kernel: {', '.join(kernels)}" if kernels else ""
+        return f"weights = {self.fmt}: " + ", ".join(parts) + tail
 
     def _quantized(
         self, role: str, layer: int | None, weight: torch.Tensor

@@ -33,6 +33,8 @@ from tests.engine.test_runner_exact import full_logits
 from tests.support.tiny_models import TINY_ARCHS, tiny_hf_model
 
 ALWAYS_QUANT = dict.fromkeys(DENSE_FROM, NEVER)  # the quantized kernel at every token count
+# These tests hold torch's int4 kernel (bf16 activations) to its references on every CPU; the
+# native integer-dot kernel, what auto picks without AVX512-BF16, has tests/engine/test_int4_matmul.
 
 
 @pytest.fixture(autouse=True)
@@ -182,7 +184,9 @@ def greedy(runner, pool, ids: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_runner_matches_the_dequantised_weights_runner(arch, fmt) -> None:
     hf = tiny_hf_model(arch)
-    ours = runner_with(hf, Projections(fmt, torch.float32, True, dense_from=ALWAYS_QUANT))
+    ours = runner_with(
+        hf, Projections(fmt, torch.float32, True, dense_from=ALWAYS_QUANT, int4="torch")
+    )
     ref = runner_with(hf, dequantised_projections(fmt))
     ids = torch.randint(2, 256, (37,), generator=torch.Generator().manual_seed(4)).tolist()
     logits, expected = full_logits(*ours, ids), full_logits(*ref, ids)
@@ -194,11 +198,13 @@ def test_quantized_runner_matches_the_dequantised_weights_runner(arch, fmt) -> N
 
 def test_prefill_takes_the_dense_weights_and_decode_the_quantized() -> None:
     hf = tiny_hf_model("llama", seed=5)
-    hybrid = runner_with(hf, Projections("int4", torch.float32, True))
+    hybrid = runner_with(hf, Projections("int4", torch.float32, True, int4="torch"))
     dense = runner_with(hf, None)
     ids = torch.randint(2, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     assert torch.equal(full_logits(*hybrid, ids), full_logits(*dense, ids))  # 40 >= DENSE_FROM
-    quant_only = runner_with(hf, Projections("int4", torch.float32, True, dense_from=ALWAYS_QUANT))
+    quant_only = runner_with(
+        hf, Projections("int4", torch.float32, True, dense_from=ALWAYS_QUANT, int4="torch")
+    )
     one = ids[:1]  # a single token runs the 4-bit kernels in both
     assert torch.equal(full_logits(*hybrid, one), full_logits(*quant_only, one))
 
@@ -213,7 +219,9 @@ def test_embedded_model_int4_from_gguf_agrees_with_its_dequantised_weights(
     far from fp32 (measured 0.48 on logits up to ~30; the int4 runner 0.73: the kernel also
     rounds its dequantised weight to bf16). A short prompt, as fp32 compute runs the 4-bit path
     at every token count here."""
-    quant = Projections("gguf", torch.float32, True, embedded_gguf, dense_from=ALWAYS_QUANT)
+    quant = Projections(
+        "gguf", torch.float32, True, embedded_gguf, dense_from=ALWAYS_QUANT, int4="torch"
+    )
     ours = runner_with(default_model.hf_model, quant)
     expected_kinds = {f"{role}: int4 from GGUF Q4_1" for role in ("qkv", "o_proj", "gate_up")}
     expected_kinds |= {"down: int4 from GGUF Q4_1", "lm_head: int4 from GGUF Q8_0"}
