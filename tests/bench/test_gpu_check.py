@@ -24,7 +24,8 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
     home, tmp, out = tmp_path / "home", tmp_path / "tmp", tmp_path / "out"
     home.mkdir()
     tmp.mkdir()
-    env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp), XDG_CACHE_HOME=str(home / ".cache"))
+    xdg = {f"XDG_{kind}_HOME": str(home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}
+    env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp), **xdg)
     env.pop("TRITON_INTERPRET", None)
     # The check keeps the native CPU kernels' build under --out too: hand it this machine's
     # build (made here if the suite has not yet) instead of a 15 s gcc run.
