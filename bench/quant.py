@@ -54,8 +54,10 @@ from peer_servers import (  # noqa: E402
 )
 from quant_accuracy import measure_weights_accuracy  # noqa: E402
 
+from bench.machine import machine_report  # noqa: E402
 from chatstore.config import cpu_has_fast_bf16, resolve_dtype  # noqa: E402
 from chatstore.engine.linear import packing_available  # noqa: E402
+from chatstore.engine.quant_linear import int4_kernel  # noqa: E402
 from chatstore.engine.runner import ModelRunner  # noqa: E402
 from chatstore.engine.weight_plan import Projections  # noqa: E402
 from chatstore.model import LoadedModel, load_model  # noqa: E402
@@ -190,13 +192,6 @@ def store_keys(quick: bool) -> dict:
     return measure_kv(quick)
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return "unknown"
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else round(a / b, 3)
 
@@ -240,8 +235,8 @@ def main() -> None:
     store = store_keys(args.quick)
     for key in ("ppl_int8kv_pct", "kv_bytes_ratio_int8", "restore_ttft_ratio_int8kv"):
         result[key] = store.get(key)
+    result |= machine_report() | {"int4_kernel": int4_kernel()}
     result |= {
-        "cpu_model": cpu_model(),
         "avx512_bf16": cpu_has_fast_bf16(),
         "dtype": dtype,
         "torch_threads": torch.get_num_threads(),
