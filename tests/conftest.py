@@ -114,3 +114,11 @@ def reference(default_model):
     from tests.support.multiturn import recompute_conversation
 
     return recompute_conversation(default_model)
+
+
+def pytest_report_header() -> str:
+    """Which builds of the native kernels this run exercises (every variant the CPU runs)."""
+    from chatstore.kernels import native
+
+    ran = ", ".join(v.name for v in native.runnable_variants())
+    return f"native kernel variants tested: {ran} (serving: {native.selected_variant().name})"
