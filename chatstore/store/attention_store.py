@@ -87,10 +87,12 @@ class AttentionStore:
         self.context = ContextBudget.of(spec.max_context, settings.max_context_tokens)
         dtype = settings.storage_dtype
         self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
-        self.hasher = ChunkHasher(fingerprint, dtype, settings.chunk_tokens)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         remote = build_remote(settings, redis_client)
         self.sealer, self.key_watch = remote.sealer, remote.key_watch
+        # Chunk names keyed per tenant when sealing (chunks/keys.py): none guessable in a dump.
+        digest_key = self.sealer.keyring.digest_key if self.sealer is not None else None
+        self.hasher = ChunkHasher(fingerprint, dtype, settings.chunk_tokens, digest_key)
         self.redis_breaker = remote.breaker if remote.client is not None else None
         tiers = build_tiers(settings, self.layout, fingerprint, remote)
         self.events, self.index = EventLog(), SessionIndex()

@@ -4,9 +4,9 @@ cannot open is a miss there, counted in open_failures, and stays in Redis.
 Real engines (a tiny model), real redis-servers (KV under allkeys-lru, records under
 noeviction), real LMDB:
 
-- two replicas with different master keys (each with its own records and data keys) run the
-  same conversation over one KV Redis: both serve the fresh-run tokens, the one that cannot open
-  the other's chunks counts it, and no chunk is deleted from Redis;
+- two replicas with different master keys over one records Redis (so one key store): each
+  serves its own tenants with the fresh-run tokens, cannot open the other's chunks (counted),
+  and no chunk is deleted from Redis; with key stores of their own, their names never meet;
 - a rolling master-key rotation, `k2,k1` on one replica and `k1` on the other, sharing records
   and data keys: both serve a tenant made before it, a tenant made on the rotated replica opens
   nowhere else until that replica has k2 too, and no chunk is deleted;
@@ -111,26 +111,49 @@ def _chunk_names(client) -> set[bytes]:
     return set(client.scan_iter(match="chatstore:kv:*", count=1000))
 
 
-def test_replicas_with_different_master_keys_delete_no_chunk(tmp_path, kv_redis):
-    """Each replica its own master key (and so its own data keys, records in its own LMDB):
-    the second cannot open the first's chunks, recomputes, and deletes nothing."""
+def test_replicas_with_different_master_keys_delete_no_chunk(tmp_path, kv_redis, records_redis):
+    """A replica given another master key by mistake, sharing records and data keys: each
+    serves the tenants whose keys it made, cannot open the other's (a miss, counted), and
+    deletes nothing."""
+    kv = redis_lib.Redis.from_url(kv_redis.url)
+    a = Replica(tmp_path, "a", kv_redis.url, records_redis.url, new_secret_line())
+    b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, new_secret_line())
+    try:
+        history = prompt(3, 3 * CHUNK + 5)
+        assert a.turn("ta", "chat", history) == 0
+        assert b.turn("tb", "chat", history) == 0
+        assert a.turn("ta", "chat", [*history, *prompt(4, 9)]) >= 3 * CHUNK
+        assert b.turn("tb", "chat", [*history, *prompt(4, 9)]) >= 3 * CHUNK
+        written = _chunk_names(kv)
+        for reader, writer, tenant in ((b, a, "ta"), (a, b, "tb")):
+            chunks = writer.chunks(tenant, "chat")
+            assert reader.store.tier("remote").discover(chunks) == len(chunks)
+            before = reader.open_failures()
+            for chunk in chunks:
+                assert reader.store.tiers.get(chunk, promote=False, count=False) is None
+            assert reader.open_failures() == before + len(chunks)
+        assert _deletes(kv) == 0
+        assert written <= _chunk_names(kv)  # every chunk is still in Redis
+    finally:
+        a.close()
+        b.close()
+
+
+def test_replicas_with_keys_of_their_own_name_the_same_chunks_apart(tmp_path, kv_redis):
+    """Each replica its own master key, records and data keys (records_url = lmdb): the same
+    conversation's chunks get other names on each (names are keyed per tenant key), so
+    neither reads nor overwrites the other's, and nothing is deleted."""
     kv = redis_lib.Redis.from_url(kv_redis.url)
     a = Replica(tmp_path, "a", kv_redis.url, "lmdb", new_secret_line())
     b = Replica(tmp_path, "b", kv_redis.url, "lmdb", new_secret_line())
     try:
         history = prompt(3, 3 * CHUNK + 5)
         assert a.turn("t", "chat", history) == 0
-        written = _chunk_names(kv)
-        assert len(written) >= 3
-        # b: the same conversation, so the same chunk names in Redis (content-addressed),
-        # which b writes sealed under its own key over a's.
         assert b.turn("t", "chat", history) == 0
-        assert b.turn("t", "chat", [*history, *prompt(4, 9)]) >= 3 * CHUNK  # b reads its own
-        # a's next turn finds values it cannot open: misses, counted, recomputed; it serves.
-        assert a.turn("t", "chat", [*history, *prompt(4, 9)]) == 0
-        assert a.open_failures() >= 1 and b.open_failures() == 0  # the load stops at the first
-        assert _deletes(kv) == 0
-        assert written <= _chunk_names(kv)  # every chunk name is still in Redis
+        assert not set(a.chunks("t", "chat")) & set(b.chunks("t", "chat"))
+        assert a.turn("t", "chat", [*history, *prompt(4, 9)]) >= 3 * CHUNK
+        assert b.turn("t", "chat", [*history, *prompt(4, 9)]) >= 3 * CHUNK
+        assert a.open_failures() == b.open_failures() == 0 and _deletes(kv) == 0
     finally:
         a.close()
         b.close()

@@ -37,7 +37,7 @@ from chatstore.store.records.record import (
 )
 from chatstore.store.records.responses import ResponseRecords
 from chatstore.store.sealing import RECORD_PURPOSE, OpenError, Sealer
-from chatstore.store.sealing.sealer import is_sealed
+from chatstore.store.sealing.sealer import is_sealed, owner_tenant
 from chatstore.store.session_kv import SessionKey
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,18 @@ class RecordStore(ABC):
             self.open_failures += 1
             log.warning("record %r failed to open (%s): read as absent", name, exc)
             return None
+
+    def digest_key(self, tenant: str) -> bytes:
+        """The key of tenant's prefix index hashes (prefix_index.py): its digest key when
+        sealing, b"" (unkeyed) in the clear."""
+        if self.sealer is None:
+            return b""
+        return self.sealer.keyring.digest_key(owner_tenant(tenant))
+
+    def index_mark(self) -> bytes:
+        """What a backend's "prefix index built" marker holds: an index built keyed (or not)
+        is built again when that changes, or when it was built before keyed hashes."""
+        return b"2:keyed" if self.sealer is not None else b"2:plain"
 
     def _encode(self, tenant: str, name: bytes, record: SessionRecord) -> bytes:
         return self.seal(tenant, name, record.to_json())

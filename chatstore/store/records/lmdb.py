@@ -91,7 +91,7 @@ class LmdbRecordStore(RecordStore):
                     break
                 if b":" not in bytes(name)[:2]:
                     old.append((bytes(name), bytes(raw)))
-            indexed = txn.get(INDEX_BUILT) is not None
+            indexed = txn.get(INDEX_BUILT) == self.index_mark()
             facts_ttl = lmdb_facts.ttl_marker(txn)
         if old and self.sealer is not None:
             # Clear values written before sealing existed: a migration never seals a value
@@ -109,12 +109,16 @@ class LmdbRecordStore(RecordStore):
                     new_name = self._name(record.key)
                     txn.put(new_name, self._encode(record.tenant, new_name, record))
                     txn.delete(name)
-        if not indexed:
+        if not indexed:  # never, or hashed otherwise (before keyed hashes): built anew
             records = self._all()
             with self.env.begin(write=True) as txn:
+                old_entries = txn.cursor()
+                if old_entries.set_range(INDEX):
+                    while bytes(old_entries.key())[:2] == INDEX and old_entries.delete():
+                        pass
                 for record in records:
                     self._index(txn, record.key, None, _saved(record))
-                txn.put(INDEX_BUILT, b"1")
+                txn.put(INDEX_BUILT, self.index_mark())
         if facts_ttl != self.ttl_s:
             self._build_facts()
 
@@ -379,8 +383,9 @@ class LmdbRecordStore(RecordStore):
             return
         digest = key_digest(key)
         memo = self._hash_memo
-        old = memo.registration(digest, key.tenant, was[1], was[0]) if was else {}
-        new = memo.registration(digest, key.tenant, now[1], now[0]) if now else {}
+        hkey = self.digest_key(key.tenant)
+        old = memo.registration(digest, key.tenant, was[1], was[0], hkey) if was else {}
+        new = memo.registration(digest, key.tenant, now[1], now[0], hkey) if now else {}
         base = self._prefix(key.tenant, INDEX)
         for entry_key in prefix_index.changed_keys(old, new):
             name = base + entry_key.encode()
@@ -408,7 +413,8 @@ class LmdbRecordStore(RecordStore):
                 return None
             return record.session_id, record.token_ids, record.fingerprint
 
-        return prefix_index.best_match(tenant, fingerprint, token_ids, read, load)
+        key = self.digest_key(tenant)
+        return prefix_index.best_match(tenant, fingerprint, token_ids, read, load, key)
 
     # -- key rotation -----------------------------------------------------------------------
 

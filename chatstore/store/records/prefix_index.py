@@ -8,6 +8,9 @@ hash per tenant), so every replica sharing one Redis finds sessions made on anot
     entry  {ends: ...}       {through: [d]}     {through: [d], ends: {d: [151, H(h128, t128..150)]}}
 
 h0 is a hash of the tenant and the model's fingerprint (no other tenant or model ever matches).
+With encryption at rest every H is keyed blake2b under the tenant's digest key (`key`, from the
+keyring, as chunk names are): an entry's name or end hash cannot be reproduced from guessed
+token ids without it, and a shred makes them meaningless. Without it (key b"") plain blake2b.
 A session (named by its record digest `d`, never its id in the clear) is "through" every step
 boundary k ≤ len(ids), k > 0, and "ends" at the last boundary ≤ len(ids), with its exact
 length and the hash of all its ids. A lookup hashes the prompt's boundaries once (O(len)), reads
@@ -82,23 +85,29 @@ class PrefixEntry:
             del self.ends[next(iter(self.ends))]
 
 
-def _seed(tenant: str, fingerprint: str) -> bytes:
+def _seed(tenant: str, fingerprint: str, key: bytes) -> bytes:
     blob = json.dumps(["chatstore-prefix", tenant, fingerprint]).encode()
-    return hashlib.blake2b(blob, digest_size=16).digest()
+    return hashlib.blake2b(blob, digest_size=16, key=key).digest()
 
 
-def _step(previous: bytes, ids: Sequence[int]) -> bytes:
-    return hashlib.blake2b(previous + array.array("i", ids).tobytes(), digest_size=16).digest()
+def _step(previous: bytes, ids: Sequence[int], key: bytes) -> bytes:
+    data = previous + array.array("i", ids).tobytes()
+    return hashlib.blake2b(data, digest_size=16, key=key).digest()
 
 
 def boundary_hashes(
-    tenant: str, fingerprint: str, ids: Sequence[int], known: list[bytes] | None = None
+    tenant: str,
+    fingerprint: str,
+    ids: Sequence[int],
+    known: list[bytes] | None = None,
+    key: bytes = b"",
 ) -> list[bytes]:
     """h(0), h(STEP), h(2 STEP), ... up to len(ids): entry i is the hash of ids[: i * STEP].
-    `known`: the first hashes already computed for these ids (a prefix of the answer)."""
-    out = list(known) if known else [_seed(tenant, fingerprint)]
+    `known`: the first hashes already computed for these ids (a prefix of the answer); `key`:
+    the tenant's digest key (b"": unkeyed)."""
+    out = list(known) if known else [_seed(tenant, fingerprint, key)]
     for k in range(PREFIX_STEP * len(out), len(ids) + 1, PREFIX_STEP):
-        out.append(_step(out[-1], ids[k - PREFIX_STEP : k]))
+        out.append(_step(out[-1], ids[k - PREFIX_STEP : k], key))
     return out
 
 
@@ -106,15 +115,19 @@ Registration = dict[str, tuple[int, str] | None]  # entry key -> None (through) 
 
 
 def registration(
-    tenant: str, fingerprint: str, ids: Sequence[int], hashes: list[bytes] | None = None
+    tenant: str,
+    fingerprint: str,
+    ids: Sequence[int],
+    hashes: list[bytes] | None = None,
+    key: bytes = b"",
 ) -> Registration:
     """The entries a session with saved `ids` is in (none without ids, or without the model
     that made them: such ids are never reused). `hashes`: its boundary hashes, if known."""
     if not ids or not fingerprint:
         return {}
-    hashes = hashes or boundary_hashes(tenant, fingerprint, ids)
+    hashes = hashes or boundary_hashes(tenant, fingerprint, ids, key=key)
     out: Registration = {h.hex(): None for h in hashes[1:]}
-    out[hashes[-1].hex()] = (len(ids), _end_hash(hashes, ids, len(ids)))
+    out[hashes[-1].hex()] = (len(ids), _end_hash(hashes, ids, len(ids), key))
     return out
 
 
@@ -130,36 +143,39 @@ class HashMemo:
     it adds, and the one it replaces is the memo's own (O(new), not O(conversation))."""
 
     def __init__(self, size: int = 4096) -> None:
-        self._last: OrderedDict[str, tuple[str, str, tuple[int, ...], list[bytes]]] = OrderedDict()
+        # slot -> (tenant, fingerprint, digest key, ids, their boundary hashes)
+        self._last: OrderedDict[str, tuple[str, str, bytes, tuple[int, ...], list[bytes]]] = (
+            OrderedDict()
+        )
         self._size = size
         self._lock = threading.Lock()
 
     def registration(
-        self, slot: str, tenant: str, fingerprint: str, ids: tuple[int, ...]
+        self, slot: str, tenant: str, fingerprint: str, ids: tuple[int, ...], key: bytes = b""
     ) -> Registration:
         if not ids or not fingerprint:
             return {}
         with self._lock:
             found = self._last.get(slot)
         known: list[bytes] | None = None
-        if found is not None and found[:2] == (tenant, fingerprint):
-            old_ids, old = found[2], found[3]
+        if found is not None and found[:3] == (tenant, fingerprint, key):
+            old_ids, old = found[3], found[4]
             full = (len(old) - 1) * PREFIX_STEP  # ids the memo's hashes cover
             if len(ids) >= full and ids[:full] == old_ids[:full]:
                 known = old
-        hashes = boundary_hashes(tenant, fingerprint, ids, known)
+        hashes = boundary_hashes(tenant, fingerprint, ids, known, key)
         with self._lock:
-            self._last[slot] = (tenant, fingerprint, ids, hashes)
+            self._last[slot] = (tenant, fingerprint, key, ids, hashes)
             self._last.move_to_end(slot)
             while len(self._last) > self._size:
                 self._last.popitem(last=False)
-        return registration(tenant, fingerprint, ids, hashes)
+        return registration(tenant, fingerprint, ids, hashes, key)
 
 
-def _end_hash(hashes: list[bytes], ids: Sequence[int], length: int) -> str:
+def _end_hash(hashes: list[bytes], ids: Sequence[int], length: int, key: bytes) -> str:
     """The hash of ids[:length] (length ≤ len(ids)), from the boundary hash below it."""
     base = length // PREFIX_STEP
-    return _step(hashes[base], ids[base * PREFIX_STEP : length]).hex()
+    return _step(hashes[base], ids[base * PREFIX_STEP : length], key).hex()
 
 
 def apply(entry: PrefixEntry, digest: str, key: str, new: Registration) -> PrefixEntry:
@@ -174,16 +190,17 @@ def rank(
     fingerprint: str,
     ids: list[int],
     read: Callable[[list[str]], list[bytes | None]],
+    key: bytes = b"",
 ) -> tuple[list[tuple[int, str]], list[list[str]]]:
     """The candidates for ids, from one batched `read` of its boundaries' entries: whole-prefix
     candidates as (length, digest), longest first; and each non-empty boundary's sessions,
     deepest boundary first (a session sharing s tokens is in the entry at s // STEP)."""
-    hashes = boundary_hashes(tenant, fingerprint, ids)
+    hashes = boundary_hashes(tenant, fingerprint, ids, key=key)
     entries = [PrefixEntry.from_bytes(raw) for raw in read([h.hex() for h in hashes])]
     whole: list[tuple[int, str]] = []
     for entry in entries:
         for digest, (length, end) in entry.ends.items():
-            if length <= len(ids) and _end_hash(hashes, ids, length) == end:
+            if length <= len(ids) and _end_hash(hashes, ids, length, key) == end:
                 whole.append((length, digest))
     whole.sort(reverse=True)
     levels = [[*e.through, *reversed(e.ends)] for e in reversed(entries) if not e.empty()]
@@ -196,10 +213,12 @@ def best_match(
     ids: list[int],
     read: Callable[[list[str]], list[bytes | None]],
     load: Callable[[str], tuple[str, list[int], str] | None],
+    key: bytes = b"",
 ) -> PrefixMatch | None:
     """The session ids continues, verified on its record: `load(digest)` gives the live
-    record's (session id, token ids, fingerprint), None when it is gone."""
-    whole, levels = rank(tenant, fingerprint, ids, read)
+    record's (session id, token ids, fingerprint), None when it is gone. `key`: the tenant's
+    digest key (b"": unkeyed)."""
+    whole, levels = rank(tenant, fingerprint, ids, read, key)
     loaded: dict[str, tuple[str, list[int]] | None] = {}
 
     def record(digest: str) -> tuple[str, list[int]] | None:

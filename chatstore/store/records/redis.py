@@ -252,8 +252,9 @@ class RedisRecordStore(RedisFacts):
             return
         digest, hname = key_digest(key), self._index_name(key.tenant)
         memo = self._hash_memo
-        old = memo.registration(digest, key.tenant, was[1], was[0]) if was else {}
-        new = memo.registration(digest, key.tenant, now[1], now[0]) if now else {}
+        hkey = self.digest_key(key.tenant)
+        old = memo.registration(digest, key.tenant, was[1], was[0], hkey) if was else {}
+        new = memo.registration(digest, key.tenant, now[1], now[0], hkey) if now else {}
         keys = prefix_index.changed_keys(old, new)
 
         def attempt(pipe: Any) -> None:  # retried by redis-py if the hash changes meanwhile
@@ -274,12 +275,15 @@ class RedisRecordStore(RedisFacts):
                 log.warning("prefix index of %s not updated (%s)", key, exc)
 
     def _build_index(self, tenant: str) -> None:
-        """The tenant's records written before the prefix index: index them, once per Redis
-        (the tenant's first lookup; two replicas doing it at once change nothing)."""
+        """The tenant's records written before the prefix index, or indexed with other hashes
+        (before keyed ones): index them anew, once per Redis (the tenant's first lookup; two
+        replicas doing it at once change nothing; a turn's entry written meanwhile may be
+        lost: lookups verify on the records, the index is best effort)."""
         records = [r for r in self._all(tenant) if r.tenant == tenant]
+        self.client.delete(self._index_name(tenant))
         for record in records:
             self._index(record.key, None, _saved(record))
-        self.client.hset(self._index_name(tenant), self.INDEX_BUILT, b"1")
+        self.client.hset(self._index_name(tenant), self.INDEX_BUILT, self.index_mark())
         log.info("indexed %d session records of %r by prefix", len(records), tenant)
 
     def _prefix_match(
@@ -289,7 +293,7 @@ class RedisRecordStore(RedisFacts):
 
         def read(keys: list[str]) -> list[bytes | None]:
             *entries, built = self.client.hmget(hname, [*keys, self.INDEX_BUILT])
-            if built is None:  # the tenant's first lookup: index its older records, read again
+            if built != self.index_mark():  # its first lookup: index the records, read again
                 self._build_index(tenant)
                 entries = self.client.hmget(hname, keys)
             return list(entries)
@@ -301,7 +305,8 @@ class RedisRecordStore(RedisFacts):
                 return None
             return record.session_id, record.token_ids, record.fingerprint
 
-        return prefix_index.best_match(tenant, fingerprint, token_ids, read, load)
+        key = self.digest_key(tenant)
+        return prefix_index.best_match(tenant, fingerprint, token_ids, read, load, key)
 
     # -- key rotation -----------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Where the tenants' data keys live: wrapped under the master key, never in the clear.
 
-    tenant -> TenantKeys(version, [WrappedKey(dek id, master id, nonce | AES-GCM(DEK) | tag)])
+    tenant -> TenantKeys(version, [WrappedKey(dek id, master id, nonce | AES-GCM(DEK) | tag)],
+                         digest key: wrapped the same way)
 
 The first key of a tenant seals its new values; the others (a data-key rotation under way)
 still open the values sealed under them. Every change raises the tenant's version and the
@@ -34,20 +35,31 @@ class WrappedKey:
 class TenantKeys:
     version: int
     keys: tuple[WrappedKey, ...]  # the first seals
+    # The key of the tenant's digests (chunk names, prefix index): kept across data-key
+    # rotations (the names stay), destroyed with the data keys by a shred.
+    digest: WrappedKey | None = None
 
     def to_bytes(self) -> bytes:
-        keys = [
-            [k.dek_id, k.master_id, base64.b64encode(k.blob).decode(), k.created] for k in self.keys
-        ]
-        return json.dumps({"v": self.version, "k": keys}).encode()
+        fields: dict = {"v": self.version, "k": [_listed(k) for k in self.keys]}
+        if self.digest is not None:
+            fields["h"] = _listed(self.digest)
+        return json.dumps(fields).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> TenantKeys:
         fields = json.loads(raw)
-        keys = tuple(
-            WrappedKey(str(d), str(m), base64.b64decode(b), float(c)) for d, m, b, c in fields["k"]
-        )
-        return cls(int(fields["v"]), keys)
+        keys = tuple(_wrapped(k) for k in fields["k"])
+        digest = _wrapped(fields["h"]) if "h" in fields else None
+        return cls(int(fields["v"]), keys, digest)
+
+
+def _listed(key: WrappedKey) -> list[str | float]:
+    return [key.dek_id, key.master_id, base64.b64encode(key.blob).decode(), key.created]
+
+
+def _wrapped(fields: list) -> WrappedKey:
+    dek_id, master_id, blob, created = fields
+    return WrappedKey(str(dek_id), str(master_id), base64.b64decode(blob), float(created))
 
 
 class KeyStore(ABC):

@@ -5,7 +5,11 @@
                                 AES-256-GCM(master, DEK, ad = "chatstore-dek-v1" | tenant | dek
                                 id) in a key store (key_store.py); unwrapped once, then cached
 
-Shredding a tenant deletes its wrapped DEKs from the key store (durably): no key material the
+Beside its DEKs a tenant has a digest key (32 random bytes, wrapped the same way): chunk names
+and prefix index entries are keyed by it (chunks/keys.py), so none can be reproduced from token
+ids without it. It survives data-key rotations (names stay) and goes with a shred.
+
+Shredding a tenant deletes its wrapped keys from the key store (durably): no key material the
 server holds opens its values again, on any tier or in any backup of the data. Master-key
 rotation rewraps the DEKs under the newest master key (`rewrap_all`: seconds, no data is
 touched); a data-key rotation gives each tenant a new DEK in front (`add_data_key`), re-seals
@@ -18,6 +22,7 @@ a watcher (key_watch.py) raises the epoch this keyring has seen once a second.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -60,10 +65,13 @@ class _Cached:
     version: int
     keys: dict[str, DataKey]  # by dek id; the ones this server could unwrap
     sealing: DataKey | None  # the tenant's first key (None: not unwrappable here)
+    digest_key: bytes | None  # keys the tenant's digests (None: none yet, or not unwrappable)
 
 
-# A change to a tenant's keys: the keys it should have now (None: leave them as they are).
-KeyChange = Callable[[str, TenantKeys], "tuple[WrappedKey, ...] | None"]
+# A change to a tenant's keys: what it should have now (None: leave them as they are); the
+# version is raised by _change.
+KeyChange = Callable[[str, TenantKeys], "TenantKeys | None"]
+DIGEST_ID = "h"  # the digest key's id in the wrapping's associated data
 
 
 def _wrap_ad(tenant: str, dek_id: str) -> bytes:
@@ -125,13 +133,16 @@ class Keyring:
         epoch = self.seen_epoch
         stored = self.store.load(tenant)
         if stored is None and create:
-            stored = self.store.create(tenant, TenantKeys(1, (self._new_key(tenant, "d1"),)))
+            first = (self._new_key(tenant, "d1"),)
+            stored = self.store.create(
+                tenant, TenantKeys(1, first, self._new_key(tenant, DIGEST_ID))
+            )
         if stored is None:
             with self._lock:
                 self._cache.pop(tenant, None)
             return None
         if cached is not None and cached.version == stored.version:
-            entry = _Cached(epoch, cached.version, cached.keys, cached.sealing)
+            entry = _Cached(epoch, cached.version, cached.keys, cached.sealing, cached.digest_key)
         else:
             entry = self._unwrapped(tenant, stored, epoch)
         with self._lock:
@@ -151,7 +162,8 @@ class Keyring:
                     tenant, wrapped.dek_id, wrapped.master_id,
                 )  # fmt: skip
         sealing = keys.get(stored.keys[0].dek_id)
-        return _Cached(epoch, stored.version, keys, sealing)
+        digest = self._unwrap(tenant, stored.digest) if stored.digest is not None else None
+        return _Cached(epoch, stored.version, keys, sealing, digest)
 
     def observe_epoch(self, epoch: int) -> None:
         """The store's epoch as a watcher read it: entries older are read again on next use."""
@@ -171,6 +183,27 @@ class Keyring:
                 f"not hold: give every replica the same master key"
             )
         return entry.sealing
+
+    def digest_key(self, tenant: str) -> bytes:
+        """The key of tenant's digests (chunk names, prefix index entries): 32 random bytes
+        kept wrapped with its data keys, so only this server's keys reproduce a digest, and a
+        shred makes every digest of the tenant meaningless. KeyUnavailable as sealing_key."""
+        entry = self._entry(tenant, create=True)
+        assert entry is not None
+        if entry.digest_key is None and self._change(tenant, self._with_digest):
+            entry = self._entry(tenant, create=True)  # keys made before digest keys: one now
+            assert entry is not None
+        if entry.digest_key is None:
+            raise KeyUnavailable(
+                f"tenant {tenant!r}: its digest key is wrapped by a master key this server "
+                f"does not hold: give every replica the same master key"
+            )
+        return entry.digest_key
+
+    def _with_digest(self, tenant: str, stored: TenantKeys) -> TenantKeys | None:
+        if stored.digest is not None:
+            return None
+        return dataclasses.replace(stored, digest=self._new_key(tenant, DIGEST_ID))
 
     def opening_key(self, tenant: str, dek_id: str) -> DataKey | None:
         """tenant's key dek_id (None: shredded, retired, or not unwrappable here)."""
@@ -206,11 +239,12 @@ class Keyring:
             changed += self._change(tenant, self._rewrapped)
         return changed
 
-    def _rewrapped(self, tenant: str, stored: TenantKeys) -> tuple[WrappedKey, ...] | None:
-        if all(k.master_id == self.sealing_id for k in stored.keys):
+    def _rewrapped(self, tenant: str, stored: TenantKeys) -> TenantKeys | None:
+        every = [*stored.keys, *([stored.digest] if stored.digest is not None else [])]
+        if all(k.master_id == self.sealing_id for k in every):
             return None
         out = []
-        for wrapped in stored.keys:
+        for wrapped in every:
             dek = self._unwrap(tenant, wrapped)
             if dek is None:
                 raise KeyUnavailable(
@@ -219,25 +253,30 @@ class Keyring:
                     f"until every data key is rewrapped"
                 )
             out.append(self._wrap(tenant, wrapped.dek_id, dek, wrapped.created))
-        return tuple(out)
+        if stored.digest is not None:
+            return dataclasses.replace(stored, keys=tuple(out[:-1]), digest=out[-1])
+        return dataclasses.replace(stored, keys=tuple(out))
 
     def add_data_key(self, tenant: str, older_than: float) -> bool:
         """Data-key rotation: a new key in front of tenant's if its sealing key was made
         before older_than (so a resumed rotation adds none twice); whether one was added."""
 
-        def added(tenant: str, stored: TenantKeys) -> tuple[WrappedKey, ...] | None:
+        def added(tenant: str, stored: TenantKeys) -> TenantKeys | None:
             if stored.keys[0].created >= older_than:
                 return None
             number = 1 + max(int(k.dek_id.lstrip("d") or 0) for k in stored.keys)
-            return (self._new_key(tenant, f"d{number}"), *stored.keys)
+            keys = (self._new_key(tenant, f"d{number}"), *stored.keys)
+            return dataclasses.replace(stored, keys=keys)
 
         return bool(self._change(tenant, added))
 
     def retire_data_keys(self, tenant: str) -> bool:
         """Drop every key of tenant but its sealing one (a finished data-key rotation)."""
 
-        def retired(tenant: str, stored: TenantKeys) -> tuple[WrappedKey, ...] | None:
-            return stored.keys[:1] if len(stored.keys) > 1 else None
+        def retired(tenant: str, stored: TenantKeys) -> TenantKeys | None:
+            if len(stored.keys) == 1:
+                return None
+            return dataclasses.replace(stored, keys=stored.keys[:1])
 
         return bool(self._change(tenant, retired))
 
@@ -248,10 +287,11 @@ class Keyring:
             stored = self.store.load(tenant)
             if stored is None:
                 return 0
-            keys = change(tenant, stored)
-            if keys is None:
+            changed = change(tenant, stored)
+            if changed is None:
                 return 0
-            if self.store.replace(tenant, stored.version, TenantKeys(stored.version + 1, keys)):
+            new = dataclasses.replace(changed, version=stored.version + 1)
+            if self.store.replace(tenant, stored.version, new):
                 with self._lock:
                     self._cache.pop(tenant, None)
                 return 1
