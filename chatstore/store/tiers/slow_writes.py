@@ -42,10 +42,13 @@ class SlowTierWrites:
         except TierUnavailable:
             pass  # out of reach now (the tier's breaker counts it): a miss
         except OpenError:
-            # A wrong, shredded or missing key, or a clear or changed value: a miss, counted.
-            # The value stays where it is: another key (a replica's, a rotation's) may open it.
+            # A wrong, shredded or missing key, or a clear or changed value: a miss, counted as
+            # corrupt (not served) and said why. The value stays where it is (the tiers never
+            # drop one that does not open): another key, a replica's or a rotation's, may.
             with self._lock:
+                self.counters.tier(tier.name).corrupt += 1
                 self.counters.tier(tier.name).open_failures += 1
+            self._emit("corrupt", key, tier.name)
         except CorruptValueError:
             with self._lock:
                 self.counters.tier(tier.name).corrupt += 1
