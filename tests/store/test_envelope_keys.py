@@ -8,7 +8,8 @@
   current key store, opens nothing of the tenant (and its marker is nowhere in the clear),
   other tenants open; what no server can promise (an old key store plus the master key) holds;
 - a clear value planted in LMDB or Redis is refused by reads, re-seals and the records'
-  migration, and stays where it is; `encrypt-existing` alone seals it.
+  migration, and stays where it is; `encrypt-existing` alone seals it; a start whose records
+  do not open (a wrong master key) deletes no stored chunk.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
 from chatstore.store.sealing import Keyring, KeyringError, OpenError, Sealer, load_master_secrets
@@ -33,6 +35,7 @@ from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier
+from tests.support.store import TINY_SPEC
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -318,3 +321,34 @@ def test_a_planted_clear_value_is_refused_everywhere_until_encrypt_existing(tmp_
     assert torch.equal(remote.get(remote_key).kv, chunk(5).kv)
     assert data.records.get(SessionKey("mallory", "s")).messages == message("planted")
     data.close()
+
+
+def test_a_start_whose_records_do_not_open_deletes_no_stored_chunk(tmp_path):
+    """A restart given the wrong master key: the session records do not open (counted), and
+    the start's sweep of unreferenced chunks deletes nothing (a value that fails to open is a
+    miss, never a delete); with the right key again, the session's chunks are all there."""
+    right, wrong = new_secret_line("k1"), new_secret_line("k1")
+    ids = list(range(5, 5 + 2 * 64 + 9))
+    kv = torch.randn(2, 2, len(ids), 2, 4, generator=torch.Generator().manual_seed(3))
+
+    def store(secret: str) -> AttentionStore:
+        settings = StoreSettings(
+            data_dir=tmp_path, dram_bytes=0, ssd_bytes=1 << 24, block_size=4, chunk_tokens=64,
+            persist="write_through", secret_key=secret,
+        )  # fmt: skip
+        return AttentionStore(settings, TINY_SPEC, "fp")
+
+    first = store(right)
+    first.save("alice", "s", SessionKV(ids, kv))
+    assert first.flush_persist(30)
+    chunks = set(first.tier("ssd").keys())
+    assert len(chunks) == 3
+    first.close()
+    mistaken = store(wrong)
+    assert mistaken.records.open_failures >= 1
+    assert set(mistaken.tier("ssd").keys()) == chunks  # nothing swept
+    mistaken.close()
+    again = store(right)
+    assert set(again.tier("ssd").keys()) == chunks
+    assert again.lookup("alice", "s").equal(SessionKV(ids, kv))
+    again.close()
