@@ -89,6 +89,7 @@ from chatstore.engine.quant_linear import (
     Int8Linear,
     int4_kernel,
     int4_supported,
+    kernels_available,
 )
 from chatstore.engine.quant_weights import (
     Int4Weight,
@@ -138,6 +139,13 @@ def plan_projections(
     """The runner's projection builder for these settings; None for dense weights (the
     runner's default). `dtype_setting` is `dtype` as configured ("auto" or a name)."""
     fmt = resolve_format(weights, dtype_setting, device, model.gguf is not None, model_given)
+    if fmt == "gguf" and weights == "auto" and not kernels_available():
+        log.warning(
+            "weights = auto: this torch (%s) lacks the int4/int8 CPU kernels "
+            "(_weight_int4pack_mm_for_cpu, _weight_int8pack_mm): serving dense weights",
+            torch.__version__,
+        )
+        return None
     if fmt == "dense":
         return None
     gguf = GGUFWeights(model.gguf, model.spec) if model.gguf else None

@@ -171,3 +171,15 @@ def test_embedded_model_on_the_native_kernel_stays_within_bf16_noise(default_mod
         logprobs = full_logits(*dense, ids + want[:at])[-1].log_softmax(-1)
         gap = (logprobs[want[at]] - logprobs[got[at]]).item()
         assert gap <= NEAR_TIE_NATS, f"token {at}: {got[at]} over {want[at]}, {gap:.2f} nats"
+
+
+def test_auto_weights_fall_back_to_dense_where_torch_lacks_the_quantized_kernels(
+    monkeypatch, caplog, default_model
+):
+    from chatstore.engine import weight_plan
+
+    monkeypatch.setattr(weight_plan, "kernels_available", lambda: False)
+    with caplog.at_level("WARNING", logger="chatstore.engine.weight_plan"):
+        plan = weight_plan.plan_projections("auto", "auto", default_model, "auto", "cpu", False)
+    assert plan is None
+    assert "serving dense weights" in caplog.text
