@@ -39,6 +39,7 @@ from chatstore.engine.request import (
     Request,
     RequestOutput,
     SampleDelta,
+    TokenLogprob,
 )
 from chatstore.engine.runtime import Runtime
 from chatstore.engine.scheduler import WaitingEntry
@@ -110,6 +111,7 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
                 before.token_ids + d.token_ids,
                 before.text + d.text,
                 d.finish_reason or before.finish_reason,
+                _joined(before.logprobs, d.logprobs),
             )
         samples[d.index] = d
     return RequestOutput(
@@ -120,6 +122,15 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         error=then.error,
         first_token_time=first.first_token_time or then.first_token_time,
     )
+
+
+def _joined(
+    first: list[TokenLogprob] | None, then: list[TokenLogprob] | None
+) -> list[TokenLogprob] | None:
+    """Two deltas' logprobs as one list (None when the sample did not ask for them)."""
+    if first is None or then is None:
+        return first if then is None else then
+    return first + then
 
 
 class AsyncEngine:

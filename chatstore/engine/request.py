@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's top_logprobs limit
 
 
 class InvalidRequestError(ValueError):
@@ -46,6 +47,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    # None: no logprobs (nothing computed); k: each sampled token's logprob and its k likeliest
+    # alternatives, from the log-softmax of the model's logits (logprobs.py)
+    logprobs: int | None = None
 
     def validate(self, vocab_size: int) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field; return self when all is well."""
@@ -84,6 +88,9 @@ class SamplingParams:
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )
         _check(1 <= self.n <= 16, "n", f"must be in 1..16, got {self.n}")
+        k = self.logprobs
+        ok = k is None or (_integer(k) and 0 <= k <= MAX_LOGPROBS)
+        _check(ok, "top_logprobs", f"must be in 0..{MAX_LOGPROBS}")
         return self
 
 
@@ -121,6 +128,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and its likeliest alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), at most the asked k
+
+
+@dataclass(frozen=True)
 class SampleDelta:
     """New output of one sample (index < n) since the previous RequestOutput."""
 
@@ -128,6 +144,7 @@ class SampleDelta:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
 @dataclass(frozen=True)

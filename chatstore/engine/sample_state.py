@@ -1,13 +1,13 @@
 """One running sample's state for sampling: its parameters, the prompt and output token ids
-the penalties look at (the seen ids kept sorted and unique, built once), and, for a seeded
-sample, its own CPU generator seeded from (seed, sample index), so its draws depend on nothing
-else in the batch."""
+the penalties look at (the seen ids kept sorted and unique, built once), for a seeded sample
+its own CPU generator seeded from (seed, sample index), so its draws depend on nothing else in
+the batch, and, when it asks for them, the logprobs of its tokens not yet reported."""
 
 from __future__ import annotations
 
 import torch
 
-from chatstore.engine.request import SamplingParams
+from chatstore.engine.request import SamplingParams, TokenLogprob
 
 GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (as vLLM does)
 _MASK64 = (1 << 64) - 1
@@ -31,9 +31,26 @@ class SampleState:
             self._prompt_set = set(self.prompt_token_ids)
             self._prompt_ids = torch.tensor(sorted(self._prompt_set), dtype=torch.long)
         self._new_ids: list[int] = []  # output ids absent from the prompt, first-seen order
+        # logprobs: the sampler notes the drawn token's entry, `append` keeps it (a batch that
+        # failed and is sampled row by row notes again: the last note is the drawn token's)
+        self._noted: TokenLogprob | None = None
+        self._logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+
+    def note_logprob(self, entry: TokenLogprob) -> None:
+        self._noted = entry
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """The entries of the tokens appended since the last call (None: not asked for)."""
+        if self._logprobs is None:
+            return None
+        taken, self._logprobs = self._logprobs, []
+        return taken
 
     def append(self, token_id: int) -> None:
         """Record a generated token (and the counts the penalties use)."""
+        if self._logprobs is not None and self._noted is not None:
+            self._logprobs.append(self._noted)
+            self._noted = None
         self.output_token_ids.append(token_id)
         count = self.output_counts.get(token_id, 0)
         self.output_counts[token_id] = count + 1

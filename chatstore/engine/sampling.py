@@ -16,6 +16,9 @@ Whole-vocabulary passes are what a step's sampling costs on CPU, so the greedy a
 top-k / top-p searches look inside a row's few best vocabulary blocks only (vocab_blocks.py),
 and a row whose filter keeps few tokens draws from those blocks. What remains over the whole
 row is the temperature, the block maxima and, for top_p without top_k, the normaliser.
+
+Samples that ask for logprobs get them from the logits as they came in (logprobs.py); the rest
+pay one check per step.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 
 import torch
 
+from chatstore.engine.logprobs import record_logprobs, wants_logprobs
 from chatstore.engine.penalties import apply_logit_bias, apply_penalties
 from chatstore.engine.sample_state import SampleState
 from chatstore.engine.vocab_blocks import BLOCK, VocabBlocks, block_argmax, column, nucleus
@@ -39,6 +43,13 @@ def sample_batch(logits: torch.Tensor, states: list[SampleState]) -> list[int]:
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
     if not states:
         return []
+    tokens = _sample(logits, states)
+    if wants_logprobs(states):
+        record_logprobs(logits, states, tokens)  # the model's logits: untouched by _sample
+    return tokens
+
+
+def _sample(logits: torch.Tensor, states: list[SampleState]) -> list[int]:
     if any(s.params.logit_bias or s.needs_penalties for s in states):
         logits = logits.to(torch.float32, copy=True).contiguous()
         apply_logit_bias(logits, states)

@@ -115,6 +115,7 @@ class Sequence:
             token_ids=self._new_tokens,
             text="".join(self._new_text),
             finish_reason=self.finish_reason if finish_now else None,
+            logprobs=self.sample.take_logprobs(),
         )
         self._new_tokens, self._new_text = [], []
         self._reported_finish = self._reported_finish or finish_now
