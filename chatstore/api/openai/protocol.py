@@ -13,6 +13,7 @@ from chatstore.api.common.protocol import (
     SessionId,
     UsageBody,
 )
+from chatstore.engine.request import MAX_LOGPROBS
 
 
 class StreamOptions(BaseModel):
@@ -31,6 +32,26 @@ class ChatCompletionRequest(SamplingFields):
     user: str | None = Field(None, max_length=256)
     session_id: SessionId | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobBody(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobBody] | None
+    refusal: list[TokenLogprobBody] | None = None
+
+
+class ChatChoice(Choice):
+    logprobs: ChoiceLogprobs | None = None  # type: ignore[assignment]
 
 
 class ChatCompletion(BaseModel):
@@ -38,7 +59,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
-    choices: list[Choice]
+    choices: list[ChatChoice]
     usage: UsageBody
     system_fingerprint: str | None = None
     session_id: str | None = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatstore.api.common.errors import APIError
-from chatstore.engine.request import Request, RequestOutput, SampleDelta, Usage
+from chatstore.engine.request import Request, RequestOutput, SampleDelta, TokenLogprob, Usage
 
 log = logging.getLogger("chatstore.api")
 
@@ -32,6 +32,7 @@ class TurnResult:
     engine_ttft_s: float | None
     total_s: float
     error: str | None = None
+    logprobs: list[list[TokenLogprob]] | None = None  # per sample, when the request asked
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Turn:
     _texts: list[str] = field(default_factory=list)
     _ids: list[list[int]] = field(default_factory=list)
     _finish: list[str | None] = field(default_factory=list)
+    _logprobs: list[list[TokenLogprob]] | None = None
     _ttft: float | None = None
     _closed: bool = False
 
@@ -67,12 +69,14 @@ class Turn:
         self._texts = [""] * self.n
         self._ids = [[] for _ in range(self.n)]
         self._finish = [None] * self.n
+        if self.request.sampling.logprobs is not None:
+            self._logprobs = [[] for _ in range(self.n)]
         try:
             try:
                 async for output in self.stream:
                     for delta in output.samples:
                         self._fold(delta)
-                        if delta.text or delta.finish_reason:
+                        if delta.text or delta.finish_reason or delta.logprobs:
                             yield delta
                     if output.finished:
                         self._finish_with(output)
@@ -137,6 +141,8 @@ class Turn:
         self._ids[delta.index].extend(delta.token_ids)
         if delta.finish_reason:
             self._finish[delta.index] = delta.finish_reason
+        if self._logprobs is not None and delta.logprobs:
+            self._logprobs[delta.index].extend(delta.logprobs)
 
     def _finish_with(self, output: RequestOutput) -> None:
         engine_ttft = None
@@ -159,4 +165,5 @@ class Turn:
             engine_ttft_s=engine_ttft,
             total_s=time.perf_counter() - self.started,
             error=error,
+            logprobs=None if self._logprobs is None else [list(lp) for lp in self._logprobs],
         )
