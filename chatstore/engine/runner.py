@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ from chatstore.engine.weight_plan import Projection, ProjectionFactory
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
 from chatstore.kernels.paged_prefill import native_prefill_supported
 from chatstore.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from chatstore.kernels.triton.fused_ops import TritonOps
 
 # Called per layer with the pre-RoPE K and the V of the step's new tokens ([T, Hkv, D] each):
 # the hook through which the store saves position-decoupled KV.
@@ -65,9 +68,13 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         attention: str = "auto",
         projections: ProjectionFactory | None = None,
+        triton: bool | None = None,
     ) -> None:
         """`projections` builds each projection (`weight_plan.Projections`: int8 / int4
-        weights); by default every one is a `Linear` in the model's dtype."""
+        weights); by default every one is a `Linear` in the model's dtype. `triton` is
+        `AttentionKernels.triton`: None takes the Triton kernels (attention and the fused
+        element-wise ops) where the model runs on CUDA; True forces them on any device (the
+        tests, in Triton's CPU interpreter); False never takes them."""
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         self.spec = spec
@@ -87,9 +94,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         pack = fast and packing_available(self.device, self.dtype)
-        self.ops: NativeOps | type[TorchOps] = TorchOps
-        if fast and NativeOps.applies(self.dtype, self.device, spec.head_dim):
-            self.ops = NativeOps()
         if projections is None:
             projections = _dense_projections(pack)
         self.lm_head = projections("lm_head", None, hf_model.lm_head.weight.detach(), None)
@@ -102,8 +106,9 @@ class ModelRunner:
             self.dtype, self.device, spec.head_dim
         )
         self.kernels = AttentionKernels(
-            fast, self._native_prefill, self.scale, spec.num_heads // spec.num_kv_heads
+            fast, self._native_prefill, self.scale, spec.num_heads // spec.num_kv_heads, triton
         )
+        self.ops = elementwise_ops(self.kernels, self.device, self.dtype, spec.head_dim)
 
     @staticmethod
     def _layer_weights(layer: Any, index: int, make: ProjectionFactory) -> LayerWeights:
@@ -173,8 +178,32 @@ class ModelRunner:
 
     @property
     def mixed_batches_in_place(self) -> bool:
-        """Whether a batch mixing decodes and prefill chunks attends as fast as either alone."""
-        return self._native_prefill
+        """Whether a batch mixing decodes and prefill chunks attends as fast as either alone:
+        the CPU's native prefill kernel, or Triton's unified kernel (one launch for both)."""
+        return self._native_prefill or self.triton_attention
+
+    @property
+    def triton_attention(self) -> bool:
+        """Whether the paged layout's attention is Triton's unified kernel (CUDA)."""
+        return self.layout.name == "paged" and self.kernels.use_triton(self.device)
+
+
+# The fused element-wise ops a runner can take: the CPU's C kernels, Triton's, or torch ops.
+ElementwiseOps: TypeAlias = "NativeOps | type[TorchOps] | type[TritonOps]"
+
+
+def elementwise_ops(
+    kernels: AttentionKernels, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> ElementwiseOps:
+    """TritonOps where the Triton kernels serve (CUDA; imported only then), the native C ops on
+    a CPU where they apply, torch ops otherwise (the reference path, float16 on a CPU)."""
+    if kernels.use_triton(device):
+        from chatstore.kernels.triton.fused_ops import TritonOps
+
+        return TritonOps
+    if kernels.fast and NativeOps.applies(dtype, device, head_dim):
+        return NativeOps()
+    return TorchOps
 
 
 def _dense_projections(pack: bool) -> ProjectionFactory:

@@ -1,8 +1,8 @@
-"""The engine's attention dispatch with Triton's unified kernel (kv_layout.PagedAttention).
+"""The runner on the Triton kernels (kv_layout.PagedAttention, runner.elementwise_ops).
 
-On CUDA the paged layout takes it by default; here `AttentionKernels.triton = True` makes a CPU
-runner take it too, interpreted, so the whole forward (fused native element-wise ops, pool
-writes, Triton attention for prefill, decode and a mixed step in one launch a layer) is checked
+On CUDA the runner takes them by default; here `ModelRunner(triton=True)` makes a CPU runner
+take them too, interpreted, so the whole forward (TritonOps' norms, RoPE + pool write and
+SiLU * up, Triton attention for prefill, decode and a mixed step in one launch a layer) is checked
 against transformers at the runner's own tolerance (tests/engine/test_runner_exact.py: 1e-4).
 """
 
@@ -36,8 +36,8 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 def triton_runner(arch: str) -> ModelRunner:
     model = tiny_hf_model(arch, seed=5)
     spec = ModelSpec.from_hf_config(model.config)
-    runner = ModelRunner(model, spec, PagedKVCache(spec, 16, BLOCK, torch.float32))
-    runner.kernels = replace(runner.kernels, triton=True)
+    runner = ModelRunner(model, spec, PagedKVCache(spec, 16, BLOCK, torch.float32), triton=True)
+    assert runner.ops.name == "triton" and runner.mixed_batches_in_place
     return runner
 
 
@@ -77,12 +77,28 @@ def test_which_steps_take_triton() -> None:
 
 
 def test_cpu_path_never_imports_triton() -> None:
-    """Building the engine's runner and its attention choice on a CPU pool loads no Triton."""
-    code = (
+    """The attention choice on a CPU pool loads no Triton; a runner built on a CPU pool keeps
+    the CPU's ops and loads none of our Triton modules (building a transformers model imports
+    Triton itself, so that is what the second half can check)."""
+    choice = (
         "import sys, torch\n"
         "from chatstore.engine.kv_layout import AttentionKernels\n"
         "import chatstore.engine.runner, chatstore.kernels.triton\n"
         "assert not AttentionKernels(True, True, 0.125, 3).use_triton(torch.device('cpu'))\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'triton'], 'triton imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    runner = (
+        "import sys\n"
+        "from chatstore.engine.kv_cache import PagedKVCache\n"
+        "from chatstore.engine.runner import ModelRunner\n"
+        "from chatstore.model.spec import ModelSpec\n"
+        "from tests.support.tiny_models import tiny_hf_model\n"
+        "m = tiny_hf_model('llama')\n"
+        "spec = ModelSpec.from_hf_config(m.config)\n"
+        "r = ModelRunner(m, spec, PagedKVCache(spec, 4, 16))\n"
+        "assert r.ops.name in ('native', 'torch') and not r.triton_attention, r.ops\n"
+        "ours = [m for m in sys.modules if m.startswith('chatstore.kernels.triton.')]\n"
+        "assert not ours, ours\n"
+    )
+    for code in (choice, runner):
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
