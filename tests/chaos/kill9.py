@@ -1,7 +1,11 @@
 """kill -9 under load, over and over, on one data dir.
 
 cycle: start ─► sessions post turns (one thread each, JSON and SSE turns alternating)
-            ─► SIGKILL at a seeded random moment ─► threads see the connection drop
+            ─► the first turn of the cycle is acknowledged (the kill is armed)
+            ─► SIGKILL at a seeded random moment after it ─► threads see the connection drop
+  Arming on an acknowledgement, not on a clock, makes a cycle mean the same on every CPU: with
+  fixed windows a slow CPU (an AVX2-only machine, fp32) was killed before any turn finished in
+  9 cycles of 10, so the test checked almost nothing there.
 last cycle: the load stops, quiet_s later the kill (past persist_lag_s, so every
   completed chunk has reached LMDB: under load the write-back yields to prefills and
   lags, and a session's KV is a cache, only its record is promised)
@@ -33,13 +37,14 @@ ENV = {
 GREEDY = {"temperature": 0}
 FINAL = "One more colour, please."
 DELETED = "kill9-deleted"
+ARM_TIMEOUT_S = 120.0  # a liveness bound: the first turn of a cycle, on the slowest CPU
 
 
 @dataclass
 class Kill9Config:
     cycles: int = 10
     sessions: int = 8
-    up_s: tuple[float, float] = (0.5, 2.5)  # load between ready and the kill (seeded uniform)
+    up_s: tuple[float, float] = (0.5, 2.5)  # load between the first ack and the kill (seeded)
     max_tokens: int = 6
     quiet_s: float = 1.5  # before the last kill
     seed: int = 12
@@ -115,19 +120,29 @@ def _load_then_kill(
     ledger: Ledger,
     max_tokens: int,
 ) -> None:
-    """Load for up_s, then the kill; with quiet_s the load stops first and the kill comes
-    quiet_s later."""
+    """Load until the cycle's first acknowledged turn, then up_s more, then the kill; with
+    quiet_s the load stops first and the kill comes quiet_s later."""
+    acked_before = ledger.acked
     load = ChatLoad(server.url, sids, ledger, f"c{cycle} ", max_tokens).start()
     if cycle == 1:  # a delete under load: the session must not come back after the kills
         with server.client() as http:
             assert http.delete(f"/v1/sessions/{DELETED}").status_code == 200
     up_s, quiet_s = up_quiet_s
+    _wait_for_an_ack(ledger, acked_before, cycle)
     time.sleep(up_s)
     if quiet_s:
         load.stop()
         time.sleep(quiet_s)
     server.kill9()
     load.stop()  # the clients see their connections drop
+
+
+def _wait_for_an_ack(ledger: Ledger, acked_before: int, cycle: int) -> None:
+    deadline = time.monotonic() + ARM_TIMEOUT_S
+    while ledger.acked <= acked_before:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"cycle {cycle}: no turn acknowledged in {ARM_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
 
 
 def _check(server: ServerProcess, sids: list[str], ledger: Ledger, report: Kill9Report) -> None:
