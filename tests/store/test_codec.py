@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import pytest
 import torch
 
@@ -71,3 +74,30 @@ def test_encode_decode_round_trips(dtype, tokens):
 
     v = SessionKV(list(range(tokens)), torch.randn(2, 2, tokens, 3, 4).to(dtype))
     assert decode(encode(v, "fp"), "fp").equal(v)
+
+
+def test_kv_starts_aligned_and_an_owned_buffer_is_viewed_not_copied():
+    """Sealed values open into a buffer of their own (sealing/sealer.py open_owned): the KV
+    starts at a multiple of KV_ALIGN, so decode_owned views it there (issue 33: one pass over
+    the bytes on a sealed read, as on a clear one)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        value = _value(5, dtype)
+        blob = codec.encode(value, "fp")
+        header_len = int.from_bytes(blob[8:12], "little")
+        assert (12 + header_len + 4 * value.num_tokens) % codec.KV_ALIGN == 0
+        buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        back = codec.decode_owned(buf, "fp")
+        assert back.equal(value) and back.token_ids == value.token_ids
+        assert back.kv.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+def test_a_value_written_before_the_alignment_still_decodes_owned():
+    value = _value(3)
+    blob = codec.encode(value, "fp")
+    header_len = int.from_bytes(blob[8:12], "little")
+    header = bytes(blob[12 : 12 + header_len]).rstrip(b" ") + b" "  # one space: misaligned
+    body = struct.pack("<I", len(header)) + header + bytes(blob[12 + header_len :])
+    old = codec.MAGIC + struct.pack("<I", zlib.crc32(body)) + body
+    assert (12 + len(header)) % 4  # the token ids are not even 4-aligned
+    back = codec.decode_owned(torch.frombuffer(bytearray(old), dtype=torch.uint8), "fp")
+    assert back.equal(value) and codec.decode(old, "fp").equal(value)

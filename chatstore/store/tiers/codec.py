@@ -4,6 +4,10 @@
     | magic | crc32 | header len H | header (JSON) | token ids (int32 LE) | kv bytes |
                     '---------------- covered by crc32 ------------------------------'
 
+The header is padded with spaces (JSON ignores them) so that the kv bytes start at a multiple of
+64: a reader that opens a sealed value into a buffer of its own (`decode_owned`) views the KV
+there, with no copy; `decode` copies the payload out of a buffer it does not own.
+
 The header carries the model fingerprint, dtype and shape: a value of another model or dtype is
 refused (FingerprintMismatch), a value whose bytes changed is refused (CorruptValueError) — the
 caller drops it and recomputes, so a wrong answer is never served from a bad entry. One value is
@@ -29,6 +33,7 @@ from chatstore.store.session_kv import SessionKV
 
 MAGIC = b"CSK1"
 _PREFIX = struct.Struct("<4sII")  # magic, crc32, header length
+KV_ALIGN = 64  # where the kv bytes start in a value (values written before: anywhere)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -63,6 +68,7 @@ def _kv_and_head(value: SessionKV, fingerprint: str) -> tuple[torch.Tensor, byte
         fields["kv_format"] = kv_quant.FORMAT
     header = json.dumps(fields).encode()
     tokens = torch.tensor(value.token_ids, dtype=torch.int32).numpy().astype("<i4").tobytes()
+    header += b" " * (-(_PREFIX.size + len(header) + len(tokens)) % KV_ALIGN)
     return kv, struct.pack("<I", len(header)) + header + tokens
 
 
@@ -80,7 +86,25 @@ def encode(value: SessionKV, fingerprint: str) -> bytearray:
 
 def decode(blob: bytes | bytearray | memoryview, fingerprint: str) -> SessionKV:
     """The SessionKV in `blob`; CorruptValueError or FingerprintMismatch when it is not usable."""
-    header, payload = _verified_parts(blob)
+    header, start = _verified_header(blob)
+    payload = bytearray(memoryview(blob)[start:])
+    return _session_kv(header, payload, fingerprint)
+
+
+def decode_owned(buf: torch.Tensor, fingerprint: str) -> SessionKV:
+    """decode() of a value in `buf` (uint8, 1-D), a buffer the caller hands over: the KV is a
+    view of it where it starts aligned for its dtype (every value written since KV_ALIGN),
+    else a copy."""
+    header, start = _verified_header(buf.numpy().data)
+    payload = buf[start:]
+    n = int(header.get("num_tokens", 0))
+    width = _DTYPES.get(str(header.get("dtype")), torch.uint8).itemsize
+    if start % 4 or (start + 4 * n) % width:  # written before the padding: a copy, aligned
+        payload = payload.clone()
+    return _session_kv(header, payload, fingerprint)
+
+
+def _session_kv(header: dict, payload: torch.Tensor | bytearray, fingerprint: str) -> SessionKV:
     if header.get("fingerprint") != fingerprint:
         raise FingerprintMismatch(
             f"value written by model {header.get('fingerprint')!r}, this is {fingerprint!r}"
@@ -91,10 +115,10 @@ def decode(blob: bytes | bytearray | memoryview, fingerprint: str) -> SessionKV:
             raise ValueError(f"int8 KV in an unknown layout {header.get('kv_format')!r}")
         shape = [int(x) for x in header["shape"]]
         n = int(header["num_tokens"])
-        tokens = torch.frombuffer(payload, dtype=torch.int32, count=n) if n else None
-        if len(payload) > 4 * n:
-            kv = torch.frombuffer(payload, dtype=torch.uint8, offset=4 * n)
-            kv = kv.view(dtype).reshape(shape)
+        raw = payload if isinstance(payload, torch.Tensor) else _bytes_tensor(payload)
+        tokens = raw[: 4 * n].view(torch.int32) if n else None
+        if len(raw) > 4 * n:
+            kv = raw[4 * n :].view(dtype).reshape(shape)
         else:
             kv = torch.empty(shape, dtype=dtype)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
@@ -106,7 +130,14 @@ def decode(blob: bytes | bytearray | memoryview, fingerprint: str) -> SessionKV:
         raise CorruptValueError(str(exc)) from exc
 
 
-def _verified_parts(blob: bytes | bytearray | memoryview) -> tuple[dict, bytearray]:
+def _bytes_tensor(payload: bytearray) -> torch.Tensor:
+    if not payload:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(payload, dtype=torch.uint8)
+
+
+def _verified_header(blob: bytes | bytearray | memoryview) -> tuple[dict, int]:
+    """The header of a value whose checksum holds, and where its token ids start."""
     data = memoryview(blob)
     if len(data) < _PREFIX.size:
         raise CorruptValueError("KV value too short")
@@ -120,4 +151,4 @@ def _verified_parts(blob: bytes | bytearray | memoryview) -> tuple[dict, bytearr
         header = json.loads(bytes(data[start : start + header_len]))
     except ValueError as exc:
         raise CorruptValueError(f"bad KV header: {exc}") from exc
-    return header, bytearray(data[start + header_len :])
+    return header, start + header_len

@@ -252,10 +252,11 @@ class LmdbTier(IndexedTier):
     def _decode(self, key: ChunkKey, raw: Any) -> SessionKV:
         """The chunk in raw (sealed or not, as this tier stores); CorruptValueError (OpenError
         for a value that fails to open) or FingerprintMismatch when unusable."""
-        if self.sealer is not None:
-            # Into this thread's reused buffer: the codec copies the chunk out of it.
-            raw = self.sealer.open_reused(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
-        return codec.decode(raw, self.fingerprint)
+        if self.sealer is None:
+            return codec.decode(raw, self.fingerprint)  # copied out of the map once
+        # Opened into a buffer of its own, in which the chunk's KV stays (no second copy).
+        plain = self.sealer.open_owned(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
+        return codec.decode_owned(plain, self.fingerprint)
 
     def reseal(self, key: ChunkKey, adopt_clear: bool = False) -> bool:
         """Re-seal key's value under its tenant's sealing data key if it is under an older one

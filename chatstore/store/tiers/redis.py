@@ -295,9 +295,9 @@ class RedisTier(IndexedTier):
     def _decode(self, key: ChunkKey, raw: bytes) -> SessionKV:
         if self.sealer is None:
             return codec.decode(raw, self.fingerprint)
-        # Into this thread's reused buffer: the codec copies the chunk out of it.
-        plain = self.sealer.open_reused(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
-        return codec.decode(plain, self.fingerprint)
+        # Opened into a buffer of its own, in which the chunk's KV stays (no second copy).
+        plain = self.sealer.open_owned(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
+        return codec.decode_owned(plain, self.fingerprint)
 
     def reseal(self, key: ChunkKey, adopt_clear: bool = False) -> bool:
         """Re-seal key's chunk under its tenant's sealing data key if it is under an older one
