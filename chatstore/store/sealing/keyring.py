@@ -170,6 +170,28 @@ class Keyring:
         if epoch > self.seen_epoch:
             self.seen_epoch = epoch
 
+    def refresh(self, epoch: int) -> list[str]:
+        """Read every cached tenant's keys again (a watcher's thread, once the store's epoch
+        moved to `epoch`), so that a use (the engine's thread) rarely reads the store itself;
+        then raise the epoch seen. The tenants whose keys changed or went."""
+        changed = []
+        for tenant in list(self._cache):
+            stored = self.store.load(tenant)
+            with self._lock:
+                cached = self._cache.get(tenant)
+                if stored is None:
+                    self._cache.pop(tenant, None)
+                elif cached is not None and cached.version == stored.version:
+                    self._cache[tenant] = dataclasses.replace(cached, epoch=epoch)
+                    continue
+            if stored is not None:
+                entry = self._unwrapped(tenant, stored, epoch)
+                with self._lock:
+                    self._cache[tenant] = entry
+            changed.append(tenant)
+        self.observe_epoch(epoch)
+        return changed
+
     # -- what the sealer asks ---------------------------------------------------------------
 
     def sealing_key(self, tenant: str) -> DataKey:
