@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from chatstore.config import cpu_has_fast_bf16
 from chatstore.engine.linear import packing_available
 from chatstore.kernels import native
+
+EMULATED_BF16 = (
+    "bf16 was asked for on a CPU without AVX512-BF16 or AMX: torch and oneDNN emulate it here, "
+    "so fp32 (dtype = auto) computes faster"
+)
 
 
 def describe_cpu_paths(dtype: torch.dtype) -> str:
@@ -27,3 +33,8 @@ def describe_cpu_paths(dtype: torch.dtype) -> str:
         f"{torch.backends.cpu.get_cpu_capability()}; oneDNN prepacked weights "
         f"{'on' if packed else 'off'}"
     )
+
+
+def cpu_path_warnings(dtype: torch.dtype) -> list[str]:
+    """What a setting chose against this CPU (one log line each at start)."""
+    return [EMULATED_BF16] if dtype == torch.bfloat16 and not cpu_has_fast_bf16() else []

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from chatstore.config import Config
 from chatstore.engine.block_pool import BlockIdPool, BlockPool
-from chatstore.engine.cpu_paths import describe_cpu_paths
+from chatstore.engine.cpu_paths import cpu_path_warnings, describe_cpu_paths
 from chatstore.engine.kv_cache import PagedKVCache, blocks_for_budget
 from chatstore.engine.kv_layout import KVLayout, PagedLayout
 from chatstore.engine.runner import ModelRunner
@@ -75,6 +75,8 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
     log.info("%s", dense if projections is None else projections.describe())
     if config.device == "cpu":
         log.info("%s", describe_cpu_paths(dtype))
+        for warning in cpu_path_warnings(dtype):
+            log.warning("%s", warning)
     return Runtime(model, kv_cache, pool, runner)
 
 

@@ -77,3 +77,15 @@ def test_every_runnable_variant_builds_and_says_what_it_is():
         assert features.bf16_dot == (v.name == "avx512_bf16"), v.name
         if v.name in widths:
             assert features.vector_bits == widths[v.name], v.name
+
+
+def test_bf16_asked_for_where_it_is_emulated_is_said_at_start(monkeypatch):
+    import torch
+
+    from chatstore.engine import cpu_paths
+
+    monkeypatch.setattr(cpu_paths, "cpu_has_fast_bf16", lambda: False)
+    assert cpu_paths.cpu_path_warnings(torch.bfloat16) == [cpu_paths.EMULATED_BF16]
+    assert cpu_paths.cpu_path_warnings(torch.float32) == []
+    monkeypatch.setattr(cpu_paths, "cpu_has_fast_bf16", lambda: True)
+    assert cpu_paths.cpu_path_warnings(torch.bfloat16) == []
