@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chatstore.config import DTYPES
 from chatstore.engine.linear import Linear, packing_available
 from chatstore.engine.quant_linear import Int4Linear, Int8Linear
-from chatstore.engine.quant_weights import quantize_int4, quantize_int8
 from chatstore.model.gguf_repack import repack
+from chatstore.model.quant_weights import quantize_int4, quantize_int8
 
 # (name, N, K) of SmolLM2-135M-Instruct: hidden 576, 9 q heads + 2 * 3 kv heads of 64, MLP 1536
 SHAPES = (

@@ -3,7 +3,7 @@
     pack_int4(q, scale, zero)  Int4Weight's tensors -> Int4Packed (the kernel's layout)
     int4_matmul(x, packed)     x [T, K / repeat] fp32 or bf16 -> [T, N] in x's dtype
 
-The weight convention is Int4Weight's (`engine/quant_weights.py`): w = (q - 8) * scale + zero per
+The weight convention is Int4Weight's (`model/quant_weights.py`): w = (q - 8) * scale + zero per
 group of 32 along K, stored here as w = q * scale + min with min = zero - 8 * scale. Each token's
 activations are quantized per block of 32 to int8 with their own step (what llama.cpp does for
 its 4-bit formats), so the products are integer dot products; the result differs from the float

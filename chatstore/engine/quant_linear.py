@@ -33,9 +33,9 @@ import os
 import torch
 
 from chatstore.engine.linear import Linear
-from chatstore.engine.quant_weights import Int4Weight, Int8Weight
 from chatstore.kernels import native
 from chatstore.kernels.int4_matmul import int4_matmul, int4_matmul_supported, pack_int4
+from chatstore.model.quant_weights import Int4Weight, Int8Weight
 
 NEVER = 1 << 62  # dense_from for a projection without a 16-bit copy
 KERNEL_DTYPE = torch.bfloat16  # the activations' dtype in both kernels (see the module doc)

@@ -91,15 +91,15 @@ from chatstore.engine.quant_linear import (
     int4_supported,
     kernels_available,
 )
-from chatstore.engine.quant_weights import (
+from chatstore.model.gguf_weights import GGUFWeights
+from chatstore.model.loader import LoadedModel
+from chatstore.model.quant_weights import (
     Int4Weight,
     QuantWeight,
     cat_int4_rows,
     quantize_int4,
     quantize_int8,
 )
-from chatstore.model.gguf_weights import GGUFWeights
-from chatstore.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 

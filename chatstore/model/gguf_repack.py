@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from chatstore.engine.quant_weights import Int4Weight
+from chatstore.model.quant_weights import Int4Weight
 
 REPACKABLE = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34}

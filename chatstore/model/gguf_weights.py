@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from chatstore.engine.quant_weights import Int4Weight, permute_rows
 from chatstore.model.gguf_repack import REPACKABLE, repack
+from chatstore.model.quant_weights import Int4Weight, permute_rows
 from chatstore.model.spec import ModelSpec
 
 PARTS = {

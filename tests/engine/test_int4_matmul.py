@@ -15,10 +15,10 @@ import torch
 from chatstore.engine import quant_linear
 from chatstore.engine.linear import Linear
 from chatstore.engine.quant_linear import NEVER, Int4Linear, int4_kernel, int4_supported
-from chatstore.engine.quant_weights import Int4Weight, quantize_int4
 from chatstore.engine.weight_plan import DENSE_FROM, Projections
 from chatstore.kernels import native
 from chatstore.kernels.int4_matmul import int4_matmul, pack_int4
+from chatstore.model.quant_weights import Int4Weight, quantize_int4
 from tests.engine.test_quant_weights import greedy, runner_with
 from tests.engine.test_runner_exact import full_logits
 from tests.support.tiny_models import TINY_ARCHS, tiny_hf_model

@@ -17,17 +17,17 @@ from chatstore.engine.generate import GenerateOptions, generate
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.linear import Linear
 from chatstore.engine.quant_linear import NEVER, Int4Linear, Int8Linear
-from chatstore.engine.quant_weights import (
+from chatstore.engine.runner import ModelRunner
+from chatstore.engine.weight_plan import DENSE_FROM, Projections, resolve_format
+from chatstore.model.gguf_repack import repack
+from chatstore.model.gguf_weights import GGUFWeights
+from chatstore.model.quant_weights import (
     Int4Weight,
     Int8Weight,
     cat_rows,
     quantize_int4,
     quantize_int8,
 )
-from chatstore.engine.runner import ModelRunner
-from chatstore.engine.weight_plan import DENSE_FROM, Projections, resolve_format
-from chatstore.model.gguf_repack import repack
-from chatstore.model.gguf_weights import GGUFWeights
 from chatstore.model.spec import ModelSpec
 from tests.engine.test_runner_exact import full_logits
 from tests.support.tiny_models import TINY_ARCHS, tiny_hf_model
