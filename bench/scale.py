@@ -314,7 +314,7 @@ def serve(args: argparse.Namespace) -> None:
     )
     from chatstore.api.common.settings import ServerSettings
     from chatstore.config import load_config
-    from chatstore.engine.cpu_threads import in_temporary_thread, leave_cores_to_engine
+    from chatstore.cpu_threads import in_temporary_thread, leave_cores_to_engine
     from chatstore.serving import build
 
     config = load_config(overrides={"port": args.port}, env=os.environ)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chatstore.engine.cpu_threads import own_intra_op_threads
+from chatstore.cpu_threads import own_intra_op_threads
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
 from chatstore.store import kv_quant

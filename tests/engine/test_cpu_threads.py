@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
+from chatstore.cpu_threads import in_temporary_thread, leave_cores_to_engine
 from chatstore.engine.async_engine import AsyncEngine
-from chatstore.engine.cpu_threads import in_temporary_thread, leave_cores_to_engine
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.request import Request, SamplingParams
 from tests.support.engine import tiny_runtime

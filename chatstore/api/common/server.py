@@ -94,7 +94,7 @@ def build_app(config: Any, settings: ServerSettings) -> Any:
     """The app over a new Serving (chatstore.serving.build), built in a short-lived thread so
     that the engine thread alone owns an OpenMP pool (see cpu_threads.py); `chatstore chat
     --local` builds it the same way."""
-    from chatstore.engine.cpu_threads import in_temporary_thread, leave_cores_to_engine
+    from chatstore.cpu_threads import in_temporary_thread, leave_cores_to_engine
     from chatstore.serving import build
 
     cores = torch.get_num_threads()

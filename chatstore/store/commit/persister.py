@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from chatstore.engine.cpu_threads import lower_thread_priority, own_intra_op_threads
+from chatstore.cpu_threads import lower_thread_priority, own_intra_op_threads
 from chatstore.store.chunks import ChunkKey
 
 log = logging.getLogger(__name__)

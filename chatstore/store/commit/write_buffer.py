@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from chatstore.engine.cpu_threads import lower_thread_priority, own_intra_op_threads
+from chatstore.cpu_threads import lower_thread_priority, own_intra_op_threads
 
 log = logging.getLogger(__name__)
 

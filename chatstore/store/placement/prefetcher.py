@@ -17,7 +17,7 @@ import logging
 import threading
 from collections.abc import Callable, Hashable
 
-from chatstore.engine.cpu_threads import own_intra_op_threads
+from chatstore.cpu_threads import own_intra_op_threads
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from chatstore.engine.cpu_threads import own_intra_op_threads
+from chatstore.cpu_threads import own_intra_op_threads
 
 log = logging.getLogger(__name__)
 
