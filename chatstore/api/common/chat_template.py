@@ -18,9 +18,18 @@ Two ways to build a turn's prompt:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 Message = dict[str, str]
+
+
+class RichPrompt(NamedTuple):
+    """A conversation as the template's own tool support takes it (api/tools/rendering.py):
+    messages with `tool_calls` / `tool_call_id`, and the tool schemas for `tools=`."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+
 
 _PROBE_HISTORY = [
     {"role": "system", "content": "S."},
@@ -53,6 +62,12 @@ class ChatTemplate:
 
     def render(self, messages: list[Message]) -> list[int]:
         return self.encode(self.render_text(messages))
+
+    def render_rich(self, prompt: RichPrompt) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            prompt.messages, tools=prompt.tools, add_generation_prompt=True, tokenize=False
+        )
+        return self.encode(text)
 
     def continue_ids(
         self, history_ids: list[int], history: list[Message], new: list[Message]

@@ -7,12 +7,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from chatstore.api.common.protocol import (
-    ChatMessage,
     Choice,
     SamplingFields,
     SessionId,
     UsageBody,
 )
+from chatstore.api.tools.protocol import ToolCallBody, ToolChatMessage, ToolChoiceBody, ToolDef
 from chatstore.engine.request import MAX_LOGPROBS
 
 
@@ -26,13 +26,16 @@ class ChatCompletionRequest(SamplingFields):
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ToolChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     session_id: SessionId | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: ToolChoiceBody | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TopLogprob(BaseModel):
@@ -50,7 +53,14 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprobBody] | None = None
 
 
+class ReplyMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCallBody] | None = None
+
+
 class ChatChoice(Choice):
+    message: ReplyMessage  # type: ignore[assignment]
     logprobs: ChoiceLogprobs | None = None  # type: ignore[assignment]
 
 

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from chatstore.api.common.chat_template import ChatTemplate, Message
+from chatstore.api.common.chat_template import ChatTemplate, Message, RichPrompt
 from chatstore.api.common.errors import APIError, bad_param, not_found, store_error
 from chatstore.api.common.settings import ServerSettings
 from chatstore.api.sessions.limits import check_metadata, check_retention_fields, check_text
@@ -64,6 +64,9 @@ class TurnSpec:
     new_message: Message | None = None  # session API: appended to the stored history
     create_missing: bool = True
     api: str = "openai"
+    # OpenAI with tools: the prompt as the template's tool support renders it; `messages` are
+    # then the same conversation in plain role/content form, for the record
+    rich: RichPrompt | None = None
 
 
 @dataclass
@@ -220,7 +223,10 @@ class ChatService:
             )
         for i, m in enumerate(messages):
             self._check_chars(f"messages.{i}.content", m["content"])
-        prompt = self.template.render(messages)
+        if spec.rich is None:
+            prompt = self.template.render(messages)
+        else:
+            prompt = self.template.render_rich(spec.rich)
         if spec.session_id is not None:
             record = self.store.get(spec.tenant, spec.session_id)
             if record is None and not spec.create_missing:
