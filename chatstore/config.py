@@ -81,6 +81,7 @@ class Config:
     kv_layout: str = "paged"  # paged | vattention (chatstore/engine/vattention/)
     kv_page_size: int = 4096  # vattention: bytes committed at a time (4096, or 2097152 huge)
     kv_reclaim_watermark_bytes: int = -1  # vattention: idle slots' pages kept (-1 = budget/4)
+    cuda_graphs: str = "auto"  # decode as CUDA graphs: auto (on CUDA) | on | off
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: str = ""  # "key1:tenant1,key2:tenant2"; "" (and no admin_key) = local mode

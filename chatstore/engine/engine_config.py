@@ -16,6 +16,9 @@ split_mixed_batches  run a step's decodes and prefill chunks as two forwards, so
                      the fast paged-decode kernel; None (default) = only when the runner cannot
                      attend a mixed batch in place (no native paged-prefill kernel): one forward
                      streams the weights once for both
+cuda_graphs          decode steps through fixed buffers replayed as CUDA graphs
+                     (cuda_graphs.py); None (default) = where the model runs on CUDA with
+                     Triton's attention; True on a CPU runs the same path without capture
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class EngineConfig:
     kv_reservation: ReservationMode = "paged"
     max_model_len: int = 0
     split_mixed_batches: bool | None = None
+    cuda_graphs: bool | None = None
     idle_wait_s: float = 0.05  # how long the model thread sleeps when there is nothing to do
 
     def __post_init__(self) -> None:
@@ -79,4 +83,11 @@ class EngineConfig:
             "swap_space_bytes",
             "enable_prefix_cache",
         )
-        return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
+        fields = {n: getattr(config, n) for n in names if hasattr(config, n)}
+        graphs = getattr(config, "cuda_graphs", "auto")
+        if graphs not in _GRAPH_SETTINGS:
+            raise ValueError(f"cuda_graphs must be auto|on|off, got {graphs!r}")
+        return cls(**fields, cuda_graphs=_GRAPH_SETTINGS[graphs])
+
+
+_GRAPH_SETTINGS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}

@@ -9,6 +9,7 @@ slots      table0[p // B] * B + p % B           |  table1[9 // B] * B + 9 % B
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,17 @@ class SequenceChunk:
         return self.start_pos + len(self.token_ids)
 
 
+class DeviceSeqLayout(NamedTuple):
+    """The step's sequence layout already on the device (Triton's `AttentionMeta` fields): the
+    static buffers of a decode graph give it, so attention builds nothing per step."""
+
+    block_tables: torch.Tensor  # [S, W]
+    query_start: torch.Tensor  # [S + 1]: first row of each sequence, then T
+    seq_lens: torch.Tensor  # [S]: context lengths, new tokens included
+    max_query_len: int  # what the launch shape depends on
+    max_seq_len: int
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
@@ -45,6 +57,7 @@ class ForwardBatch:
     _prefill_plan: PrefillPlan | None = field(default=None, repr=False)
     # Who each sequence is (chunk order), so a KV sink can attribute rows to requests.
     request_ids: list[str] | None = field(default=None)
+    device_layout: DeviceSeqLayout | None = field(default=None)
 
     @property
     def num_seqs(self) -> int:

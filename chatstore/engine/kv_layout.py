@@ -135,8 +135,16 @@ class PagedAttention(StepAttention):
 def _triton_attention(
     batch: ForwardBatch, scale: float
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The step's Triton attention, its sequence layout put on the device once for all layers."""
-    from chatstore.kernels.triton.unified_attention import make_attention_meta, unified_attention
+    """The step's Triton attention, its sequence layout put on the device once for all layers
+    (or taken as it is from the batch: a decode graph's static buffers)."""
+    from chatstore.kernels.triton.unified_attention import (
+        AttentionMeta,
+        make_attention_meta,
+        unified_attention,
+    )
 
-    meta = make_attention_meta(batch.block_tables, batch.query_lens, batch.context_lens)
+    if batch.device_layout is not None:
+        meta = AttentionMeta(*batch.device_layout)
+    else:
+        meta = make_attention_meta(batch.block_tables, batch.query_lens, batch.context_lens)
     return lambda q, k_cache, v_cache: unified_attention(q, k_cache, v_cache, meta, scale)
