@@ -14,12 +14,14 @@ Triton's cache) lies under --out. The last line printed is one JSON object:
                         second turn whose history comes back from DRAM, and from LMDB
     gpu_decode_b1_tok_s, gpu_decode_b32_tok_s   bf16 (fp32 on a CPU) eager decode at 512 and
                         2K context, runner.forward per step (batch built, sampling left out)
+    gpu_decode_b1_tok_s_graph, gpu_decode_b32_tok_s_graph   the same steps through the decode
+                        graphs (cuda_graphs.py: buffers filled, bucket replayed; on a CPU the
+                        same path without capture), gpu_graph_speedup_b1 = graph / eager at b1
     gpu_decode_b1_roofline_pct   tok/s at batch 1, 512 context, over d2d_gbps / bytes a step
                         reads (weights + KV); null on a CPU
     gpu_prefill_2k_tok_s one 2,048-token prompt
     gpu_load_hidden_pct  100 new tokens on a 4K history loaded layer by layer from DRAM: share
                         of the load time (serial load + forward - resident forward) hidden
-    *_graph, gpu_graph_speedup_b1   null: CUDA graphs are not built yet (issue 34)
     llama1b             the speed keys for the Llama-3.2-1B shape; errors: section -> message
 
 The store is built with encryption at rest off: sealing is the store's CPU work, not the device
@@ -88,6 +90,7 @@ kernels_from_tree()
 import torch  # noqa: E402
 
 from chatstore.engine.block_pool import BlockPool  # noqa: E402
+from chatstore.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from chatstore.engine.engine_config import EngineConfig  # noqa: E402
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from chatstore.engine.kv_cache import PagedKVCache  # noqa: E402
@@ -265,8 +268,11 @@ def exactness(check: Check) -> dict[str, Any]:
     return result
 
 
-def decode_speed(check: Check, rt: Runtime, batch: int, context: int) -> float:
-    """Tokens a second of `batch` sequences decoding at `context` tokens, one step a call."""
+def decode_speed(
+    check: Check, rt: Runtime, batch: int, context: int, graphs: DecodeGraphs | None = None
+) -> float:
+    """Tokens a second of `batch` sequences decoding at `context` tokens, one step a call:
+    eager, or through `graphs` (replayed on CUDA)."""
     per_seq = -(-(context + 1) // BLOCK)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     chunks = [SequenceChunk([7], context, t) for t in tables]
@@ -274,7 +280,20 @@ def decode_speed(check: Check, rt: Runtime, batch: int, context: int) -> float:
     def step() -> None:
         rt.runner.forward(ForwardBatch.build(chunks, BLOCK, check.device)).argmax(-1)
 
-    return batch / check.timed(step, check.steps)
+    def replay() -> None:
+        assert graphs is not None and graphs.accepts(chunks)
+        graphs.run(chunks, None, None).argmax(-1)
+
+    return batch / check.timed(step if graphs is None else replay, check.steps)
+
+
+def decode_graphs(check: Check, rt: Runtime) -> DecodeGraphs:
+    """Graphs for every bucket up to the largest batch, captured on CUDA; padding rows write
+    to the pool's last block, which no decode table here reaches."""
+    max_blocks = -(-(max(check.contexts) + 1) // BLOCK)
+    scratch = rt.kv_cache.num_blocks - 1
+    capture = check.device.type == "cuda"
+    return DecodeGraphs(rt.runner, max(check.batches), max_blocks, scratch, False, capture)
 
 
 def speeds(check: Check, shape: str) -> dict[str, Any]:
@@ -287,6 +306,19 @@ def speeds(check: Check, shape: str) -> dict[str, Any]:
             out[f"gpu_decode_b{batch}_ctx{context}_tok_s"] = round(tok_s, 1)
     out["gpu_decode_b1_tok_s"] = out[f"gpu_decode_b1_ctx{check.contexts[0]}_tok_s"]
     out["gpu_decode_b32_tok_s"] = out[f"gpu_decode_b32_ctx{check.contexts[0]}_tok_s"]
+    t0 = time.perf_counter()
+    graphs = decode_graphs(check, rt)
+    out["graph_capture_s"] = round(time.perf_counter() - t0, 1)
+    for batch in check.batches:
+        for context in check.contexts:
+            tok_s = decode_speed(check, rt, batch, context, graphs)
+            out[f"gpu_decode_b{batch}_ctx{context}_tok_s_graph"] = round(tok_s, 1)
+    out["gpu_decode_b1_tok_s_graph"] = out[f"gpu_decode_b1_ctx{check.contexts[0]}_tok_s_graph"]
+    out["gpu_decode_b32_tok_s_graph"] = out[f"gpu_decode_b32_ctx{check.contexts[0]}_tok_s_graph"]
+    out["gpu_graph_speedup_b1"] = round(
+        out["gpu_decode_b1_tok_s_graph"] / out["gpu_decode_b1_tok_s"], 2
+    )
+    del graphs  # its memory pool goes back before the prefill
     params = sum(
         p.numel() * p.element_size()
         for n, p in rt.model.hf_model.named_parameters()
@@ -381,7 +413,7 @@ def main() -> None:
     result.update(check.section("speed_smollm2", lambda: speeds(check, "smollm2")))
     result["llama1b"] = check.section("speed_llama1b", lambda: speeds(check, "llama1b"))
     for key in ("gpu_decode_b1_tok_s_graph", "gpu_decode_b32_tok_s_graph", "gpu_graph_speedup_b1"):
-        result[key] = None  # CUDA graphs are not built yet
+        result.setdefault(key, None)  # null when the section failed
     for part in (result, result["llama1b"]):
         step = part.get("bytes_per_b1_step")
         if cuda and step and result.get("d2d_gbps"):
