@@ -67,7 +67,8 @@ def warn_if_evicting(client: Any, what: str) -> str | None:
     if policy.startswith(EVICTING):
         log.warning(
             "%s: session records are in a Redis whose maxmemory-policy is %s: under memory "
-            "pressure it may evict records (acknowledged turns lost). Give records a Redis of "
+            "pressure it may evict records (acknowledged turns lost) and the tenants' data "
+            "keys (everything sealed under them lost). Give records a Redis of "
             "their own with noeviction and AOF (records_url), or records_url = \"lmdb\" on "
             "a single node.",
             what, policy,
