@@ -335,7 +335,9 @@ class StoreConnector(KVConnector):
         ids = getattr(batch, "request_ids", None) or self._step_ids
         if not ids or len(ids) != batch.num_seqs:
             return
-        self.saver.save_layer(layer, k_pre_rope, v, batch.positions, ids, batch.query_lens)
+        self.saver.save_layer(
+            layer, k_pre_rope, v, batch.positions, ids, batch.query_lens, batch.context_lens
+        )
 
     # -- after the turn -----------------------------------------------------------------------
 

@@ -131,10 +131,14 @@ class LayerSaver:
         positions: torch.Tensor,
         request_ids: list[str],
         query_lens: list[int],
+        context_lens: list[int] | None = None,
     ) -> None:
         """Layer `layer`'s new pre-RoPE K, V [T, Hkv, D] of a forward whose rows are the chunks
-        of `request_ids` (query_lens rows each, in order)."""
+        of `request_ids` (query_lens rows each, in order). `context_lens` (each chunk's context,
+        its rows included) lets a step whose positions [T] sit on a device take them from the
+        host instead (no device sync)."""
         if layer == 0:
+            positions = host_positions(positions, query_lens, context_lens)
             self._step = self._begin_step(k, positions, request_ids, query_lens)
         step = self._step
         if step is None:
@@ -162,7 +166,7 @@ class LayerSaver:
     def _begin_step(
         self,
         k: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor,  # [T] on the host
         request_ids: list[str],
         query_lens: list[int],
     ) -> _Step | None:
@@ -201,7 +205,7 @@ class LayerSaver:
         kept_rows = None
         if total != row:
             kept_rows = torch.cat([torch.arange(r, r + n) for _, r, n in kept])
-        cpu_positions = positions.cpu().long()
+        cpu_positions = positions.long()
         if kept_rows is not None:
             cpu_positions = cpu_positions.index_select(0, kept_rows)
         parts = []
@@ -336,3 +340,15 @@ class LayerSaver:
             out.index_copy_(dim, sel, part)
         assert out is not None
         return out
+
+
+def host_positions(
+    positions: torch.Tensor, query_lens: list[int], context_lens: list[int] | None
+) -> torch.Tensor:
+    """The step's positions [T] on the host: the tensor itself on a CPU; on a device, from the
+    host lists when given (chunk i's rows are positions context - query .. context - 1), which
+    spares the saver a device-to-host copy and the sync it implies every step."""
+    if positions.device.type == "cpu" or context_lens is None:
+        return positions.cpu()
+    rows = [p for q, c in zip(query_lens, context_lens, strict=True) for p in range(c - q, c)]
+    return torch.tensor(rows, dtype=torch.long)
