@@ -352,3 +352,25 @@ def test_a_start_whose_records_do_not_open_deletes_no_stored_chunk(tmp_path):
     assert set(again.tier("ssd").keys()) == chunks
     assert again.lookup("alice", "s").equal(SessionKV(ids, kv))
     again.close()
+
+
+def test_a_store_refuses_to_start_on_a_key_in_its_data_dir_or_a_generated_one_with_redis(
+    tmp_path, monkeypatch, redis_url
+):
+    data = tmp_path / "data"
+    inside = data / "master.key"
+    data.mkdir()
+    inside.write_text(new_secret_line() + "\n")
+    inside.chmod(0o600)
+
+    def settings(**extra: object) -> StoreSettings:
+        return StoreSettings(data_dir=data, dram_bytes=1 << 20, ssd_bytes=1 << 20, **extra)
+
+    with pytest.raises(KeyringError, match="inside the data directory") as refused:
+        AttentionStore(settings(secret_key_file=str(inside)), TINY_SPEC, "fp")
+    assert str(inside) in str(refused.value) and str(data) in str(refused.value)
+    assert not (data / "keys.lmdb").exists()  # refused before anything was opened
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "no-key-here"))
+    with pytest.raises(KeyringError, match="every replica must be given the same one"):
+        AttentionStore(settings(redis_url=redis_url), TINY_SPEC, "fp")
+    assert not (tmp_path / "no-key-here").exists()  # none generated
