@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's top_logprobs limit
@@ -31,6 +32,17 @@ class EngineDeadError(RuntimeError):
     """The model thread died of an unexpected error: the engine serves nothing more (503)."""
 
 
+class TokenConstraint(Protocol):
+    """One sample's grammar state (constrained decoding; the API builds it, e.g. with
+    xgrammar): which tokens may come next, and the token that came."""
+
+    def mask(self, logits: Any) -> None:
+        """Set the logits [1, V] of every token the grammar forbids next to -inf, in place."""
+
+    def accept(self, token_id: int) -> None:
+        """Advance past a sampled token."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -50,6 +62,8 @@ class SamplingParams:
     # None: no logprobs (nothing computed); k: each sampled token's logprob and its k likeliest
     # alternatives, from the log-softmax of the model's logits (logprobs.py)
     logprobs: int | None = None
+    # None: free decoding; else a new TokenConstraint for each sample (n > 1 each get their own)
+    constraint: Callable[[], TokenConstraint] | None = field(default=None, compare=False)
 
     def validate(self, vocab_size: int) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field; return self when all is well."""

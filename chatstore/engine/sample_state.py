@@ -1,13 +1,14 @@
 """One running sample's state for sampling: its parameters, the prompt and output token ids
 the penalties look at (the seen ids kept sorted and unique, built once), for a seeded sample
 its own CPU generator seeded from (seed, sample index), so its draws depend on nothing else in
-the batch, and, when it asks for them, the logprobs of its tokens not yet reported."""
+the batch, when it asks for them, the logprobs of its tokens not yet reported, and, when its
+output is constrained, its grammar's state."""
 
 from __future__ import annotations
 
 import torch
 
-from chatstore.engine.request import SamplingParams, TokenLogprob
+from chatstore.engine.request import SamplingParams, TokenConstraint, TokenLogprob
 
 GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (as vLLM does)
 _MASK64 = (1 << 64) - 1
@@ -35,6 +36,9 @@ class SampleState:
         # failed and is sampled row by row notes again: the last note is the drawn token's)
         self._noted: TokenLogprob | None = None
         self._logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.constraint: TokenConstraint | None = None  # its grammar's state, when constrained
+        if params.constraint is not None:
+            self.constraint = params.constraint()
 
     def note_logprob(self, entry: TokenLogprob) -> None:
         self._noted = entry
@@ -51,6 +55,8 @@ class SampleState:
         if self._logprobs is not None and self._noted is not None:
             self._logprobs.append(self._noted)
             self._noted = None
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
         self.output_token_ids.append(token_id)
         count = self.output_counts.get(token_id, 0)
         self.output_counts[token_id] = count + 1

@@ -4,6 +4,7 @@ Order of operations (as in vLLM / the OpenAI API):
 
     logits [B, V] ─► + logit_bias ─► repetition penalty (prompt + output tokens)     penalties.py
                   ─► - presence·(count>0) - frequency·count (output tokens)
+                  ─► grammar mask (constrained rows: -inf where the grammar forbids)
                   ─► temperature 0 ? argmax                                       vocab_blocks.py
                                    : / temperature ─► top_k ─► top_p ─► min_p ─► draw
 
@@ -17,8 +18,9 @@ top-k / top-p searches look inside a row's few best vocabulary blocks only (voca
 and a row whose filter keeps few tokens draws from those blocks. What remains over the whole
 row is the temperature, the block maxima and, for top_p without top_k, the normaliser.
 
-Samples that ask for logprobs get them from the logits as they came in (logprobs.py); the rest
-pay one check per step.
+Samples that ask for logprobs get them from the logits as they came in (logprobs.py); a
+constrained sample's row is masked to what its grammar allows next (after bias and penalties);
+the rest pay one check per step.
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ def sample_batch(logits: torch.Tensor, states: list[SampleState]) -> list[int]:
 
 
 def _sample(logits: torch.Tensor, states: list[SampleState]) -> list[int]:
-    if any(s.params.logit_bias or s.needs_penalties for s in states):
+    if any(s.params.logit_bias or s.needs_penalties or s.constraint for s in states):
         logits = logits.to(torch.float32, copy=True).contiguous()
         apply_logit_bias(logits, states)
         apply_penalties(logits, states)
+        apply_constraints(logits, states)
     else:
         logits = logits.float()
     random_rows = [i for i, s in enumerate(states) if not s.greedy]
@@ -65,6 +68,15 @@ def _sample(logits: torch.Tensor, states: list[SampleState]) -> list[int]:
     rows = torch.tensor(random_rows, device=logits.device)
     tokens[rows] = _sample_random(logits[rows], [states[i] for i in random_rows])
     return tokens.tolist()
+
+
+def apply_constraints(logits: torch.Tensor, states: list[SampleState]) -> None:
+    """Forbid, in place in logits [B, V], what each constrained row's grammar does not allow
+    next; last, so no bias or penalty brings a forbidden token back. Free rows are untouched:
+    constrained and free samples share the batch."""
+    for row, s in enumerate(states):
+        if s.constraint is not None:
+            s.constraint.mask(logits[row : row + 1])
 
 
 def _sample_random(logits: torch.Tensor, states: list[SampleState]) -> torch.Tensor:
