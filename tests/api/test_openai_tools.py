@@ -1,11 +1,13 @@
 """Tool calling on /v1/chat/completions with the official `openai` client against a real
-server on the embedded SmolLM2-135M (its template knows no tools: the generic JSON form).
+server on the embedded SmolLM2-135M (its template knows no tools: the generic JSON form, its
+output constrained by xgrammar to a call or a response, as llama.cpp does).
 
-Without constrained decoding nothing makes a 135M model call a tool: on the loop below it
-ranks `{"tool_response` a little above `{"tool_call` (-0.57 vs -0.87 nats). The loop test
-tips that one token with a logit_bias (a client knob, +2) and everything else is the model's
-own greedy output, parsed by the server: the call, its arguments, then, after the tool's
-result, the final answer. The other tests check the plumbing on whatever the model writes."""
+Under tool_choice "auto" the grammar allows a call or a reply, and the choice is the model's:
+on the loop below it ranks `{"tool_response` a little above `{"tool_call` (-0.57 vs -0.87 nats).
+The loop test tips that one token with a logit_bias (a client knob, +2) and everything else is
+the model's own greedy output, parsed by the server: the call, its arguments, then, after the
+tool's result, the final answer. The other tests check the plumbing on whatever the model
+writes; test_openai_structured.py has required / named calls, which need no tipping."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(SamplingFields):
     """OpenAI's request; unknown fields are ignored, as OpenAI-compatible servers do."""
 
@@ -36,6 +50,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: ToolChoiceBody | None = None
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
 
 class TopLogprob(BaseModel):

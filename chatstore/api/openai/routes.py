@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -17,6 +19,7 @@ from chatstore.api.common.sampling import to_sampling
 from chatstore.api.common.streaming import sse_response
 from chatstore.api.common.usage import usage_body
 from chatstore.api.openai.chunks import ToolForm, completion_chunks
+from chatstore.api.openai.grammar import grammars_for, pick_constraint
 from chatstore.api.openai.logprobs import TokenBytes, choice_logprobs, token_bytes_for
 from chatstore.api.openai.protocol import (
     ChatCompletion,
@@ -57,6 +60,7 @@ async def chat_completions(
     tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
     template = service.template
     form = None  # how to read tool calls out of the reply; None: plain text
+    fmt = None
     if tools is not None or any(m.role == "tool" or m.tool_calls for m in body.messages):
         check_tool_messages(body.messages)
         fmt = detect_format(template.tokenizer.chat_template)
@@ -69,6 +73,12 @@ async def chat_completions(
     sampling = to_sampling(body, service.settings.default_max_tokens)
     if body.logprobs:  # None = nothing computed: the requests that do not ask pay nothing
         sampling = replace(sampling, logprobs=body.top_logprobs or 0)
+    if body.response_format is not None or form is not None:
+        grammars = grammars_for(template.tokenizer, service.vocab_size, template.eos_token_ids)
+        pick = partial(pick_constraint, body.response_format, tools, fmt, grammars)
+        constraint = await asyncio.to_thread(pick)  # the first one reads the vocabulary
+        if constraint is not None:
+            sampling = replace(sampling, constraint=constraint)
     spec = TurnSpec(
         tenant=principal.tenant,
         sampling=sampling,
