@@ -43,6 +43,8 @@ class XGrammarConstraint:
         self._vocab_size = vocab_size
 
     def mask(self, logits: torch.Tensor) -> None:
+        if self._matcher.is_terminated():  # past the grammar's end (ignore_eos): free again
+            return
         self._matcher.fill_next_token_bitmask(self._bitmask)
         self._xgr.apply_token_bitmask_inplace(logits, self._bitmask, vocab_size=self._vocab_size)
 
