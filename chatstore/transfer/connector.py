@@ -63,6 +63,7 @@ from chatstore.store import kv_quant
 from chatstore.store.ports import KVSource, StoredSession, TurnHold, WaitingQueue
 from chatstore.store.session_kv import SessionKey, common_prefix_len
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV
+from chatstore.transfer.copy_events import compute_mark, layer_events
 from chatstore.transfer.layer_loader import LayerLoader, LoadJob
 from chatstore.transfer.layer_saver import LayerSaver, TurnRows
 from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
@@ -251,7 +252,7 @@ class StoreConnector(KVConnector):
         slots = block_slots(block_table, positions, self.kv_cache.block_size).to(
             self.kv_cache.device
         )
-        layers = [threading.Event() for _ in range(self.kv_cache.spec.num_layers)]
+        layers = layer_events(self.kv_cache.device, self.kv_cache.spec.num_layers)
         self.loads += 1
         staged, stored, read = pending.staged, pending.saved, pending.kv
         if staged is not None and staged.saved is not None:
@@ -260,7 +261,9 @@ class StoreConnector(KVConnector):
             source = read
         else:
             source = LazyChunkedKV(lambda: fetch_span(self.store, stored, start, end))
-        return LoadJob(request.request_id, source, start, end, slots, layers, staged)
+        job = LoadJob(request.request_id, source, start, end, slots, layers, staged)
+        job.after = compute_mark(self.kv_cache.device)  # the slots' blocks may still be in use
+        return job
 
     def _done(self, job: LoadJob) -> None:
         """The job's KV is in the pool: its read-buffer entry has served its purpose."""
@@ -286,13 +289,13 @@ class StoreConnector(KVConnector):
         """Until every load started this step has written `layer` (or failed): a layer the
         loader has not begun is copied right here, one it is copying is waited for."""
         pending = [job for job in self._jobs if not job.layers[layer].is_set()]
-        if not pending:
-            return
         t0 = time.perf_counter()
         for job in pending:
-            if not self.loader.take_layer(job, layer):
-                job.layers[layer].wait()
-        self.load_wait_s += time.perf_counter() - t0
+            self.loader.take_layer(job, layer)
+        for job in self._jobs:
+            job.layers[layer].wait()  # CUDA: a wait_event on the compute stream, no host wait
+        if pending:
+            self.load_wait_s += time.perf_counter() - t0
 
     def finish_loads(self) -> dict[str, Exception]:
         """Join this step's loads; {request_id: error} of those that failed."""

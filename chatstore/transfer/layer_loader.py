@@ -18,10 +18,12 @@ the hinted sessions' KV out of the store for it.
 The engine thread waits only for a layer copy another thread is doing: never for a lookup (a
 client's hint may name a session whose KV sits in a slow or unreachable tier), nor for the
 loader to get round to a job (`finish` copies what is left itself). Loads always come first:
-staging checks for them between layers. On CUDA the copies run on a stream of the loader's own
-and a layer's event is set only once that stream is done with it; on a CPU host the threads run
-torch with `threads` intra-op threads (1: no OpenMP team as wide as the forward's on the same
-cores).
+staging checks for them between layers. On CUDA the copies run on a stream of the loader's own,
+ordered by events, never by a host wait (copy_events.py): a load's copies start after an event
+recorded on the compute stream when it was submitted, each layer records an event once its copy
+is issued, and the forward's stream waits on it (`wait_event`); on a CPU host the layer's
+threading.Event is set once the copy has finished, and the threads run torch with `threads`
+intra-op threads (1: no OpenMP team as wide as the forward's on the same cores).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from chatstore.engine.rope import RotaryEmbedding, apply_rope
 from chatstore.store import kv_quant
 from chatstore.store.session_kv import SessionKey
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
+from chatstore.transfer.copy_events import LayerDone, keep_for, order_after
 from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
 
 log = logging.getLogger(__name__)
@@ -55,8 +58,9 @@ class LoadJob:
     start: int
     end: int
     slots: torch.Tensor  # flat pool slots of positions [start, end), on the pool's device
-    layers: list[threading.Event]  # layer i's history KV is in the pool (or the load failed)
+    layers: list[LayerDone]  # layer i's history KV is in the pool (or the load failed)
     staged: StagedKV | None = None  # read-buffer entry: its layers need no RoPE, no tier read
+    after: torch.cuda.Event | None = None  # CUDA: compute-stream event the copies come after
     error: Exception | None = None
     claims: list[threading.Lock] = field(default_factory=list)  # who copies layer i
     from_buffer: list[bool] = field(default_factory=list)
@@ -138,15 +142,19 @@ class LayerLoader:
         the loader shares the cores with the forward's own threads."""
         if not job.claims[layer].acquire(blocking=False):
             return False
+        self._on_stream(lambda: self._copy_or_fail(job, layer), job)
+        return True
+
+    def _copy_or_fail(self, job: LoadJob, layer: int) -> None:
+        """Copy the layer (on the copy stream, when there is one), then mark it done there."""
         try:
             if job.error is None:
-                self._on_stream(lambda: self.copy_layer(job, layer))
+                self.copy_layer(job, layer)
         except Exception as exc:
             log.exception("KV pre-load of %s failed at layer %d", job.request_id, layer)
             job.error = exc
         finally:
             job.layers[layer].set()
-        return True
 
     def copy_layer(self, job: LoadJob, layer: int) -> None:
         """Layer `layer` of the job into the pool, on the calling thread."""
@@ -230,8 +238,9 @@ class LayerLoader:
         has taken (the forward never reached it, or the loader is busy) is copied here; the
         loader, when it gets to the job, finds every layer claimed and copies nothing."""
         for layer, event in enumerate(job.layers):
-            if not event.is_set() and not self.take_layer(job, layer):
-                event.wait()
+            if not event.is_set():
+                self.take_layer(job, layer)
+            event.wait()  # CUDA: the compute stream waits for the copy; CPU: it has finished
 
     # -- lookup thread -----------------------------------------------------------------------
 
@@ -313,10 +322,17 @@ class LayerLoader:
         int8 (half the bytes) and dequantised there, into the compute dtype."""
         return kv_quant.convert(rows, self.kv_cache.dtype, self.kv_cache.device)
 
-    def _on_stream(self, fn: Callable[[], None]) -> None:
-        if self._stream is None:
+    def _on_stream(self, fn: Callable[[], None], job: LoadJob | None = None) -> None:
+        """fn on the copy stream (CUDA, once the loader thread made it), after the compute the
+        job was submitted behind; its pool slots, made on the compute stream, live until the
+        copy stream is done with them. Staged layers need no wait either: only copy_layer
+        reads them, on this same stream."""
+        stream = self._stream
+        if stream is None:
             fn()
             return
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(stream):
+            if job is not None:
+                order_after(stream, job.after)
+                keep_for(stream, job.slots)
             fn()
-        self._stream.synchronize()  # done means: readable from the forward's stream
