@@ -223,7 +223,7 @@ class Config:
             raise ValueError(f"records_map_bytes must be >= 1 MiB, got {self.records_map_bytes}")
         if self.redis_timeout_s <= 0 or self.redis_breaker_failures < 1:
             raise ValueError("redis_timeout_s must be > 0 and redis_breaker_failures >= 1")
-        from chatstore.store.tiers.redis_security import RedisSecurity
+        from chatstore.redis_security import RedisSecurity
 
         RedisSecurity.from_config(self).validate(self.redis_url)
         if self.records_url not in ("", "lmdb"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from chatstore.config import Config
-from chatstore.store.tiers.redis_security import RedisSecurity
+from chatstore.redis_security import RedisSecurity
 
 
 def default_data_dir() -> Path:

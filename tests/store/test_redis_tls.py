@@ -15,13 +15,13 @@ import redis as redis_lib
 
 from chatstore.api.common.launcher import local_server
 from chatstore.config import load_config
+from chatstore.redis_security import RedisSecurity
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.records.leases import session_leases
 from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.redis import RedisTier, connect_redis
-from chatstore.store.tiers.redis_security import RedisSecurity
 from tests.store.test_attention_store import SPEC, TOKEN_BYTES, value
 from tests.support.redis_server import redis_server_binary
 from tests.support.redis_tls import TLSRedis, make_tls_files, start_tls_redis

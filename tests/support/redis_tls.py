@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from chatstore.store.tiers.redis_security import RedisSecurity
+from chatstore.redis_security import RedisSecurity
 from tests.support.redis_server import LocalRedis, redis_server_binary
 
 ACL_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "redis-users.acl.template"
