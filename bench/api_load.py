@@ -391,7 +391,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.clients, args.duration, args.max_tokens = 4, 8.0, 8
-    from chatstore.api.common.server import SWITCH_INTERVAL_S
+    from chatstore.server.run import SWITCH_INTERVAL_S
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the server runs its engine thread
     transports = args.transports.split(",")

@@ -301,20 +301,20 @@ def probe(args: argparse.Namespace) -> dict:
 
 
 def serve(args: argparse.Namespace) -> None:
-    """`chatstore serve` (api/common/server.py run_server) with a commit listener that appends
+    """`chatstore serve` (server/run.py run_server) with a commit listener that appends
     each commit's writer CPU to --cpu-log."""
     import torch
 
     from chatstore.api.common.app import create_app
-    from chatstore.api.common.server import (
+    from chatstore.api.common.settings import ServerSettings
+    from chatstore.config import load_config
+    from chatstore.cpu_threads import in_temporary_thread, leave_cores_to_engine
+    from chatstore.server.run import (
         SWITCH_INTERVAL_S,
         DrainingServer,
         configure_logging,
         uvicorn_config,
     )
-    from chatstore.api.common.settings import ServerSettings
-    from chatstore.config import load_config
-    from chatstore.cpu_threads import in_temporary_thread, leave_cores_to_engine
     from chatstore.serving import build
 
     config = load_config(overrides={"port": args.port}, env=os.environ)

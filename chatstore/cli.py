@@ -168,7 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from chatstore.api.common.server import run_server
+    from chatstore.server.run import run_server
 
     return run_server(_config_from(args))
 
@@ -179,7 +179,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     server = None
     if args.local:
-        from chatstore.api.common.in_process import start_in_process
+        from chatstore.server.in_process import start_in_process
 
         print("chatstore: starting a local server...", file=sys.stderr, flush=True)
         server = start_in_process(_config_from(args), args.log_level or "warning")

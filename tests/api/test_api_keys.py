@@ -15,10 +15,10 @@ import pytest
 
 from chatstore.api.common.api_keys import HashedKeys
 from chatstore.api.common.key_file import KeyFile, KeyFileError, parse_key
-from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import ServerSettings, forget_plain_keys
 from chatstore.cli import main
 from chatstore.config import load_config
+from chatstore.server.launcher import local_server
 from tests.api.test_limits import error_of
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import ServerSettings
+from chatstore.server.launcher import local_server
 from chatstore.store import AttentionStore
 from chatstore.store.session_kv import SessionKey
 from tests.api.test_sessions import sse_events

@@ -10,9 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatstore.api.admin.tiers import cache_tiers, device_tier
-from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import ServerSettings
 from chatstore.engine.engine_stats import EngineStats
+from chatstore.server.launcher import local_server
 from chatstore.store.ports import ContextBudget, TierStats, store_hits
 from chatstore.store.records_only import RecordsOnlyStore
 

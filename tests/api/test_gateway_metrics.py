@@ -8,8 +8,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatstore.api.admin.metrics import GatewayCollector
-from chatstore.api.common.launcher import local_server
 from chatstore.engine.engine_stats import EngineStats
+from chatstore.server.launcher import local_server
 
 
 def samples(text: str) -> dict[str, list]:

@@ -14,8 +14,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import ServerSettings
+from chatstore.server.launcher import local_server
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(400)]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from chatstore.api.common.launcher import local_server
+from chatstore.server.launcher import local_server
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 

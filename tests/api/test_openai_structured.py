@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from chatstore.api.common.launcher import local_server
+from chatstore.server.launcher import local_server
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 

@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
-from chatstore.api.common.launcher import local_server
 from chatstore.api.tools.formats import ToolFormat
 from chatstore.api.tools.replies import reply_message
+from chatstore.server.launcher import local_server
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 

@@ -20,8 +20,8 @@ import httpx
 import pytest
 from playwright.sync_api import sync_playwright
 
-from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import ServerSettings
+from chatstore.server.launcher import local_server
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]

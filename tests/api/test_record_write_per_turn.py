@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from chatstore.api.common.launcher import local_server
+from chatstore.server.launcher import local_server
 from chatstore.store.session_kv import SessionKey
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import KEYED_TURNS_PER_TENANT, ServerSettings
+from chatstore.server.launcher import local_server
 from chatstore.store.session_kv import SessionKey
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]

@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import ServerSettings
+from chatstore.server.launcher import local_server
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 

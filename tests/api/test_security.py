@@ -12,9 +12,9 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from chatstore.api.common.launcher import local_server
-from chatstore.api.common.server import RedactSecrets, install_log_redaction, uvicorn_config
 from chatstore.api.common.settings import ServerSettings, parse_api_keys
+from chatstore.server.launcher import local_server
+from chatstore.server.run import RedactSecrets, install_log_redaction, uvicorn_config
 from tests.api.test_limits import error_of
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from chatstore.api.common.launcher import local_server
+from chatstore.server.launcher import local_server
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 

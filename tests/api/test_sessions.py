@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import ServerSettings
+from chatstore.server.launcher import local_server
 from tests.support.store import push_down
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from chatstore.api.common.launcher import local_server
+from chatstore.server.launcher import local_server
 from tests.support.store import push_down
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]

@@ -12,8 +12,8 @@ import httpx
 import pexpect
 import pytest
 
-from chatstore.api.common.launcher import ServerThread, local_server
 from chatstore.api.common.settings import ServerSettings
+from chatstore.server.launcher import ServerThread, local_server
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from chatstore import config as config_module
-from chatstore.api.common.launcher import local_server
 from chatstore.config import Config, load_config, resolve_dtype
+from chatstore.server.launcher import local_server
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 

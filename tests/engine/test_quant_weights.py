@@ -264,7 +264,7 @@ def test_weights_config() -> None:
 
 
 def test_server_with_int4_weights_serves_a_turn(tmp_path) -> None:
-    from chatstore.api.common.in_process import start_in_process
+    from chatstore.server.in_process import start_in_process
 
     overrides = {"weights": "int4", "data_dir": str(tmp_path), "kv_cache_bytes": 32 << 20}
     server = start_in_process(load_config(overrides=overrides))  # fp32: CHATSTORE_DTYPE

@@ -438,8 +438,8 @@ def test_the_topic_is_llm_ds_kv_at_pod_at_model(tmp_path) -> None:
 def test_the_server_publishes_its_device_cache_and_store(default_model, tmp_path) -> None:
     import httpx
 
-    from chatstore.api.common.launcher import local_server
     from chatstore.model.default_model import DEFAULT_MODEL_NAME
+    from chatstore.server.launcher import local_server
 
     port, replay_port = free_port(), free_port()
     srv = local_server(

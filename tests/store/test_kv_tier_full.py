@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import chatstore.store.store_parts as store_parts
 import chatstore.store.tiers.lmdb as lmdb_tier
-from chatstore.api.common.launcher import local_server
+from chatstore.server.launcher import local_server
 from chatstore.store import AttentionStore
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.commit.persister import Persister

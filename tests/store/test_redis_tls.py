@@ -13,9 +13,9 @@ import httpx
 import pytest
 import redis as redis_lib
 
-from chatstore.api.common.launcher import local_server
 from chatstore.config import load_config
 from chatstore.redis_security import RedisSecurity
+from chatstore.server.launcher import local_server
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.records.leases import session_leases

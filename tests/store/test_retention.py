@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import ServerSettings
+from chatstore.server.launcher import local_server
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
 from chatstore.store.retention import Retention

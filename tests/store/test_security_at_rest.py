@@ -27,8 +27,8 @@ import lmdb
 import pytest
 import torch
 
-from chatstore.api.common.launcher import local_server
 from chatstore.api.common.settings import ServerSettings
+from chatstore.server.launcher import local_server
 from chatstore.store import AttentionStore
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.records import LmdbRecordStore, SessionRecord

@@ -168,7 +168,7 @@ REPLICA_SECRET = new_secret_line()
 
 @pytest.fixture(scope="module")
 def two_replicas(default_model, tmp_path_factory, redis_server):
-    from chatstore.api.common.launcher import local_server
+    from chatstore.server.launcher import local_server
 
     servers = [
         local_server(

@@ -13,9 +13,9 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from chatstore.api.common.launcher import ServerThread
-from chatstore.api.common.server import SWITCH_INTERVAL_S, build_app, install_log_redaction
 from chatstore.api.common.settings import ServerSettings
+from chatstore.server.launcher import ServerThread
+from chatstore.server.run import SWITCH_INTERVAL_S, build_app, install_log_redaction
 
 START_TIMEOUT_S = 300.0  # a first run converts the embedded model
 
