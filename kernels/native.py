@@ -134,8 +134,10 @@ def _cpuinfo() -> str:
         return ""
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The flags the OS reports for this CPU (empty where /proc/cpuinfo is unreadable)."""
+    """The flags the OS reports for this CPU (empty where /proc/cpuinfo is unreadable); read
+    once."""
     line = next((ln for ln in _cpuinfo().splitlines() if ln.startswith("flags")), "")
     return frozenset(line.partition(":")[2].split())
 
@@ -226,9 +228,19 @@ def build(cflags: tuple[str, ...]) -> Path:
 
 def native_library() -> ctypes.CDLL | None:
     """The loaded kernels of the selected variant, or None when they are turned off or cannot be
-    built here."""
+    built here. Called by every kernel call: the choice is made once per setting and CPU."""
     if os.environ.get("CHATSTORE_NATIVE_KERNELS", "1").lower() in _OFF:
         return None
+    return _library_for(
+        os.environ.get("CHATSTORE_KERNEL_ISA", ""),
+        os.environ.get("CHATSTORE_BF16_DOT", ""),
+        cpu_flags(),
+    )
+
+
+@functools.cache
+def _library_for(isa: str, bf16_dot: str, flags: frozenset[str]) -> ctypes.CDLL | None:
+    """native_library()'s choice for these settings and CPU flags (the arguments are the key)."""
     chosen = selected_variant()
     _log_choice(chosen.name)
     return variant_library(chosen.name)

@@ -19,8 +19,10 @@ Int4Linear runs on one of two kernels (`int4_kernel()`, logged at start with the
              (AVX512-BF16), emulated elsewhere
     native   `chatstore.kernels.int4_matmul` (csrc/int4_matmul.c): activations quantized to int8
              per block of 32, integer dot products (VPMADDUBSW on AVX2), as llama.cpp computes its
-             4-bit formats; 1.4-2x the torch kernel at decode's token counts with torch's AVX2
-             kernels (measured on this project's Intel Xeon, ATEN_CPU_CAPABILITY=avx2, 1 thread)
+             4-bit formats. Decode at batch 1 of the embedded model, fp32, both kernels in one
+             process, steps interleaved: 1.12x torch's with torch's AVX2 kernels
+             (ATEN_CPU_CAPABILITY=avx2 on this project's Intel Xeon: 34.5 vs 30.9 tok/s best,
+             31.3 vs 27.3 median), 0.78x torch's where torch computes bf16 (AVX512-BF16)
 
 `auto` takes native on a CPU without AVX512-BF16 when the native kernels build, torch
 otherwise; `CHATSTORE_INT4_KERNEL=torch|native` pins one (group-32 weights only; others torch).
