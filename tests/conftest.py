@@ -116,9 +116,12 @@ def reference(default_model):
     return recompute_conversation(default_model)
 
 
-def pytest_report_header() -> str:
-    """Which builds of the native kernels this run exercises (every variant the CPU runs)."""
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Which builds of the native kernels this run exercised (every variant the CPU runs): the
+    last lines of `make test`, also under -q."""
     from chatstore.kernels import native
 
     ran = ", ".join(v.name for v in native.runnable_variants())
-    return f"native kernel variants tested: {ran} (serving: {native.selected_variant().name})"
+    terminalreporter.write_line(
+        f"native kernel variants tested: {ran} (serving: {native.selected_variant().name})"
+    )
