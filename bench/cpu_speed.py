@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: PYTHONPATH (an older tree to compare with) comes first.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from bench.machine import machine_report
 from chatstore.config import load_config
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.runtime import Runtime, create_runtime
@@ -92,8 +92,10 @@ def main() -> None:
     rt = create_runtime(config)
     gen = torch.Generator().manual_seed(0)
     try:
+        from bench.machine import machine_report
+
         result: dict[str, object] = machine_report()
-    except AttributeError:  # an older tree (before the kernel variants) under PYTHONPATH
+    except (ImportError, AttributeError):  # an older tree, before the kernel variants
         result = {"kernel_variant": "older tree"}
     result["dtype"] = str(config.torch_dtype)
     result["overrides"] = overrides
