@@ -11,7 +11,6 @@ does), which moves an output by a few 2^-9 of its scale at most: atol 4e-3, rtol
 
 from __future__ import annotations
 
-import ctypes
 import random
 
 import pytest
@@ -34,14 +33,6 @@ from chatstore.kernels.paged_prefill import make_prefill_plan, paged_prefill_nat
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no native kernels (no gcc?)")
 
 ATOL, RTOL = 4e-3, 2**-7
-BUILDS = [v.name for v in runnable_variants()]
-
-
-def _lib(build: str) -> ctypes.CDLL:
-    lib = variant_library(build)
-    if lib is None:
-        pytest.skip(f"the {build} build is not available with this compiler")
-    return lib
 
 
 def test_this_cpu_computes_bf16_with_dot_products():
@@ -54,8 +45,11 @@ def test_this_cpu_computes_bf16_with_dot_products():
 
 
 def test_only_the_avx512_bf16_variant_has_the_dot_path():
-    for build in BUILDS:
-        assert kernel_features(_lib(build)).bf16_dot == (build == "avx512_bf16"), build
+    for variant in runnable_variants():
+        lib = variant_library(variant.name)
+        if lib is None:
+            pytest.skip(f"the {variant.name} build is not available with this compiler")
+        assert kernel_features(lib).bf16_dot == (variant.name == "avx512_bf16"), variant
 
 
 def test_bf16_dot_env_off_serves_the_fallback(monkeypatch):
@@ -111,11 +105,10 @@ def _reference(q, k_cache, v_cache, tables, query_lens, contexts, scale):
     )
 
 
-@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 4)])
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
 @pytest.mark.parametrize("block", [16, 6, 5])  # 5: odd, the decode kernel's fp32 path
-def test_decode_bf16_matches_reference(build, hq, hkv, head_dim, block):
+def test_decode_bf16_matches_reference(variant_lib, hq, hkv, head_dim, block):
     contexts = [1, 2, 15, 16, 17, 33, 100]  # odd and even, block boundaries
     k_cache, v_cache, tables = _paged(contexts, hkv, head_dim, block, seed=head_dim + block)
     q = torch.randn(len(contexts), hq, head_dim, generator=torch.Generator().manual_seed(1))
@@ -127,7 +120,7 @@ def test_decode_bf16_matches_reference(build, hq, hkv, head_dim, block):
     for items_threads in (1, 4):
         torch.set_num_threads(items_threads)
         try:
-            out = paged_decode_native(q, k_cache, v_cache, plan, scale, _lib(build))
+            out = paged_decode_native(q, k_cache, v_cache, plan, scale, variant_lib)
         finally:
             torch.set_num_threads(threads)
         ref = _reference(q, k_cache, v_cache, tables, [1] * len(contexts), contexts, scale)
@@ -135,11 +128,10 @@ def test_decode_bf16_matches_reference(build, hq, hkv, head_dim, block):
         torch.testing.assert_close(out.float(), ref, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 4)])
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
 @pytest.mark.parametrize("block", [16, 24, 5])
-def test_prefill_bf16_matches_reference(build, hq, hkv, head_dim, block):
+def test_prefill_bf16_matches_reference(variant_lib, hq, hkv, head_dim, block):
     # (new tokens, context): fresh prompts, history, single decode rows; odd chunk lengths.
     seqs = [(1, 1), (7, 7), (5, 37), (33, 33), (1, 17), (40, 100)]
     contexts = [c for _, c in seqs]
@@ -148,7 +140,7 @@ def test_prefill_bf16_matches_reference(build, hq, hkv, head_dim, block):
     q = torch.randn(total, hq, head_dim, generator=torch.Generator().manual_seed(2)).bfloat16()
     plan = make_prefill_plan(tables, [n for n, _ in seqs], contexts)
     scale = head_dim**-0.5
-    out = paged_prefill_native(q, k_cache, v_cache, plan, scale, _lib(build))
+    out = paged_prefill_native(q, k_cache, v_cache, plan, scale, variant_lib)
     ref = _reference(q, k_cache, v_cache, tables, [n for n, _ in seqs], contexts, scale)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, atol=ATOL, rtol=RTOL)
@@ -175,11 +167,10 @@ def _close_to_torch(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=8e-3)
 
 
-@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("width", [576, 100])  # 100: not a multiple of the 32-wide dot product
-def test_fused_ops_bf16_match_torch(build, width):
+def test_fused_ops_bf16_match_torch(variant_lib, width):
     gen = torch.Generator().manual_seed(width)
-    ops = NativeOps(_lib(build))
+    ops = NativeOps(variant_lib)
     h = torch.randn(40, width, generator=gen).bfloat16()
     delta = torch.randn(40, width, generator=gen).bfloat16()
     w = torch.randn(width, generator=gen).bfloat16()
@@ -209,15 +200,14 @@ def test_fused_ops_bf16_match_torch(build, width):
     assert torch.equal(caches[3], caches[1])
 
 
-@pytest.mark.parametrize("build", BUILDS)
-def test_bf16_rounding_keeps_denormals_and_nan(build):
+def test_bf16_rounding_keeps_denormals_and_nan(variant_lib):
     """The vectorised fp32 -> bf16 rounding of the fused ops equals torch's on the edge values
     (a hardware conversion would flush the denormals)."""
     edges = torch.tensor([1e-39, -3e-40, float("nan"), float("inf"), -0.0, 3.0e38, 1.00390625])
     special = edges.repeat(10)  # 70 wide: through the vector loop, not only its scalar tail
     h = torch.zeros(1, special.numel(), dtype=torch.bfloat16)
     delta = special.bfloat16()[None]
-    ops = NativeOps(_lib(build))
+    ops = NativeOps(variant_lib)
     ops.add_rms_norm(h, delta, torch.ones(special.numel(), dtype=torch.bfloat16), 1e-6)
     ref = torch.zeros_like(h).add_(delta)
     assert torch.equal(h.isnan(), ref.isnan())  # NaN payloads differ within torch itself
@@ -225,11 +215,10 @@ def test_bf16_rounding_keeps_denormals_and_nan(build):
     assert torch.equal(bits[~h.isnan()], ref_bits[~ref.isnan()])
 
 
-@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 4), (32, 4)])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("block", [16, 6, 5])
-def test_decode_and_prefill_bf16_agree_bitwise(build, hq, hkv, head_dim, block):
+def test_decode_and_prefill_bf16_agree_bitwise(variant_lib, hq, hkv, head_dim, block):
     """A token's attention must not depend on the batch it runs in: continuous batching runs a
     decode token in the decode kernel in one step and, in a mixed step, in the prefill kernel
     (as the last new token of its sequence, or alone, in any lane of a work item).
@@ -241,8 +230,7 @@ def test_decode_and_prefill_bf16_agree_bitwise(build, hq, hkv, head_dim, block):
     with an online softmax over chunks: the same attention in another summation order, so there
     the two agree within the bf16 tolerance, not to the bit (docs/engine.md, "Batching
     invariance"). Within one kernel the result never depends on the work split."""
-    lib = _lib(build)
-    bitwise = kernel_features(lib).bf16_dot
+    bitwise = kernel_features(variant_lib).bf16_dot
     contexts = [1, 2, 15, 16, 17, 33, 100, 37]
     k_cache, v_cache, tables = _paged(contexts, hkv, head_dim, block, seed=head_dim + 7 * block)
     gen = torch.Generator().manual_seed(5)
@@ -254,7 +242,7 @@ def test_decode_and_prefill_bf16_agree_bitwise(build, hq, hkv, head_dim, block):
     for items_threads in (1, 4):  # whole-sequence and per-head work items
         torch.set_num_threads(items_threads)
         try:
-            decoded.append(paged_decode_native(q, k_cache, v_cache, plan, scale, lib))
+            decoded.append(paged_decode_native(q, k_cache, v_cache, plan, scale, variant_lib))
         finally:
             torch.set_num_threads(threads)
     assert torch.equal(decoded[0], decoded[1])
@@ -267,7 +255,7 @@ def test_decode_and_prefill_bf16_agree_bitwise(build, hq, hkv, head_dim, block):
             rows.append(q[s : s + 1])
             last.append(sum(query_lens[: s + 1]) - 1)
         plan_p = make_prefill_plan(tables, query_lens, contexts)
-        out = paged_prefill_native(torch.cat(rows), k_cache, v_cache, plan_p, scale, lib)
+        out = paged_prefill_native(torch.cat(rows), k_cache, v_cache, plan_p, scale, variant_lib)
         if bitwise:
             assert torch.equal(out[last], decoded[0]), f"{extra} extra new tokens per sequence"
         else:
