@@ -37,22 +37,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import progress  # noqa: E402
+from bench.machine import cpu_model  # noqa: E402
 from bench.store_io import Rig, words  # noqa: E402
 from chatstore.config import cpu_has_fast_bf16, load_config  # noqa: E402
 from chatstore.store.sealing import KV_PURPOSE, Keyring, Sealer  # noqa: E402
 from chatstore.store.sealing.master_key import Secret, new_secret_line  # noqa: E402
 from chatstore.store.session_kv import SessionKV  # noqa: E402
 from chatstore.store.tiers import codec  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def chunk_value(spec, dtype: torch.dtype, chunk_tokens: int) -> bytearray:
