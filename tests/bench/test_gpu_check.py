@@ -58,7 +58,9 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
         for key in SPEED_KEYS:
             assert part[key] > 0, key
         assert part["gpu_decode_b1_roofline_pct"] is None  # no HBM rate measured on a CPU
-    assert 0 <= result["gpu_load_hidden_pct"] <= 100 or result["gpu_load_hidden_pct"] is None
+    # None when the serial load timed no slower than resident compute (CPU timing noise).
+    hidden = result["gpu_load_hidden_pct"]
+    assert hidden is None or 0 <= hidden <= 100
     for key in GPU_ONLY:
         assert result[key] is None, key
     # Everything it wrote is under --out: nothing in the home or temporary folder.
