@@ -17,35 +17,15 @@ import pytest
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
-from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.sealing.master_key import new_secret_line
-from chatstore.transfer import StoreConnector
 from tests.support.engine import greedy, run_all, tiny_runtime, tokens_of
 from tests.support.redis_server import redis_server_binary, start_local_redis
+from tests.support.replicas import CHUNK, Replica
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-CHUNK = 64
 HISTORY = [(7 * i) % 200 + 3 for i in range(2 * CHUNK + 20)]  # two full chunks and a tail
 LOGPROB_TOL = 1e-4  # fp32: what another summation order of the same attention moves
-
-
-def replica(tmp_path, name: str, redis_url: str, secret: str, dram_bytes: int):
-    runtime = tiny_runtime(num_blocks=256)
-    settings = StoreSettings(
-        data_dir=tmp_path / name,
-        dram_bytes=dram_bytes,
-        ssd_bytes=0,
-        redis_url=redis_url,
-        records_url=redis_url,
-        block_size=4,
-        chunk_tokens=CHUNK,
-        persist="write_through",
-        secret_key=secret,
-    )
-    store = AttentionStore(settings, runtime.model.spec, runtime.model.fingerprint)
-    conn = StoreConnector(store, runtime.kv_cache, runtime.runner.rope)
-    return store, LLMEngine(runtime, EngineConfig(enable_prefix_cache=False), conn)
 
 
 def turn(store, engine, rid: str, ids: list[int]):
@@ -66,12 +46,12 @@ def test_a_session_continued_on_another_replica_matches_recompute(tmp_path):
     if redis_server_binary() is None:
         pytest.skip("redis-server is not installed")
     redis = start_local_redis(policy="noeviction")
-    stores = []
+    replicas: list[Replica] = []
     try:
-        secret = new_secret_line()  # replicas share one master key
-        a_store, a = replica(tmp_path, "a", redis.url, secret, dram_bytes=32 * CHUNK * 512)
-        b_store, b = replica(tmp_path, "b", redis.url, secret, dram_bytes=0)
-        stores = [a_store, b_store]
+        secret = new_secret_line()  # replicas share one master key; records in the same Redis
+        replicas.append(Replica(tmp_path, "a", redis.url, redis.url, secret, 32 * CHUNK * 512))
+        replicas.append(Replica(tmp_path, "b", redis.url, redis.url, secret, dram_bytes=0))
+        (a_store, a), (b_store, b) = ((r.store, r.engine) for r in replicas)
         first = turn(a_store, a, "t1", HISTORY)
         follow_up = [*HISTORY, *tokens_of(first), *[(5 * i) % 200 + 3 for i in range(30)]]
         before = b_store.tiers.counters.bytes_up
@@ -89,6 +69,6 @@ def test_a_session_continued_on_another_replica_matches_recompute(tmp_path):
             for (_, g), (_, w) in zip(got.top, want.top, strict=True):
                 assert abs(g - w) <= LOGPROB_TOL
     finally:
-        for store in stores:
-            store.close(flush_dram=False)
+        for r in replicas:
+            r.close()
         redis.stop()

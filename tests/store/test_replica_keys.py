@@ -18,85 +18,15 @@ from __future__ import annotations
 import pytest
 import redis as redis_lib
 
-from chatstore.engine.engine_config import EngineConfig
-from chatstore.engine.llm_engine import LLMEngine
-from chatstore.engine.request import Request
-from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.chunks import ChunkKey
 from chatstore.store.sealing.master_key import new_secret_line
-from chatstore.store.session_kv import SessionKey
-from chatstore.transfer import StoreConnector
-from tests.support.engine import greedy, prompt, run_all, run_alone, tiny_runtime, tokens_of
-from tests.support.redis_server import redis_server_binary, start_local_redis
+from tests.support.engine import prompt
+from tests.support.replicas import CHUNK, Replica, kv_redis, records_redis
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.timeout(300)]
+__all__ = ["kv_redis", "records_redis"]  # the fixtures the tests below take
 
-CHUNK = 64
-
-
-@pytest.fixture
-def kv_redis():
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed")
-    server = start_local_redis()  # allkeys-lru, deploy/'s policy
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def records_redis():
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed")
-    server = start_local_redis(policy="noeviction")
-    yield server
-    server.stop()
-
-
-class Replica:
-    """One server's store and engine; its KV in the shared Redis only (no LMDB)."""
-
-    def __init__(self, tmp_path, name: str, kv_url: str, records_url: str, secret: str) -> None:
-        self.runtime = tiny_runtime(num_blocks=256)
-        spec, fingerprint = self.runtime.model.spec, self.runtime.model.fingerprint
-        settings = StoreSettings(
-            data_dir=tmp_path / name,
-            dram_bytes=0,  # every read of a stored chunk goes to Redis
-            ssd_bytes=0,
-            redis_url=kv_url,
-            records_url=records_url,
-            redis_bytes=64 << 20,
-            block_size=4,
-            chunk_tokens=CHUNK,
-            persist="write_through",
-            secret_key=secret,
-        )
-        self.store = AttentionStore(settings, spec, fingerprint)
-        self.conn = StoreConnector(self.store, self.runtime.kv_cache, self.runtime.runner.rope)
-        self.engine = LLMEngine(self.runtime, EngineConfig(enable_prefix_cache=False), self.conn)
-        self._n = 0
-
-    def turn(self, tenant: str, sid: str, ids: list[int]) -> int:
-        """One turn, saved before it returns, with a fresh run's greedy tokens; its cached
-        token count."""
-        self.store.fetch_remote(tenant, sid)
-        self._n += 1
-        req = Request(f"{sid}-{self._n}", list(ids), greedy(4), tenant=tenant, session_id=sid)
-        self.engine.add_request(req)
-        outs = run_all(self.engine)[req.request_id]
-        assert self.store.flush_persist(30)
-        assert tokens_of(outs) == run_alone(req), f"{sid}: differs from a fresh run"
-        return outs[-1].usage.cached_tokens
-
-    def chunks(self, tenant: str, sid: str) -> list[ChunkKey]:
-        chain = self.store.index.get(SessionKey(tenant, sid))
-        assert chain is not None
-        return list(chain.chunks)
-
-    def open_failures(self) -> int:
-        return self.store.open_failures().get("remote", 0)
-
-    def close(self) -> None:
-        self.store.close(flush_dram=False)
+DRAM = 0  # every read of a stored chunk goes to Redis
+REDIS_BYTES = 64 << 20
 
 
 def _deletes(client) -> int:
@@ -116,14 +46,18 @@ def test_replicas_with_different_master_keys_delete_no_chunk(tmp_path, kv_redis,
     serves the tenants whose keys it made, cannot open the other's (a miss, counted), and
     deletes nothing."""
     kv = redis_lib.Redis.from_url(kv_redis.url)
-    a = Replica(tmp_path, "a", kv_redis.url, records_redis.url, new_secret_line())
-    b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, new_secret_line())
+    a = Replica(
+        tmp_path, "a", kv_redis.url, records_redis.url, new_secret_line(), DRAM, REDIS_BYTES
+    )
+    b = Replica(
+        tmp_path, "b", kv_redis.url, records_redis.url, new_secret_line(), DRAM, REDIS_BYTES
+    )
     try:
         history = prompt(3, 3 * CHUNK + 5)
-        assert a.turn("ta", "chat", history) == 0
-        assert b.turn("tb", "chat", history) == 0
-        assert a.turn("ta", "chat", [*history, *prompt(4, 9)]) >= 3 * CHUNK
-        assert b.turn("tb", "chat", [*history, *prompt(4, 9)]) >= 3 * CHUNK
+        assert a.turn("ta", "chat", history).cached == 0
+        assert b.turn("tb", "chat", history).cached == 0
+        assert a.turn("ta", "chat", [*history, *prompt(4, 9)]).cached >= 3 * CHUNK
+        assert b.turn("tb", "chat", [*history, *prompt(4, 9)]).cached >= 3 * CHUNK
         written = _chunk_names(kv)
         for reader, writer, tenant in ((b, a, "ta"), (a, b, "tb")):
             chunks = writer.chunks(tenant, "chat")
@@ -144,15 +78,15 @@ def test_replicas_with_keys_of_their_own_name_the_same_chunks_apart(tmp_path, kv
     conversation's chunks get other names on each (names are keyed per tenant key), so
     neither reads nor overwrites the other's, and nothing is deleted."""
     kv = redis_lib.Redis.from_url(kv_redis.url)
-    a = Replica(tmp_path, "a", kv_redis.url, "lmdb", new_secret_line())
-    b = Replica(tmp_path, "b", kv_redis.url, "lmdb", new_secret_line())
+    a = Replica(tmp_path, "a", kv_redis.url, "lmdb", new_secret_line(), DRAM, REDIS_BYTES)
+    b = Replica(tmp_path, "b", kv_redis.url, "lmdb", new_secret_line(), DRAM, REDIS_BYTES)
     try:
         history = prompt(3, 3 * CHUNK + 5)
-        assert a.turn("t", "chat", history) == 0
-        assert b.turn("t", "chat", history) == 0
+        assert a.turn("t", "chat", history).cached == 0
+        assert b.turn("t", "chat", history).cached == 0
         assert not set(a.chunks("t", "chat")) & set(b.chunks("t", "chat"))
-        assert a.turn("t", "chat", [*history, *prompt(4, 9)]) >= 3 * CHUNK
-        assert b.turn("t", "chat", [*history, *prompt(4, 9)]) >= 3 * CHUNK
+        assert a.turn("t", "chat", [*history, *prompt(4, 9)]).cached >= 3 * CHUNK
+        assert b.turn("t", "chat", [*history, *prompt(4, 9)]).cached >= 3 * CHUNK
         assert a.open_failures() == b.open_failures() == 0 and _deletes(kv) == 0
     finally:
         a.close()
@@ -163,17 +97,19 @@ def test_a_rolling_master_key_rotation_deletes_no_chunk(tmp_path, kv_redis, reco
     """Replicas sharing records and data keys mid-rotation: `k2,k1` on a, `k1` on b."""
     kv = redis_lib.Redis.from_url(kv_redis.url)
     k1, k2 = new_secret_line("k1"), new_secret_line("k2")
-    b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, k1)
+    b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, k1, DRAM, REDIS_BYTES)
     history = prompt(6, 2 * CHUNK + 3)
     try:
-        assert b.turn("old", "chat", history) == 0  # a tenant made before the rotation
-        a = Replica(tmp_path, "a", kv_redis.url, records_redis.url, f"{k2},{k1}")
+        assert b.turn("old", "chat", history).cached == 0  # a tenant made before the rotation
+        a = Replica(tmp_path, "a", kv_redis.url, records_redis.url, f"{k2},{k1}", DRAM, REDIS_BYTES)
         try:
             # Both serve the tenant made before the rotation, from each other's chunks.
-            assert a.turn("old", "chat", [*history, *prompt(7, 5)]) >= 2 * CHUNK
-            assert b.turn("old", "chat", [*history, *prompt(7, 5), *prompt(8, 5)]) >= 2 * CHUNK
+            assert a.turn("old", "chat", [*history, *prompt(7, 5)]).cached >= 2 * CHUNK
+            assert (
+                b.turn("old", "chat", [*history, *prompt(7, 5), *prompt(8, 5)]).cached >= 2 * CHUNK
+            )
             # A tenant made on a now: its data key is wrapped by k2, which b lacks.
-            assert a.turn("new", "chat", history) == 0
+            assert a.turn("new", "chat", history).cached == 0
             written = _chunk_names(kv)
             new_chunks = a.chunks("new", "chat")
             before = b.open_failures()
@@ -182,12 +118,12 @@ def test_a_rolling_master_key_rotation_deletes_no_chunk(tmp_path, kv_redis, reco
                 assert b.store.tiers.get(chunk, promote=False, count=False) is None  # a miss
             assert b.open_failures() == before + len(new_chunks)
             assert _deletes(kv) == 0 and written <= _chunk_names(kv)
-            assert a.turn("new", "chat", [*history, *prompt(9, 5)]) >= 2 * CHUNK  # a: intact
+            assert a.turn("new", "chat", [*history, *prompt(9, 5)]).cached >= 2 * CHUNK  # a: intact
         finally:
             a.close()
         b.close()
         # b restarted with k2 as well: the rotation is whole, and the chunks open there.
-        b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, f"{k2},{k1}")
+        b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, f"{k2},{k1}", DRAM, REDIS_BYTES)
         b.store.tier("remote").discover(new_chunks)
         for chunk in new_chunks:
             assert b.store.tiers.get(chunk, promote=False, count=False) is not None
@@ -200,8 +136,8 @@ def test_a_shred_on_one_replica_stops_its_values_opening_on_the_other(
     tmp_path, kv_redis, records_redis
 ):
     secret = new_secret_line()
-    a = Replica(tmp_path, "a", kv_redis.url, records_redis.url, secret)
-    b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, secret)
+    a = Replica(tmp_path, "a", kv_redis.url, records_redis.url, secret, DRAM, REDIS_BYTES)
+    b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, secret, DRAM, REDIS_BYTES)
     try:
         history = prompt(11, 2 * CHUNK + 1)
         a.turn("gone", "chat", history)

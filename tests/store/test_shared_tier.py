@@ -16,104 +16,27 @@ import logging
 
 import pytest
 import redis as redis_lib
-import torch
 
 from chatstore.config import Config
-from chatstore.engine.engine_config import EngineConfig
-from chatstore.engine.llm_engine import LLMEngine
-from chatstore.engine.request import Request
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.chunks import ChunkKey
 from chatstore.store.records import RedisRecordStore
 from chatstore.store.sealing.master_key import new_secret_line
-from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.transfer import StoreConnector
-from tests.support.engine import greedy, prompt, run_all, run_alone, tiny_runtime, tokens_of
-from tests.support.redis_server import redis_server_binary, start_local_redis
+from chatstore.store.session_kv import SessionKey
+from tests.support.engine import prompt, tiny_runtime
+from tests.support.replicas import CHUNK, Replica, kv_redis, records_redis
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+__all__ = ["kv_redis", "records_redis"]  # the fixtures the tests below take
 
-CHUNK = 64  # tokens per stored chunk: 32 KiB of the tiny model's fp32 KV
-KV_MAXMEMORY = 8 << 20
+KV_MAXMEMORY = 8 << 20  # the kv_redis fixture's maxmemory here
 TENANT = "t"
+DRAM = 4 * CHUNK * 512  # a few chunks: the rest lives in Redis only
+REDIS_BYTES = 1 << 20  # below what the replicas write: not a budget any more
 
 
-@pytest.fixture
-def kv_redis():
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed")
-    server = start_local_redis(maxmemory=KV_MAXMEMORY)  # allkeys-lru, deploy/'s policy
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def records_redis():
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed")
-    server = start_local_redis(policy="noeviction")
-    yield server
-    server.stop()
-
-
-class Replica:
-    """One server's store and engine over the shared KV Redis."""
-
-    def __init__(self, tmp_path, name: str, kv_url: str, records_url: str, secret: str) -> None:
-        self.runtime = tiny_runtime(num_blocks=256)
-        spec, fingerprint = self.runtime.model.spec, self.runtime.model.fingerprint
-        settings = StoreSettings(
-            data_dir=tmp_path / name,
-            dram_bytes=4 * CHUNK * 512,  # a few chunks: the rest lives in Redis only
-            ssd_bytes=0,
-            redis_url=kv_url,
-            records_url=records_url,
-            redis_bytes=1 << 20,  # below what the replicas write: not a budget any more
-            block_size=4,
-            chunk_tokens=CHUNK,
-            persist="write_through",
-            secret_key=secret,
-        )
-        self.store = AttentionStore(settings, spec, fingerprint)
-        self.conn = StoreConnector(self.store, self.runtime.kv_cache, self.runtime.runner.rope)
-        self.engine = LLMEngine(self.runtime, EngineConfig(enable_prefix_cache=False), self.conn)
-        self._n = 0
-
-    def turn(self, sid: str, ids: list[int]) -> tuple[list[int], int]:
-        """One acknowledged turn (saved before it returns): its greedy tokens, cached count."""
-        self.store.fetch_remote(TENANT, sid)  # what the API does when it opens a turn
-        self._n += 1
-        req = Request(f"{sid}-{self._n}", list(ids), greedy(4), tenant=TENANT, session_id=sid)
-        self.engine.add_request(req)
-        outs = run_all(self.engine)[req.request_id]
-        assert self.store.flush_persist(30)
-        got = tokens_of(outs)
-        assert got == run_alone(req), f"{sid}: differs from a fresh run"
-        return got, outs[-1].usage.cached_tokens
-
-    def load(self, prefix: str, sessions: int, tokens: int, seed: int) -> list[SessionKey]:
-        """Sessions saved directly (random KV): pressure on the shared tier."""
-        keys = []
-        for i in range(sessions):
-            g = torch.Generator().manual_seed(seed + i)
-            ids = torch.randint(2, 256, (tokens,), generator=g).tolist()
-            self.store.save(
-                TENANT,
-                f"{prefix}{i}",
-                SessionKV(ids, torch.randn(2, 2, tokens, 2, 16, generator=g)),
-            )
-            keys.append(SessionKey(TENANT, f"{prefix}{i}"))
-        assert self.store.flush_persist(30)
-        return keys
-
-    def close(self) -> None:
-        self.store.close(flush_dram=False)
-
-
-def _chunks(store: AttentionStore, sid: str) -> list[ChunkKey]:
-    chain = store.index.get(SessionKey(TENANT, sid))
-    assert chain is not None
-    return list(chain.chunks)
+def _replica(tmp_path, name: str, kv_url: str, records_url: str, secret: str) -> Replica:
+    return Replica(tmp_path, name, kv_url, records_url, secret, DRAM, REDIS_BYTES)
 
 
 def _in_redis(replica: Replica, keys: list[ChunkKey]) -> list[bool]:
@@ -131,21 +54,23 @@ def test_kv_redis_at_maxmemory_evicts_and_loses_no_acknowledged_turn(
     tmp_path, kv_redis, records_redis
 ):
     secret = new_secret_line()
-    a = Replica(tmp_path, "a", kv_redis.url, records_redis.url, secret)
-    b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, secret)
+    a = _replica(tmp_path, "a", kv_redis.url, records_redis.url, secret)
+    b = _replica(tmp_path, "b", kv_redis.url, records_redis.url, secret)
     kv = redis_lib.Redis.from_url(kv_redis.url)
     try:
         history = prompt(7, 3 * CHUNK + 5)
-        out, _ = a.turn("chat", history)
-        chat_chunks = _chunks(a.store, "chat")
+        out, _ = a.turn(TENANT, "chat", history)
+        chat_chunks = a.chunks(TENANT, "chat")
         assert all(_in_redis(a, chat_chunks))
-        acked = a.load("a", 24, 8 * CHUNK, seed=100) + b.load("b", 24, 8 * CHUNK, seed=200)
+        acked = a.load(TENANT, "a", 24, 8 * CHUNK, seed=100) + b.load(
+            TENANT, "b", 24, 8 * CHUNK, seed=200
+        )
         # Redis evicted (its policy, at its maxmemory); its LRU is sampled, so more load
         # until the chat's first chunk went too.
         for round_ in range(10):
             if not _in_redis(a, chat_chunks)[0]:
                 break
-            acked += b.load(f"c{round_}-", 8, 8 * CHUNK, seed=300 + 10 * round_)
+            acked += b.load(TENANT, f"c{round_}-", 8, 8 * CHUNK, seed=300 + 10 * round_)
         assert not _in_redis(a, chat_chunks)[0]
         assert int(kv.info("stats")["evicted_keys"]) > 0
         assert int(kv.info("memory")["used_memory"]) <= KV_MAXMEMORY * 1.1
@@ -157,12 +82,12 @@ def test_kv_redis_at_maxmemory_evicts_and_loses_no_acknowledged_turn(
             assert record is not None and record.chunks, f"{key}: record lost"
         # The next turn, on the other replica: its chunks are gone, a miss each, recomputed,
         # the same greedy tokens as a fresh run (Replica.turn checks).
-        _, cached = b.turn("chat", [*history, *out, *prompt(8, 9)])
+        _, cached = b.turn(TENANT, "chat", [*history, *out, *prompt(8, 9)])
         assert cached == 0
         # Both replicas' other sessions read as hits where Redis still has them, misses
         # where it does not: never an error.
         for replica, key in ((a, acked[0]), (b, acked[-1])):
-            for chunk in _chunks(replica.store, key.session_id):
+            for chunk in replica.chunks(TENANT, key.session_id):
                 value = replica.store.tiers.get(chunk, promote=False, count=False)
                 assert value is None or value.num_tokens == CHUNK
     finally:
@@ -174,26 +99,26 @@ def test_a_replica_deleting_its_session_keeps_chunks_the_other_references(
     tmp_path, kv_redis, records_redis
 ):
     secret = new_secret_line()
-    a = Replica(tmp_path, "a", kv_redis.url, records_redis.url, secret)
-    b = Replica(tmp_path, "b", kv_redis.url, records_redis.url, secret)
+    a = _replica(tmp_path, "a", kv_redis.url, records_redis.url, secret)
+    b = _replica(tmp_path, "b", kv_redis.url, records_redis.url, secret)
     kv = redis_lib.Redis.from_url(kv_redis.url)
     try:
         system = prompt(3, 2 * CHUNK)  # a shared system prompt: the same chunks in both
-        a.turn("sa", [*system, *prompt(4, 10)])
+        a.turn(TENANT, "sa", [*system, *prompt(4, 10)])
         sb = [*system, *prompt(5, 10)]
-        out, _ = b.turn("sb", sb)
-        shared = sorted(set(_chunks(a.store, "sa")) & set(_chunks(b.store, "sb")), key=str)
+        out, _ = b.turn(TENANT, "sb", sb)
+        shared = sorted(set(a.chunks(TENANT, "sa")) & set(b.chunks(TENANT, "sb")), key=str)
         assert len(shared) == 2 and all(_in_redis(b, shared))
         kv.config_resetstat()
         assert a.store.delete_session(TENANT, "sa")
         a.store.invalidate_all()  # this replica's tiers only
-        referenced = set(_chunks(b.store, "sb"))
+        referenced = set(b.chunks(TENANT, "sb"))
         cross_replica_deletes = sum(not ok for ok in _in_redis(b, sorted(referenced, key=str)))
         assert cross_replica_deletes == 0 and _deletes(kv) == 0
         # A third replica continues B's session from Redis: every chunk is still there.
-        c = Replica(tmp_path, "c", kv_redis.url, records_redis.url, secret)
+        c = _replica(tmp_path, "c", kv_redis.url, records_redis.url, secret)
         try:
-            _, cached = c.turn("sb", [*sb, *out, *prompt(6, 10)])
+            _, cached = c.turn(TENANT, "sb", [*sb, *out, *prompt(6, 10)])
         finally:
             c.close()
         assert cached >= 2 * CHUNK  # the shared system prompt, and the rest of B's turn

@@ -1,6 +1,13 @@
-"""Several chatstore replicas behind nginx on a Redis Cluster, all on loopback: the topology of
-deploy/cluster.sh, in Python so that tests and bench/replicas.py need no bash parsing. Both
-render the same deploy/nginx.conf.template. Every wait is bounded.
+"""Replicas for tests, two kinds.
+
+In process (`Replica`, the `kv_redis` and `records_redis` fixtures): one server's
+AttentionStore and tiny engine over a shared KV Redis, several in one test (tests/store/:
+test_shared_tier.py, test_replica_keys.py, test_replica_continuation.py), which differ in their
+DRAM tier's size.
+
+As processes (`ReplicaCluster`): several chatstore replicas behind nginx on a Redis Cluster, all
+on loopback: the topology of deploy/cluster.sh, in Python so that tests and bench/replicas.py
+need no bash parsing. Both render the same deploy/nginx.conf.template. Every wait is bounded.
 
     with ReplicaCluster(tmp, replicas=2).start() as cluster:
         httpx.post(cluster.proxy_url + "/v1/sessions", json={})
@@ -14,13 +21,24 @@ render the same deploy/nginx.conf.template. Every wait is bounded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import pytest
+import torch
+
+from chatstore.engine.engine_config import EngineConfig
+from chatstore.engine.llm_engine import LLMEngine
+from chatstore.engine.request import Request
+from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.chunks import ChunkKey
 from chatstore.store.sealing.master_key import new_secret_line
+from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.transfer import StoreConnector
 from tests.chaos.harness import (
     RedisProcess,
     ServerProcess,
@@ -28,12 +46,128 @@ from tests.chaos.harness import (
     terminate,
     wait_until,
 )
-from tests.support.redis_server import start_local_redis, start_local_redis_cluster
+from tests.support.engine import greedy, run_all, run_alone, tiny_runtime, tokens_of
+from tests.support.redis_server import (
+    redis_server_binary,
+    start_local_redis,
+    start_local_redis_cluster,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "deploy" / "nginx.conf.template"
 AFFINE = "hash $chatstore_session consistent;"
 ROUND_ROBIN = ""
+
+
+# -- in process: stores and tiny engines over one shared KV Redis ---------------------------------
+
+CHUNK = 64  # tokens per stored chunk: 32 KiB of the tiny model's fp32 KV
+
+
+@pytest.fixture
+def kv_redis(request):
+    """The shared KV Redis: allkeys-lru (deploy/'s policy), at the test module's KV_MAXMEMORY
+    bytes when it sets one (else no limit)."""
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    server = start_local_redis(maxmemory=getattr(request.module, "KV_MAXMEMORY", 0))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def records_redis():
+    """The session records' Redis: noeviction (deploy/redis-records.conf)."""
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    server = start_local_redis(policy="noeviction")
+    yield server
+    server.stop()
+
+
+class Turn(NamedTuple):
+    tokens: list[int]
+    cached: int
+
+
+class Replica:
+    """One server's store and engine over the shared KV Redis (no LMDB tier): `dram_bytes` of
+    DRAM tier (0: every read of a stored chunk goes to Redis); `redis_bytes`, the Redis tier's
+    planning capacity (None: StoreSettings' default), is no budget: Redis's maxmemory evicts."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str,
+        kv_url: str,
+        records_url: str,
+        secret: str,
+        dram_bytes: int,
+        redis_bytes: int | None = None,
+    ) -> None:
+        self.runtime = tiny_runtime(num_blocks=256)
+        spec, fingerprint = self.runtime.model.spec, self.runtime.model.fingerprint
+        settings = StoreSettings(
+            data_dir=tmp_path / name,
+            dram_bytes=dram_bytes,
+            ssd_bytes=0,
+            redis_url=kv_url,
+            records_url=records_url,
+            block_size=4,
+            chunk_tokens=CHUNK,
+            persist="write_through",
+            secret_key=secret,
+        )
+        if redis_bytes is not None:
+            settings = dataclasses.replace(settings, redis_bytes=redis_bytes)
+        self.store = AttentionStore(settings, spec, fingerprint)
+        self.conn = StoreConnector(self.store, self.runtime.kv_cache, self.runtime.runner.rope)
+        self.engine = LLMEngine(self.runtime, EngineConfig(enable_prefix_cache=False), self.conn)
+        self._n = 0
+
+    def turn(self, tenant: str, sid: str, ids: list[int]) -> Turn:
+        """One acknowledged turn (saved before it returns), checked against a fresh run's
+        greedy tokens: its tokens and cached token count."""
+        self.store.fetch_remote(tenant, sid)  # what the API does when it opens a turn
+        self._n += 1
+        req = Request(f"{sid}-{self._n}", list(ids), greedy(4), tenant=tenant, session_id=sid)
+        self.engine.add_request(req)
+        outs = run_all(self.engine)[req.request_id]
+        assert self.store.flush_persist(30)
+        got = tokens_of(outs)
+        assert got == run_alone(req), f"{sid}: differs from a fresh run"
+        return Turn(got, outs[-1].usage.cached_tokens)
+
+    def load(
+        self, tenant: str, prefix: str, sessions: int, tokens: int, seed: int
+    ) -> list[SessionKey]:
+        """Sessions saved directly (random KV): pressure on the shared tier."""
+        keys = []
+        for i in range(sessions):
+            g = torch.Generator().manual_seed(seed + i)
+            ids = torch.randint(2, 256, (tokens,), generator=g).tolist()
+            self.store.save(
+                tenant,
+                f"{prefix}{i}",
+                SessionKV(ids, torch.randn(2, 2, tokens, 2, 16, generator=g)),
+            )
+            keys.append(SessionKey(tenant, f"{prefix}{i}"))
+        assert self.store.flush_persist(30)
+        return keys
+
+    def chunks(self, tenant: str, sid: str) -> list[ChunkKey]:
+        chain = self.store.index.get(SessionKey(tenant, sid))
+        assert chain is not None
+        return list(chain.chunks)
+
+    def open_failures(self) -> int:
+        return self.store.open_failures().get("remote", 0)
+
+    def close(self) -> None:
+        self.store.close(flush_dram=False)
+
+
+# -- as processes: `chatstore serve` replicas behind nginx ----------------------------------------
 
 
 def free_port() -> int:
