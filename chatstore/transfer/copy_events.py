@@ -18,12 +18,20 @@
 
 Buffers that cross streams live until their event completes: a device tensor made on the
 compute stream and read on the copy stream is `record_stream`-ed there (`keep_for`), so the
-caching allocator does not hand its memory out before the copy stream is done with it.
+caching allocator does not hand its memory out before the copy stream is done with it. Host
+memory a copy reads or writes (a staging-ring slot, the DRAM pool's leased blocks) is given
+back only once a `CopyFence` recorded after the copy reports it done:
+
+    CopyFence   query() -> the copy has run; synchronize() -> block until it has
+    CUDA        a torch.cuda.Event recorded on the copying stream (it has this very interface)
+    CPU         HostFence, a threading.Event: a CPU copy is synchronous, so `fence_after_copy`
+                hands out one already set; tests set their own later to hold a copy "in flight"
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Protocol
 
 import torch
@@ -89,3 +97,63 @@ def keep_for(stream: torch.cuda.Stream, *tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.device.type == "cuda":
             t.record_stream(stream)
+
+
+class CopyFence(Protocol):
+    """The completion of a copy that host memory is read or written by (torch.cuda.Event's
+    own method names, so a CUDA event is one)."""
+
+    def query(self) -> bool: ...  # the copy has run: its host memory may be reused
+    def synchronize(self) -> None: ...  # block the calling thread until it has
+
+
+class HostFence:
+    """The CPU implementation of CopyFence: done once set."""
+
+    def __init__(self, done: bool = False) -> None:
+        self._done = threading.Event()
+        if done:
+            self._done.set()
+
+    def set(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+
+def fence_after_copy(device: torch.device) -> CopyFence:
+    """A fence behind the copies enqueued so far on the calling thread's current stream
+    (CUDA), or a done one (CPU: the copies have already run)."""
+    if device.type != "cuda":
+        return HostFence(done=True)
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class KeptUntilDone:
+    """Objects whose memory copies still read (a load's stored rows, leased DRAM blocks among
+    them), kept referenced until the fence recorded after those copies is done. Thread-safe;
+    `reap` drops what is done, oldest first (fences complete in stream order)."""
+
+    def __init__(self) -> None:
+        self._held: deque[tuple[CopyFence, object]] = deque()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, fence: CopyFence, what: object) -> None:
+        if fence.query():
+            return  # done already (every CPU copy): nothing to keep
+        with self._lock:
+            self._held.append((fence, what))
+
+    def reap(self) -> None:
+        with self._lock:
+            while self._held and self._held[0][0].query():
+                self._held.popleft()

@@ -24,6 +24,13 @@ recorded on the compute stream when it was submitted, each layer records an even
 is issued, and the forward's stream waits on it (`wait_event`); on a CPU host the layer's
 threading.Event is set once the copy has finished, and the threads run torch with `threads`
 intra-op threads (1: no OpenMP team as wide as the forward's on the same cores).
+
+What a layer copy reads on the host (layer_copy.py): DRAM rows in place from the tier's pinned
+pool, anything else through a pinned staging ring (pinned_staging.py; made here on CUDA, none
+on a CPU, where a "copy to the device" is the host tensor itself). A ring slot is retired with
+a fence recorded after the layer's work, and the stored rows (which hold the DRAM blocks'
+leases) are kept until that fence is done (`_kept`), so no host memory a copy still reads is
+reused.
 """
 
 from __future__ import annotations
@@ -40,10 +47,11 @@ import torch
 from chatstore.cpu_threads import own_intra_op_threads
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
-from chatstore.store import kv_quant
 from chatstore.store.session_kv import SessionKey
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV, MissingChunkError
 from chatstore.transfer.copy_events import LayerDone, keep_for, order_after
+from chatstore.transfer.layer_copy import LayerCopier
+from chatstore.transfer.pinned_staging import StagingRing
 from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
 
 log = logging.getLogger(__name__)
@@ -84,7 +92,10 @@ class LayerLoader:
         buffer: ReadBuffer,
         layer_delay_s: float = 0.0,
         threads: int | None = 1,
+        staging: StagingRing | None = None,
     ) -> None:
+        """staging: the ring non-DRAM rows cross through (None: one of the default size on
+        CUDA, none on a CPU)."""
         self.kv_cache = kv_cache
         self.rope = rope
         self.lookup = lookup
@@ -102,6 +113,9 @@ class LayerLoader:
         self._lookup_thread: threading.Thread | None = None
         self._closed = False  # close(): both threads leave their loops
         self._stream: torch.cuda.Stream | None = None
+        if staging is None and kv_cache.device.type == "cuda":
+            staging = StagingRing()
+        self.copier = LayerCopier(kv_cache.device, kv_cache.dtype, staging)
         self.copy_s = 0.0  # time spent writing loads into the pool (delays included)
         self.stage_s = 0.0  # time spent staging (lookups included)
 
@@ -171,9 +185,10 @@ class LayerLoader:
             cos, sin = self.rope.cos_sin(positions, self.kv_cache.dtype)
             job._cos_sin = (cos, sin)
         cos, sin = job._cos_sin
-        k, v = job.saved.layer(layer, job.start, job.end)  # int8 storage: packed rows + scales
-        k, v = self._in_pool_dtype(k), self._in_pool_dtype(v)
-        self.kv_cache.write(layer, apply_rope(k, cos, sin), v, job.slots)
+        saved = job.saved.get() if isinstance(job.saved, LazyChunkedKV) else job.saved
+        rows = self.copier.rows(saved, layer, job.start, job.end, self._may_wait())
+        self.kv_cache.write(layer, apply_rope(rows.k, cos, sin), rows.v, job.slots)
+        self.copier.done(rows, saved)
         if self.layer_delay_s > 0:
             time.sleep(self.layer_delay_s)
 
@@ -308,8 +323,12 @@ class LayerLoader:
                 return
 
             def stage_layer(layer: int = layer, saved: ChunkedKV = saved) -> None:
-                k = apply_rope(self._in_pool_dtype(saved.k(layer)), cos, sin)
-                v = self._in_pool_dtype(saved.v(layer))  # CPU, same dtype: a view, no copy
+                rows = self.copier.rows(saved, layer, saved.start, saved.end, self._may_wait())
+                k = apply_rope(rows.k, cos, sin)
+                v = rows.v  # CPU, same dtype: a view, no copy
+                if v.device.type == "cpu" and (rows.slot is not None or rows.pooled_runs):
+                    v = v.clone()  # kept past this copy: not a view of a slot or the pool
+                self.copier.done(rows, saved)
                 if self.layer_delay_s > 0:
                     time.sleep(self.layer_delay_s)
                 entry.k.append(k)
@@ -317,10 +336,10 @@ class LayerLoader:
 
             self._on_stream(stage_layer)
 
-    def _in_pool_dtype(self, rows: torch.Tensor) -> torch.Tensor:
-        """Stored rows [T, Hkv, W] as the pool's [T, Hkv, D] on its device: int8 ones moved as
-        int8 (half the bytes) and dequantised there, into the compute dtype."""
-        return kv_quant.convert(rows, self.kv_cache.dtype, self.kv_cache.device)
+    def _may_wait(self) -> bool:
+        """Only the loader's own thread may wait for staging-ring space; the engine thread,
+        taking a layer, copies plainly instead."""
+        return threading.current_thread() is self._thread
 
     def _on_stream(self, fn: Callable[[], None], job: LoadJob | None = None) -> None:
         """fn on the copy stream (CUDA, once the loader thread made it), after the compute the

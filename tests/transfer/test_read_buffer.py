@@ -19,8 +19,8 @@ from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.transfer import StoreConnector
-from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV
+from chatstore.transfer import StoreConnector, layer_copy
+from chatstore.transfer.chunked_kv import ChunkedKV
 from chatstore.transfer.read_buffer import ReadBuffer
 from tests.support.engine import (
     assert_pool_clean,
@@ -99,16 +99,17 @@ def test_staged_layers_cut_the_wait_and_keep_the_output(tmp_path, monkeypatch):
 
 @contextlib.contextmanager
 def counted_layer_reads(monkeypatch) -> Iterator[list[int]]:
-    """How many layers a load read from the store (not from the read buffer) in the block."""
+    """How many layers a load read from the store (not from the read buffer) in the block:
+    every such read goes through layer_copy.layer_to_device."""
     reads = [0]
+    read = layer_copy.layer_to_device
+
+    def counting(*args, **kwargs):
+        reads[0] += 1
+        return read(*args, **kwargs)
+
     with monkeypatch.context() as patch:
-        for cls in (ChunkedKV, LazyChunkedKV):
-
-            def counting(self, *args, _read=cls.layer, **kwargs):
-                reads[0] += 1
-                return _read(self, *args, **kwargs)
-
-            patch.setattr(cls, "layer", counting)
+        patch.setattr(layer_copy, "layer_to_device", counting)
         yield reads
 
 

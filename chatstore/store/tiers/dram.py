@@ -1,18 +1,30 @@
 """Host DRAM tier: one preallocated pool of fixed-size blocks, pinned when CUDA is present.
 
-    pool: [N, L, 2, B, Hkv, W]    N blocks of B tokens, every layer's K (pre-RoPE) and V
-                                  (W = D; int8 storage: D + 2, each row with its scale)
+    pool:      [N, L, 2, B, Hkv, W]   N blocks of B tokens, every layer's K (pre-RoPE) and V
+                                      (W = D; int8 storage: D + 2, each row with its scale)
+    by_layer:  [L, N, 2, B, Hkv, W]   the same memory as it is laid out: `pool` is a view of it
+
+Layer-major storage, so that one layer of a run of consecutive blocks is one contiguous piece:
+the layer loader copies it to the device as it is (one non-blocking copy from pinned memory per
+layer per run), with no gather into pageable memory first. A block's accounting is unchanged
+(`pool[b]` is block b, `block_bytes` of it).
 
 A session of T tokens takes ceil(T / B) blocks from the free list (any blocks, in any order);
 its block list and token ids live in a small table. Capacity is whole blocks, so
-used_bytes = blocks in use x bytes per block. `get` copies each byte once into a fresh tensor.
+used_bytes = blocks in use x bytes per block. `get` copies each byte once into a fresh tensor;
+`get_rows` does too, or with `read_in_place` (the default where the pool is pinned) answers
+PooledRows (dram_rows.py): the blocks themselves, leased. A leased block that is deleted is
+parked, not freed, until its last lease ends (it still counts as used); extending an entry
+whose partial last block is leased is refused (the hierarchy stores the chunk whole instead).
 
-Not thread-safe on its own: the hierarchy only calls it under its lock (`in_memory`).
+Not thread-safe on its own: the hierarchy only calls it under its lock (`in_memory`). Leases
+end on whichever thread drops the rows: the free list and the leases take a lock of their own.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import threading
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +33,7 @@ from chatstore.store import kv_quant
 from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.tiers.base import StorageTier, TierFull
+from chatstore.store.tiers.dram_rows import PooledRows
 
 
 @dataclass(frozen=True)
@@ -54,8 +67,15 @@ class DramTier(StorageTier):
     in_memory = True
 
     def __init__(
-        self, capacity_bytes: int, layout: KVLayout, block_size: int = 16, pin: bool | None = None
+        self,
+        capacity_bytes: int,
+        layout: KVLayout,
+        block_size: int = 16,
+        pin: bool | None = None,
+        read_in_place: bool | None = None,
     ) -> None:
+        """read_in_place: get_rows answers leased PooledRows instead of a copy (None: where the
+        pool is pinned, i.e. with CUDA; a CPU gains nothing from it by default)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.layout = layout
@@ -64,10 +84,15 @@ class DramTier(StorageTier):
         self.num_blocks = max(0, capacity_bytes // self.block_bytes)
         pin = torch.cuda.is_available() if pin is None else pin
         L, Hkv, W = layout.num_layers, layout.num_kv_heads, layout.row_width
-        shape = (self.num_blocks, L, 2, block_size, Hkv, W)
-        self.pool = torch.empty(shape, dtype=layout.dtype, pin_memory=pin)
+        shape = (L, self.num_blocks, 2, block_size, Hkv, W)
+        self.by_layer = torch.empty(shape, dtype=layout.dtype, pin_memory=pin)
+        self.pool = self.by_layer.transpose(0, 1)  # [N, L, 2, B, Hkv, W], a view
+        self.read_in_place = pin if read_in_place is None else read_in_place
         self._free: deque[int] = deque(range(self.num_blocks))
         self._entries: dict[ChunkKey, _Entry] = {}
+        self._leases: Counter[int] = Counter()  # block -> PooledRows reading it
+        self._parked: set[int] = set()  # deleted while leased: freed when the last lease ends
+        self._lease_lock = threading.Lock()
 
     @property
     def capacity(self) -> int:
@@ -92,10 +117,12 @@ class DramTier(StorageTier):
         kept_blocks = -(-keep // B)
         total = keep + rows.num_tokens
         extra = self._blocks_for(total) - kept_blocks
-        if extra > len(self._free) + len(entry.blocks) - kept_blocks:
+        if extra > len(self._free) + self._reusable(entry.blocks[kept_blocks:]):
             return False
+        if keep % B and self._leases[entry.blocks[keep // B]]:
+            return False  # rows past `keep` in that block are being read in place
         del self._entries[base]
-        self._free.extend(entry.blocks[kept_blocks:])
+        self._give_back(entry.blocks[kept_blocks:])
         blocks = entry.blocks[:kept_blocks] + [self._free.popleft() for _ in range(extra)]
         kv = kv_quant.convert(rows.kv, self.layout.dtype)
         offset = keep % B
@@ -110,7 +137,7 @@ class DramTier(StorageTier):
     def put(self, key: ChunkKey, value: SessionKV) -> None:
         n = self._blocks_for(value.num_tokens)
         old = self._entries.get(key)
-        if n > len(self._free) + (len(old.blocks) if old else 0):
+        if n > len(self._free) + (self._reusable(old.blocks) if old else 0):
             raise TierFull(f"DRAM tier: {n} blocks needed, {len(self._free)} free")
         self.delete(key)
         blocks = [self._free.popleft() for _ in range(n)]
@@ -146,8 +173,53 @@ class DramTier(StorageTier):
         end = min(end, len(entry.token_ids))
         B = self.block_size
         first = start // B
-        kv = self._read_blocks(entry.blocks[first : -(-end // B)], end - first * B)
+        blocks = entry.blocks[first : -(-end // B)]
+        if self.read_in_place and end > start:
+            return self._pooled_rows(entry.token_ids[start:end], blocks, start - first * B)
+        kv = self._read_blocks(blocks, end - first * B)
         return SessionKV(entry.token_ids[start:end], kv[:, :, start - first * B :])
+
+    def _pooled_rows(self, token_ids: list[int], blocks: list[int], offset: int) -> PooledRows:
+        """The rows as leased pool blocks; `kv`, if anyone asks, is get_rows' copy."""
+        T = offset + len(token_ids)
+        with self._lease_lock:
+            self._leases.update(blocks)
+        return PooledRows(
+            token_ids,
+            self.by_layer,
+            blocks,
+            offset,
+            lambda: self._read_blocks(blocks, T)[:, :, offset:],
+            self._end_lease,
+        )
+
+    def _end_lease(self, blocks: list[int]) -> None:
+        with self._lease_lock:
+            for b in blocks:
+                self._leases[b] -= 1
+                if self._leases[b] == 0:
+                    del self._leases[b]
+                    if b in self._parked:
+                        self._parked.discard(b)
+                        self._free.append(b)
+
+    def _give_back(self, blocks: list[int]) -> None:
+        """Blocks a deleted entry held: free, or parked while some are read in place."""
+        with self._lease_lock:
+            for b in blocks:
+                if self._leases[b]:
+                    self._parked.add(b)
+                else:
+                    self._free.append(b)
+
+    def _reusable(self, blocks: list[int]) -> int:
+        """How many of these blocks a delete would free now (the others are being read)."""
+        with self._lease_lock:
+            return sum(1 for b in blocks if not self._leases[b])
+
+    def leased_blocks(self) -> int:
+        with self._lease_lock:
+            return len(self._leases)
 
     def _read_blocks(self, blocks: list[int], T: int) -> torch.Tensor:
         """The blocks' first T tokens as a fresh [L, 2, T, H, W] tensor, each byte copied once.
@@ -173,7 +245,7 @@ class DramTier(StorageTier):
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        self._free.extend(entry.blocks)
+        self._give_back(entry.blocks)
         return True
 
     def contains(self, key: ChunkKey) -> bool:
@@ -195,9 +267,13 @@ class DramTier(StorageTier):
 
     def check_integrity(self) -> None:
         used = [b for e in self._entries.values() for b in e.blocks]
+        with self._lease_lock:
+            free, parked = set(self._free), set(self._parked)
+            assert all(self._leases[b] for b in parked), "a parked DRAM block has no lease"
         assert len(set(used)) == len(used), "a DRAM block belongs to two sessions"
-        assert not set(used) & set(self._free), "a DRAM block is both used and free"
-        assert len(used) + len(self._free) == self.num_blocks, "DRAM blocks leaked"
+        assert not set(used) & free, "a DRAM block is both used and free"
+        assert not parked & (free | set(used)), "a parked DRAM block is in use or free"
+        assert len(used) + len(free) + len(parked) == self.num_blocks, "DRAM blocks leaked"
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:
