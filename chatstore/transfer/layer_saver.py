@@ -30,12 +30,14 @@ release(), so new requests cannot overwrite them. Allocator state (free list, se
 lists) is under one lock: the engine thread allocates (track/save_layer/take/drop), the writer
 thread reads and releases.
 
-On CUDA each layer's kept rows are gathered on the device (stack K, V; index_select) and copied
-to pinned host memory on a side stream ordered after the compute that produced them, with an
-event; the index_copy_ into the CPU arena happens once the event has fired: opportunistically
-at the next step's layer 0 on the engine thread, or (waiting) when a writer thread reads rows.
-Those pending copies are applied in issue order, so a page freed and reused sees its old
-owner's late rows before its new owner's.
+On CUDA each layer's kept rows are gathered on the device (stack K, V; index_select) into the
+step's buffer on a side stream ordered after the compute that produced them, and the step goes
+to a preallocated pinned ring in one copy (host_copies.py says when it is one per layer); the
+index_copy_ into the CPU arena happens once its fence is done: opportunistically at the next
+step's layer 0 on the engine thread, or (waiting) when a writer thread reads rows. Those pending
+copies are applied in issue order, so a page freed and reused sees its old owner's late rows
+before its new owner's. Positions come from the step's host lists (`host_positions`): no
+device-to-host read of them.
 """
 
 from __future__ import annotations
@@ -68,10 +70,17 @@ class _Step:
 
 
 class LayerSaver:
-    def __init__(self, num_layers: int, row_dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        row_dtype: torch.dtype,
+        device: torch.device,
+        host_copies: HostCopies | None = None,
+    ) -> None:
         """row_dtype: what the rows wait in until their chunks are built: the store's dtype, or
         the compute dtype when the store keeps int8 (kv_quant.staging_dtype: a chunk is
-        quantised as a whole when it is built, never row by row in a forward)."""
+        quantised as a whole when it is built, never row by row in a forward). host_copies:
+        the device path (None: made on CUDA; tests give one on a CPU)."""
         if not row_dtype.is_floating_point:
             raise ValueError(f"the layer saver keeps float rows, not {row_dtype}")
         self.num_layers = num_layers
@@ -86,9 +95,9 @@ class LayerSaver:
         self._row_shape: tuple[int, ...] | None = None  # (Hkv, D), known at the first save
         self._page_bytes = 0
         self._step: _Step | None = None
-        self._host_copies: HostCopies | None = None  # CUDA: rows reach the arena via host
-        if self.device.type == "cuda":
-            self._host_copies = HostCopies(self.device, row_dtype)
+        if host_copies is None and self.device.type == "cuda":
+            host_copies = HostCopies(self.device, row_dtype, num_layers)
+        self._host_copies = host_copies  # CUDA: rows reach the arena through a host ring
 
     # -- requests -------------------------------------------------------------------------
 
