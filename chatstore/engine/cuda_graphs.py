@@ -10,7 +10,8 @@
 
 The KV sink cannot run inside a graph (a replay runs no Python), so the captured forward's sink
 only copies each layer's pre-RoPE K, V into the buffers' `kv_out`; after the replay the real
-sink (the store's saver) gets them, layer by layer, from one per-step copy of those rows.
+sink (the store's saver) gets them, layer by layer, from one per-step copy of those rows, and
+sends the step's kept rows to the host in one device-to-host copy (transfer/host_copies.py).
 
 Without capture (a CPU, or `capture=False`) the same path runs the forward eagerly over the
 same buffers, padding and buckets, so CPU tests pin it to the eager path.

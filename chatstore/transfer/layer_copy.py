@@ -59,11 +59,17 @@ class LayerCopier:
         self.dtype = dtype  # the pool's
         self.staging = staging
         self.kept = KeptUntilDone()  # stored rows whose copies may still be running
+        self.pooled_runs = 0  # totals of LayerRows' counts (stats: two threads may add)
+        self.staged_rows = 0
+        self.plain_rows = 0
 
     def rows(self, saved: ChunkedKV, layer: int, start: int, end: int, block: bool) -> LayerRows:
         """The layer's rows on the device in the pool's dtype (int8 dequantised there)."""
         self.kept.reap()
         rows = layer_to_device(saved, layer, start, end, self.device, self.staging, block)
+        self.pooled_runs += rows.pooled_runs
+        self.staged_rows += rows.staged_rows
+        self.plain_rows += rows.plain_rows
         rows.k = kv_quant.convert(rows.k, self.dtype, self.device)
         rows.v = kv_quant.convert(rows.v, self.dtype, self.device)
         return rows
