@@ -101,3 +101,23 @@ def test_a_value_written_before_the_alignment_still_decodes_owned():
     assert (12 + len(header)) % 4  # the token ids are not even 4-aligned
     back = codec.decode_owned(torch.frombuffer(bytearray(old), dtype=torch.uint8), "fp")
     assert back.equal(value) and codec.decode(old, "fp").equal(value)
+
+
+def test_sealable_parts_are_encode_bytes_with_a_zero_crc_that_only_an_authenticated_read_skips():
+    """A sealed value's checksum is its AES-GCM tag (codec.py): its parts are encode()'s
+    bytes with the crc32 field 0, the KV part is the tensor's own memory (no copy), and
+    only a decode told the bytes were authenticated accepts them."""
+    for dtype in (torch.float32, torch.bfloat16):
+        value = _value(7, dtype)
+        head, body = codec.sealable_parts(value, "fp")
+        clear = codec.encode(value, "fp")
+        joined = bytes(head) + bytes(body)
+        assert joined[8:] == bytes(clear[8:]) and joined[4:8] == b"\0\0\0\0"
+        assert body.nbytes == value.kv.numel() * value.kv.element_size()
+        with pytest.raises(codec.CorruptValueError, match="checksum"):
+            codec.decode(joined, "fp")
+        assert codec.decode(joined, "fp", authenticated=True).equal(value)
+        owned = codec.decode_owned(
+            torch.frombuffer(bytearray(joined), dtype=torch.uint8), "fp", True
+        )
+        assert owned.equal(value) and owned.token_ids == value.token_ids

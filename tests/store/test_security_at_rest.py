@@ -88,6 +88,26 @@ def test_kv_value_swapped_between_tenants_or_flipped_is_a_miss_left_in_place(tmp
     tier.close()
 
 
+def test_seal_parts_is_seal_of_the_joined_parts_and_any_changed_bit_fails_to_open():
+    """Chunks are sealed from their parts (header, KV memory) without joining them: the value
+    opens to exactly the joined bytes under the same associated data, and, with no CRC
+    beneath the seal, the tag alone refuses a flipped bit anywhere, header or KV."""
+    sealer = Sealer(Keyring([secret("k1")]))
+    head, body = os.urandom(301), memoryview(torch.randn(4096).numpy())
+    sealed = sealer.seal_parts(b"kv", "alice", b"digest", [head, body])
+    joined = head + body.tobytes()
+    assert sealer.open(b"kv", "alice", b"digest", bytes(sealed)) == joined
+    assert len(sealed) == len(sealer.seal(b"kv", "alice", b"digest", joined))
+    with pytest.raises(OpenError):
+        sealer.open(b"kv", "bob", b"digest", bytes(sealed))
+    offset = read_header(sealed).body_offset + 12  # the ciphertext starts after the nonce
+    for at in (offset, offset + 300, offset + 301, len(sealed) - 17, len(sealed) - 1):
+        flipped = bytearray(sealed)
+        flipped[at] ^= 0x80
+        with pytest.raises(OpenError):
+            sealer.open(b"kv", "alice", b"digest", bytes(flipped))
+
+
 def test_record_swapped_between_tenants_or_flipped_reads_absent(tmp_path):
     store = LmdbRecordStore(tmp_path / "records.lmdb", sealer=Sealer(Keyring([secret("k1")])))
     store.put(SessionRecord("alice", "s", [{"role": "user", "content": "alice's"}]))

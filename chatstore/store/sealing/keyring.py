@@ -57,6 +57,7 @@ class ShredFailed(RuntimeError):
 class DataKey:
     dek_id: str
     cipher: AESGCM = field(repr=False)
+    key: bytes = field(repr=False)  # the raw key, for sealing a value given in parts
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class Keyring:
         for wrapped in stored.keys:
             dek = self._unwrap(tenant, wrapped)
             if dek is not None:
-                keys[wrapped.dek_id] = DataKey(wrapped.dek_id, AESGCM(dek))
+                keys[wrapped.dek_id] = DataKey(wrapped.dek_id, AESGCM(dek), dek)
             else:
                 log.warning(
                     "tenant %r: data key %s is wrapped by master key %r, which this server "

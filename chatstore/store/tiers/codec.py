@@ -4,6 +4,12 @@
     | magic | crc32 | header len H | header (JSON) | token ids (int32 LE) | kv bytes |
                     '---------------- covered by crc32 ------------------------------'
 
+A value stored sealed (sealing/sealer.py) is checked by its AES-GCM tag, which authenticates
+every byte beneath it: its crc32 field is 0 and never computed or checked (`sealable_parts`,
+`decode_owned(..., authenticated=True)`). The CRC's pass over the MBs of a chunk costs five
+times the cipher's (zlib 2.8 ms against AES-GCM 0.5 ms for a 5.9 MB chunk on a Xeon), and
+proves nothing the tag has not.
+
 The header is padded with spaces (JSON ignores them) so that the kv bytes start at a multiple of
 64: a reader that opens a sealed value into a buffer of its own (`decode_owned`) views the KV
 there, with no copy; `decode` copies the payload out of a buffer it does not own.
@@ -84,18 +90,30 @@ def encode(value: SessionKV, fingerprint: str) -> bytearray:
     return out
 
 
-def decode(blob: bytes | bytearray | memoryview, fingerprint: str) -> SessionKV:
-    """The SessionKV in `blob`; CorruptValueError or FingerprintMismatch when it is not usable."""
-    header, start = _verified_header(blob)
+def sealable_parts(value: SessionKV, fingerprint: str) -> list[bytes | memoryview]:
+    """The value's bytes as encode() lays them out, in two parts for Sealer.seal_parts (the
+    KV is the tensor's own memory, not copied), with the crc32 field 0: the seal's tag is
+    the checksum of a sealed value."""
+    kv, head = _kv_and_head(value, fingerprint)
+    return [MAGIC + struct.pack("<I", 0) + head, kv.view(torch.uint8).reshape(-1).numpy().data]
+
+
+def decode(
+    blob: bytes | bytearray | memoryview, fingerprint: str, authenticated: bool = False
+) -> SessionKV:
+    """The SessionKV in `blob`; CorruptValueError or FingerprintMismatch when it is not usable.
+    authenticated: blob was opened under AES-GCM, whose tag stands for the crc32 (not
+    checked: a sealed value carries none)."""
+    header, start = _verified_header(blob, authenticated)
     payload = bytearray(memoryview(blob)[start:])
     return _session_kv(header, payload, fingerprint)
 
 
-def decode_owned(buf: torch.Tensor, fingerprint: str) -> SessionKV:
+def decode_owned(buf: torch.Tensor, fingerprint: str, authenticated: bool = False) -> SessionKV:
     """decode() of a value in `buf` (uint8, 1-D), a buffer the caller hands over: the KV is a
     view of it where it starts aligned for its dtype (every value written since KV_ALIGN),
     else a copy."""
-    header, start = _verified_header(buf.numpy().data)
+    header, start = _verified_header(buf.numpy().data, authenticated)
     payload = buf[start:]
     n = int(header.get("num_tokens", 0))
     width = _DTYPES.get(str(header.get("dtype")), torch.uint8).itemsize
@@ -136,15 +154,18 @@ def _bytes_tensor(payload: bytearray) -> torch.Tensor:
     return torch.frombuffer(payload, dtype=torch.uint8)
 
 
-def _verified_header(blob: bytes | bytearray | memoryview) -> tuple[dict, int]:
-    """The header of a value whose checksum holds, and where its token ids start."""
+def _verified_header(
+    blob: bytes | bytearray | memoryview, authenticated: bool = False
+) -> tuple[dict, int]:
+    """The header of a value whose checksum holds (or that an AEAD tag authenticated), and
+    where its token ids start."""
     data = memoryview(blob)
     if len(data) < _PREFIX.size:
         raise CorruptValueError("KV value too short")
     magic, crc, header_len = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise CorruptValueError(f"bad magic {bytes(magic)!r}")
-    if zlib.crc32(data[8:]) != crc:
+    if not authenticated and zlib.crc32(data[8:]) != crc:
         raise CorruptValueError("KV value checksum mismatch")
     start = _PREFIX.size
     try:

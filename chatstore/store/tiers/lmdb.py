@@ -189,7 +189,7 @@ class LmdbTier(IndexedTier):
     def put(self, key: ChunkKey, value: SessionKV) -> None:
         if key in self._index:
             return  # immutable: the bytes here are the same
-        blob = self._seal(key, codec.encode(value, self.fingerprint))  # outside the lock
+        blob = self._encoded(key, value)  # outside the lock
         with self._write_lock:
             if key in self._index:
                 return
@@ -244,10 +244,13 @@ class LmdbTier(IndexedTier):
                     pass
             self._delete(txn, key)
 
-    def _seal(self, key: ChunkKey, blob: bytearray) -> bytes | bytearray:
+    def _encoded(self, key: ChunkKey, value: SessionKV) -> bytearray:
+        """The value as stored: sealed straight from its KV's memory (the tag its checksum),
+        or in the clear with its crc32."""
         if self.sealer is None:
-            return blob
-        return self.sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), blob)
+            return codec.encode(value, self.fingerprint)
+        parts = codec.sealable_parts(value, self.fingerprint)
+        return self.sealer.seal_parts(*self._ad(key), parts)
 
     def _decode(self, key: ChunkKey, raw: Any) -> SessionKV:
         """The chunk in raw (sealed or not, as this tier stores); CorruptValueError (OpenError
@@ -256,7 +259,7 @@ class LmdbTier(IndexedTier):
             return codec.decode(raw, self.fingerprint)  # copied out of the map once
         # Opened into a buffer of its own, in which the chunk's KV stays (no second copy).
         plain = self.sealer.open_owned(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
-        return codec.decode_owned(plain, self.fingerprint)
+        return codec.decode_owned(plain, self.fingerprint, authenticated=True)
 
     def reseal(self, key: ChunkKey, adopt_clear: bool = False) -> bool:
         """Re-seal key's value under its tenant's sealing data key if it is under an older one
@@ -287,7 +290,8 @@ class LmdbTier(IndexedTier):
             return None
         try:
             plain = raw if adopt_clear else self.sealer.open(*self._ad(key), raw)
-            codec.decode(plain, self.fingerprint)  # its checksum and model, beneath the seal
+            # Its checksum (a clear value being adopted) or tag (opened), and its model.
+            codec.decode(plain, self.fingerprint, authenticated=not adopt_clear)
         except (codec.CorruptValueError, codec.FingerprintMismatch):
             return None
         return plain

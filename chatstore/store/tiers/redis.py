@@ -218,7 +218,7 @@ class RedisTier(IndexedTier):
         if not todo:
             return
         needs = [self.footprint(v) for _, v in todo]
-        blobs = [(self._name(k), self._seal(k, codec.encode(v, self.fingerprint))) for k, v in todo]
+        blobs = [(self._name(k), self._encoded(k, v)) for k, v in todo]
 
         def write() -> None:
             with self.client.pipeline(transaction=False) as pipe:
@@ -287,17 +287,20 @@ class RedisTier(IndexedTier):
             self._index.set(key, self._index.size_of(key) or len(raw))
         return out
 
-    def _seal(self, key: ChunkKey, blob: bytearray) -> bytes | bytearray:
+    def _encoded(self, key: ChunkKey, value: SessionKV) -> bytearray:
+        """The value as stored: sealed straight from its KV's memory (the tag its checksum),
+        or in the clear with its crc32."""
         if self.sealer is None:
-            return blob
-        return self.sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), blob)
+            return codec.encode(value, self.fingerprint)
+        parts = codec.sealable_parts(value, self.fingerprint)
+        return self.sealer.seal_parts(KV_PURPOSE, key.tenant, key.digest.encode(), parts)
 
     def _decode(self, key: ChunkKey, raw: bytes) -> SessionKV:
         if self.sealer is None:
             return codec.decode(raw, self.fingerprint)
         # Opened into a buffer of its own, in which the chunk's KV stays (no second copy).
         plain = self.sealer.open_owned(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
-        return codec.decode_owned(plain, self.fingerprint)
+        return codec.decode_owned(plain, self.fingerprint, authenticated=True)
 
     def reseal(self, key: ChunkKey, adopt_clear: bool = False) -> bool:
         """Re-seal key's chunk under its tenant's sealing data key if it is under an older one
@@ -321,7 +324,8 @@ class RedisTier(IndexedTier):
                 if adopt_clear
                 else sealer.open(KV_PURPOSE, key.tenant, key.digest.encode(), raw)
             )
-            codec.decode(plain, self.fingerprint)  # beneath the seal: checksum and model
+            # Its checksum (a clear value being adopted) or tag (opened), and its model.
+            codec.decode(plain, self.fingerprint, authenticated=not adopt_clear)
         except (codec.CorruptValueError, codec.FingerprintMismatch):
             return False
         sealed = sealer.seal(KV_PURPOSE, key.tenant, key.digest.encode(), plain)
