@@ -272,6 +272,11 @@ class StoreConnector(KVConnector):
         if pending is not None and pending.staged is not None:
             self.read_buffer.release(pending.staged)
             pending.staged = None
+        if pending is not None and pending.kv is job.saved:
+            # Read and loaded: DRAM rows read in place (a lease on the tier's blocks, see
+            # tiers/dram.py) are let go now, not when the request ends; a later load of the
+            # same span (after a preemption) reads the store again.
+            pending.kv = None
 
     # -- layer-wise pre-load --------------------------------------------------------------------
 
