@@ -1,4 +1,4 @@
-"""kill -9 under load, six times over on one data dir (tests/chaos/kill9.py): no acknowledged
+"""kill -9 under load, three times over on one data dir (tests/chaos/kill9.py): no acknowledged
 turn is lost or changed, a deleted session stays deleted, and after the last restart the next
 turn reuses the KV held in LMDB and says what a recompute server says."""
 
@@ -8,16 +8,19 @@ import pytest
 
 from tests.chaos.kill9 import Kill9Config, run
 
-# A liveness bound: six cycles of start (the model's load), a first acknowledged turn and a kill,
-# on the slowest CPU and a busy machine.
+# A liveness bound: three cycles of start (the model's load), a first acknowledged turn and a
+# kill, then two more starts, on the slowest CPU and a busy machine.
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(480)]
 
 
 def test_acknowledged_turns_survive_repeated_kill_9(tmp_path):
-    # Six kills, each armed after an acknowledged turn (bench/chaos.py runs twenty).
-    report = run(tmp_path, Kill9Config(cycles=6, sessions=8, up_s=(0.3, 1.8)))
+    # Three kills, each armed after an acknowledged turn, one of each kind kill9.py has: under
+    # load on a fresh dir, under load on a dir recovered from a kill with a delete in flight,
+    # and the quiet last one; each restart opens the previous kill's crash image (bench/chaos.py
+    # runs twenty, for more seeded kill moments).
+    report = run(tmp_path, Kill9Config(cycles=3, sessions=8, up_s=(0.3, 1.8)))
     history = report.history
-    assert report.cycles == 6
+    assert report.cycles == 3
     # Each kill is armed after the cycle's first acknowledged turn (kill9.py): every cycle
     # killed a server that had acknowledged turns, on any CPU.
     assert history.acked >= report.cycles, f"a cycle acknowledged nothing: {report.codes}"
