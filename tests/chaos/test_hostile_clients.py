@@ -1,4 +1,4 @@
-"""64 concurrent streams, SSE and WebSocket, among them clients that never read, clients that
+"""48 concurrent streams, SSE and WebSocket, among them clients that never read, clients that
 hang up mid-stream, oversized frames and bodies (tests/chaos/hostile.py): /healthz stays fast,
 every well-behaved stream ends, every KV block comes back and RSS does not grow."""
 
@@ -12,7 +12,10 @@ pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_slow_and_hostile_clients(tmp_path):
-    report = run(tmp_path, HostileConfig(streams=64, rounds=1, max_tokens=24))
+    # 48: three of each client in hostile.py's mix of 16 and three of each hostile one, more
+    # streams than the engine runs at once (max_running 32), so some wait behind the stalled
+    # ones (bench/chaos.py runs 128, three rounds).
+    report = run(tmp_path, HostileConfig(streams=48, rounds=1, max_tokens=24))
     assert not report.unexpected, f"{report.unexpected[:5]} (all: {dict(report.outcomes)})"
     assert report.healthz_samples > 100
     assert report.healthz_failures == 0
