@@ -2,9 +2,10 @@
 (tests/support/replicas.py, the topology of deploy/cluster.sh):
 
 (a) a session begun through the proxy stays on one replica and hits its device/DRAM KV;
-(b) kill -9 of that replica: the next turn goes to the other, reuses the KV held in Redis,
-    says what a recompute server says, and no acknowledged turn is lost;
-(c) two replicas posting to one session at once: the session lease lets one through (409).
+(b) two replicas posting to one session at once: the session lease lets one through (409);
+(c) kill -9 of a replica: the next turn goes to the other, reuses the KV held in Redis,
+    says what a recompute server says, and no acknowledged turn is lost. Last, as its victim
+    stays dead (a restart only for a test after it would cost a model load).
 """
 
 from __future__ import annotations
@@ -91,12 +92,46 @@ def test_session_sticks_to_one_replica_and_hits_its_memory(cluster):
     assert local_hits(replica) > 0, "later turns did not hit the replica's device/DRAM tiers"
 
 
+def race(replicas: list[ServerProcess], sid: str, body: dict[str, Any]) -> list[int]:
+    """The same turn posted to every replica at once; the sorted status codes."""
+    barrier = threading.Barrier(len(replicas))
+    codes: list[int] = []
+
+    def post(replica: ServerProcess) -> None:
+        with http_client(replica.url, 120.0) as http:
+            barrier.wait()
+            try:
+                codes.append(http.post(f"/v1/sessions/{sid}/messages", json=body).status_code)
+            except httpx.HTTPError:
+                codes.append(0)  # a timeout: shows in the assertion, not as a lost code
+
+    threads = [threading.Thread(target=post, args=(r,)) for r in replicas]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    return sorted(codes)
+
+
+def test_concurrent_turns_on_two_replicas_get_409(cluster):
+    for replica in cluster.replicas:  # both up: the kill -9 test below leaves one dead
+        if not replica.alive():
+            replica.start()
+    with cluster.client() as http:
+        sid = new_session(http)
+    long_turn = {"content": "Write a long story about a lighthouse.", "max_tokens": 32}
+    rounds = [race(cluster.replicas, sid, {**long_turn, "temperature": 0}) for _ in range(3)]
+    assert rounds == [[200, 409]] * 3, f"expected one turn through and one 409 each: {rounds}"
+    with cluster.client() as http:
+        messages = http.get(f"/v1/sessions/{sid}").json()["messages"]
+    assert sum(m["role"] == "user" for m in messages) == 3, "a refused turn was kept"
+
+
 def test_killed_replica_sessions_continue_elsewhere_from_redis(cluster, tmp_path):
     # The recompute reference: kv_store = off, no Redis, fed the same history through the
     # OpenAI route. The session's record lives in Redis, which a kv_store = off server
     # cannot read (its records are LMDB only), so it gets the messages instead.
     recompute = ServerProcess(tmp_path / "recompute", {"CHATSTORE_KV_STORE": "off"}).start()
-    victim = None
     try:
         with cluster.client() as http:
             sid, responses = converse(cluster, http)
@@ -120,9 +155,7 @@ def test_killed_replica_sessions_continue_elsewhere_from_redis(cluster, tmp_path
             body = {"messages": [*messages, {"role": "user", "content": FINAL}], **GREEDY}
             reference = http.post("/v1/chat/completions", json=body).json()
     finally:
-        recompute.stop()
-        if victim is not None and not victim.alive():
-            victim.start()  # (c) needs both replicas
+        recompute.stop()  # the victim stays dead: this test is the module's last
     assert after.json()["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
     assert after.json()["message"]["content"] == reference["choices"][0]["message"]["content"]
     turns = [(m["role"], m["content"]) for m in kept if m["role"] != "system"]
@@ -136,35 +169,3 @@ def test_killed_replica_sessions_continue_elsewhere_from_redis(cluster, tmp_path
         f"the survivor recomputed instead of reusing Redis's KV: {cached(after)} cached "
         f"tokens of {prompt(after)}, history before the last turn {prompt(responses[-1])}"
     )
-
-
-def race(replicas: list[ServerProcess], sid: str, body: dict[str, Any]) -> list[int]:
-    """The same turn posted to every replica at once; the sorted status codes."""
-    barrier = threading.Barrier(len(replicas))
-    codes: list[int] = []
-
-    def post(replica: ServerProcess) -> None:
-        with http_client(replica.url, 120.0) as http:
-            barrier.wait()
-            try:
-                codes.append(http.post(f"/v1/sessions/{sid}/messages", json=body).status_code)
-            except httpx.HTTPError:
-                codes.append(0)  # a timeout: shows in the assertion, not as a lost code
-
-    threads = [threading.Thread(target=post, args=(r,)) for r in replicas]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(150)
-    return sorted(codes)
-
-
-def test_concurrent_turns_on_two_replicas_get_409(cluster):
-    with cluster.client() as http:
-        sid = new_session(http)
-    long_turn = {"content": "Write a long story about a lighthouse.", "max_tokens": 32}
-    rounds = [race(cluster.replicas, sid, {**long_turn, "temperature": 0}) for _ in range(3)]
-    assert rounds == [[200, 409]] * 3, f"expected one turn through and one 409 each: {rounds}"
-    with cluster.client() as http:
-        messages = http.get(f"/v1/sessions/{sid}").json()["messages"]
-    assert sum(m["role"] == "user" for m in messages) == 3, "a refused turn was kept"
