@@ -189,7 +189,9 @@ def test_limits_metadata_messages_sessions_turns(client, server):
     try:
         a = client.post("/v1/sessions", json={}).json()["id"]
         b = client.post("/v1/sessions", json={}).json()["id"]
-        body = {"content": "Count.", "stream": True, "max_tokens": 400, "ignore_eos": True}
+        # a's turn is in flight from its first event to [DONE]: b posts right after that first
+        # event and is answered at once, so 200 tokens keep a busy with a wide margin.
+        body = {"content": "Count.", "stream": True, "max_tokens": 200, "ignore_eos": True}
         with client.stream("POST", f"/v1/sessions/{a}/messages", json=body) as response:
             lines = response.iter_lines()  # kept: a dropped iterator closes the stream
             assert next(lines).startswith("data: ")
