@@ -65,6 +65,7 @@ from chatstore.store.retention import (
 from chatstore.store.sealing.keyring import KeyUnavailable, ShredFailed
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.sessions.holds import TurnHold
+from chatstore.store.tiers.dram_rows import PooledRows  # rows read in place, as a port value
 
 ChunkBuilder = Callable[[], Mapping[ChunkKey, SessionKV | ChunkDelta]]
 HintListener = Callable[[str, str], object]  # (tenant, session_id)
@@ -305,6 +306,7 @@ __all__ = [
     "KVSource",
     "KeyUnavailable",
     "Listener",
+    "PooledRows",
     "RecordConflict",
     "RecordStoreError",
     "RecordStoreFull",
