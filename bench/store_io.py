@@ -157,7 +157,14 @@ class Rig:
                 usage = out.usage or usage
             return TurnResult(first - request.arrival_time, len(ids), usage.cached_tokens, reply)
 
-        return self.loop.run_until_complete(run())
+        result = self.loop.run_until_complete(run())
+        if self.store is not None:
+            # As the API does before it records the turn: the turn's KV is committed (or at
+            # least in the write buffer) before the next turn of the session can open. Without
+            # it the next turn may look up its history while the last chunk is still being
+            # sealed, and find one chunk fewer. TTFT above is unaffected.
+            self.store.wait_saved("local", session)
+        return result
 
     @property
     def service(self) -> ChatService:
