@@ -5,9 +5,11 @@ and the ACL user of deploy/redis-users.acl.template (tests/support/redis_tls.py 
 certificates). Each is driven the way the store drives Redis: RedisTier.put_many / get_many of
 chunk-sized values (one chunk of the default model: 256 tokens x 30 layers x K,V x 3 KV heads x
 64 dims in bf16, ~5.9 MB encoded), `batch` chunks per pipeline, fresh keys each round (the tier
-skips a chunk it already holds), deleted after. The encode / decode (codec.py: header, CRC) is
-inside the timed calls, as it is in the server, and costs the same on both; `raw_*` keys time
-the same pipelines of the encoded bytes alone (connect_redis, SET / GET), the transport only.
+skips a chunk it already holds), deleted after; plain and TLS taken in turn, in warmed blocks of
+rounds in ABBA order, so drift on the machine slows both alike. The encode / decode (codec.py:
+header, CRC) is inside the timed calls, as it is in the server, and costs the same on both;
+`raw_*` keys time the same pipelines of the encoded bytes alone (connect_redis, SET / GET), the
+transport only.
 
     redis_tls_ratio      TLS GB/s / plain GB/s through RedisTier, puts and gets together
                          (issue 26 goal: >= 0.7)
@@ -76,61 +78,90 @@ def chunk_value(tokens: int, seed: int) -> SessionKV:
     return SessionKV(list(range(tokens)), kv)
 
 
-def through_tier(url: str, security: RedisSecurity | None, values: list[SessionKV], rounds: int):
-    """RedisTier put_many / get_many of all values per round, fresh keys each round."""
-    client = connect_redis(url, 30.0, security=security)
-    tier = RedisTier(client, 1 << 40, FINGERPRINT, ttl_s=600, timeout_s=30.0)
-    size = len(codec.encode(values[0], FINGERPRINT))
-    out = Throughput()
-    for r in range(rounds + 1):  # round 0 warms up (connections, TLS sessions, allocator)
-        keys = [ChunkKey("bench", f"{r:08x}{i:024x}") for i in range(len(values))]
+class TierRounds:
+    """RedisTier put_many / get_many of all values, one round at a time, fresh keys each round."""
+
+    def __init__(self, url: str, security: RedisSecurity | None, values: list[SessionKV]) -> None:
+        self.tier = RedisTier(
+            connect_redis(url, 30.0, security=security), 1 << 40, FINGERPRINT, ttl_s=600,
+            timeout_s=30.0,
+        )  # fmt: skip
+        self.values = values
+        self.size = len(codec.encode(values[0], FINGERPRINT))
+        self.out = Throughput()
+
+    def round(self, r: int, measured: bool) -> None:
+        keys = [ChunkKey("bench", f"{r:08x}{i:024x}") for i in range(len(self.values))]
         started = time.perf_counter()
-        tier.put_many(list(zip(keys, values, strict=True)))
+        self.tier.put_many(list(zip(keys, self.values, strict=True)))
         put_s = time.perf_counter() - started
         started = time.perf_counter()
-        got = tier.get_many(keys)
+        got = self.tier.get_many(keys)
         get_s = time.perf_counter() - started
-        pairs = zip(got, values, strict=True)
+        pairs = zip(got, self.values, strict=True)
         assert all(g is not None and g.kv.shape == v.kv.shape for g, v in pairs)
         for key in keys:
-            tier.delete_shared(key)  # free Redis between rounds (delete only forgets)
-        if r:
-            out.put_bytes += size * len(values)
-            out.get_bytes += size * len(values)
-            out.put_s += put_s
-            out.get_s += get_s
-    tier.close()
-    return out
+            self.tier.delete_shared(key)  # free Redis between rounds (delete only forgets)
+        if measured:
+            self.out.put_bytes += self.size * len(self.values)
+            self.out.get_bytes += self.size * len(self.values)
+            self.out.put_s += put_s
+            self.out.get_s += get_s
+
+    def close(self) -> None:
+        self.tier.close()
 
 
-def raw_pipelines(url: str, security: RedisSecurity | None, blobs: list[bytes], rounds: int):
+class RawRounds:
     """The same pipelines of encoded bytes: SET / GET only, no codec."""
-    client = connect_redis(url, 30.0, security=security)
-    names = [f"chatstore:bench:{i}" for i in range(len(blobs))]
-    out = Throughput()
-    for r in range(rounds + 1):
+
+    def __init__(self, url: str, security: RedisSecurity | None, blobs: list[bytes]) -> None:
+        self.client = connect_redis(url, 30.0, security=security)
+        self.blobs = blobs
+        self.names = [f"chatstore:bench:{i}" for i in range(len(blobs))]
+        self.out = Throughput()
+
+    def round(self, r: int, measured: bool) -> None:
         started = time.perf_counter()
-        with client.pipeline(transaction=False) as pipe:
-            for name, blob in zip(names, blobs, strict=True):
+        with self.client.pipeline(transaction=False) as pipe:
+            for name, blob in zip(self.names, self.blobs, strict=True):
                 pipe.set(name, blob, ex=600)
             pipe.execute()
         put_s = time.perf_counter() - started
         started = time.perf_counter()
-        with client.pipeline(transaction=False) as pipe:
-            for name in names:
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in self.names:
                 pipe.get(name)
             got = pipe.execute()
         get_s = time.perf_counter() - started
-        assert [len(g) for g in got] == [len(b) for b in blobs]
-        client.delete(*names)
-        if r:
-            total = sum(len(b) for b in blobs)
-            out.put_bytes += total
-            out.get_bytes += total
-            out.put_s += put_s
-            out.get_s += get_s
-    client.close()
-    return out
+        assert [len(g) for g in got] == [len(b) for b in self.blobs]
+        self.client.delete(*self.names)
+        if measured:
+            total = sum(len(b) for b in self.blobs)
+            self.out.put_bytes += total
+            self.out.get_bytes += total
+            self.out.put_s += put_s
+            self.out.get_s += get_s
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def interleaved(pair: dict[str, Any], rounds: int, block: int = 3) -> dict[str, Throughput]:
+    """The plain and the TLS side taken in turn, in blocks of `block` measured rounds after one
+    warm-up round (connections, TLS sessions, both ends' allocators), blocks in ABBA order.
+    Taken one after the other, a machine whose speed drifts (other work, frequency) measured
+    the drift as much as TLS (0.64 and 0.73 for the same code, minutes apart); taken round by
+    round, each round found the other server's and the client's memory state, not its own,
+    and plain lost a third of its speed. Blocks keep each side warm and cancel the drift."""
+    names = list(pair)
+    r = 0
+    for b in range(-(-rounds // block)):
+        for name in names if b % 2 == 0 else reversed(names):
+            for i in range(block + 1):
+                pair[name].round(r, measured=i > 0)
+                r += 1
+    return {name: side.out for name, side in pair.items()}
 
 
 def measure_redis_tls_ratio(quick: bool = False, rounds: int = 0, batch: int = 0) -> dict[str, Any]:
@@ -142,14 +173,19 @@ def measure_redis_tls_ratio(quick: bool = False, rounds: int = 0, batch: int = 0
     plain = start_local_redis()
     tls = start_tls_redis(make_tls_files(Path(tempfile.mkdtemp(prefix="chatstore-tls-"))))
     security = tls.security("chatstore")
+    sides: list[Any] = []
     try:
-        results = {
-            "plain": through_tier(plain.url, None, values, rounds),
-            "tls": through_tier(tls.url, security, values, rounds),
-            "raw_plain": raw_pipelines(plain.url, None, blobs, rounds),
-            "raw_tls": raw_pipelines(tls.url, security, blobs, rounds),
-        }
+        tiers = {"plain": TierRounds(plain.url, None, values)}
+        tiers["tls"] = TierRounds(tls.url, security, values)
+        sides += tiers.values()
+        results = interleaved(tiers, rounds)
+        raws = {"raw_plain": RawRounds(plain.url, None, blobs)}
+        raws["raw_tls"] = RawRounds(tls.url, security, blobs)
+        sides += raws.values()
+        results |= interleaved(raws, rounds)
     finally:
+        for side in sides:
+            side.close()
         plain.stop()
         tls.stop()
     out: dict[str, Any] = {
@@ -162,7 +198,8 @@ def measure_redis_tls_ratio(quick: bool = False, rounds: int = 0, batch: int = 0
         out[f"{prefix}_put_gbps"] = round(t.put_gbps(), 3)
         out[f"{prefix}_get_gbps"] = round(t.get_gbps(), 3)
     out["redis_raw_tls_ratio"] = round(results["raw_tls"].gbps() / results["raw_plain"].gbps(), 3)
-    out.update(chunk_bytes=len(blobs[0]), batch=batch, rounds=rounds, quick=quick)
+    measured = -(-rounds // 3) * 3  # whole blocks of interleaved()
+    out.update(chunk_bytes=len(blobs[0]), batch=batch, rounds=measured, quick=quick)
     return out
 
 
