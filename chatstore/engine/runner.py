@@ -58,6 +58,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: Projection  # [H] -> [2 I], fused gate/up
     down: Projection  # [I] -> [H]
+    q_norm: torch.Tensor | None = None  # [D], Qwen3: RMSNorm of each q head before RoPE
+    k_norm: torch.Tensor | None = None  # [D], of each k head (the stored K is after it)
 
 
 class ModelRunner:
@@ -125,6 +127,8 @@ class ModelRunner:
             post_norm=layer.post_attention_layernorm.weight.detach(),
             gate_up=make("gate_up", index, gate_up, None),
             down=make("down", index, mlp.down_proj.weight.detach(), None),
+            q_norm=_norm_weight(getattr(attn, "q_norm", None)),
+            k_norm=_norm_weight(getattr(attn, "k_norm", None)),
         )
 
     @torch.inference_mode()
@@ -148,6 +152,8 @@ class ModelRunner:
         attention = self.layout.step_attention(batch, self.kernels)
         for i, w in enumerate(self.layers):
             qkv = w.qkv(x)  # [T, (Hq + 2 Hkv) D]
+            if w.q_norm is not None and w.k_norm is not None:
+                _norm_heads(ops, qkv, w.q_norm, w.k_norm, hq, hkv, eps)
             if kv_sink is not None:
                 k_pre = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
                 kv_sink(i, k_pre, qkv[:, (hq + hkv) * d :].view(-1, hkv, d), batch)
@@ -186,6 +192,30 @@ class ModelRunner:
     def triton_attention(self) -> bool:
         """Whether the paged layout's attention is Triton's unified kernel (CUDA)."""
         return self.layout.name == "paged" and self.kernels.use_triton(self.device)
+
+
+def _norm_weight(norm: Any) -> torch.Tensor | None:
+    return None if norm is None else norm.weight.detach()
+
+
+def _norm_heads(
+    ops: ElementwiseOps,
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    hq: int,
+    hkv: int,
+    eps: float,
+) -> None:
+    """Qwen3's q/k norm, in place in qkv: each q head and each k head RMS-normalised over its
+    D values with its own weight, before RoPE and before K is handed to the store (stored K is
+    normalised, un-rotated: a restore applies RoPE only, as for every other model)."""
+    d = q_norm.shape[0]
+    rows = qkv.shape[0]
+    q = qkv[:, : hq * d].reshape(rows * hq, d)  # qkv's rows are strided: a copy
+    k = qkv[:, hq * d : (hq + hkv) * d].reshape(rows * hkv, d)
+    qkv[:, : hq * d] = ops.rms_norm(q, q_norm, eps).view(rows, hq * d)
+    qkv[:, hq * d : (hq + hkv) * d] = ops.rms_norm(k, k_norm, eps).view(rows, hkv * d)
 
 
 # The fused element-wise ops a runner can take: the CPU's C kernels, Triton's, or torch ops.

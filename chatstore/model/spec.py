@@ -9,8 +9,14 @@ from typing import Any
 
 from chatstore.model.errors import ModelLoadError
 
-# Architectures whose forward our runner reproduces (Qwen2 differs only by q/k/v bias).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Architectures whose forward our runner reproduces: Qwen2 differs from Llama only by q/k/v
+# bias, Qwen3 by an RMSNorm over each q and k head before RoPE (`qk_norm`).
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False  # Qwen3: RMSNorm of each q and k head (stored K is after it)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -45,7 +52,10 @@ class ModelSpec:
 
     def fingerprint(self, weights_digest: str, dtype: str) -> str:
         """Model + weights + KV dtype: saved KV of another fingerprint is never reused."""
-        blob = json.dumps({"spec": asdict(self), "weights": weights_digest, "dtype": dtype})
+        fields = asdict(self)
+        if not self.qk_norm:  # added later: absent, every earlier model's stored KV still fits
+            del fields["qk_norm"]
+        blob = json.dumps({"spec": fields, "weights": weights_digest, "dtype": dtype})
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @classmethod
@@ -66,7 +76,8 @@ class ModelSpec:
             tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         )
         sliding = getattr(config, "sliding_window", None)
-        if arch == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
+        qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        if qwen and not getattr(config, "use_sliding_window", False):
             sliding = None
         return cls(
             architecture=arch,
@@ -85,6 +96,7 @@ class ModelSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=sliding,
             eos_token_ids=eos_ids,
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
 
 
@@ -93,6 +105,7 @@ def _arch_from_model_type(model_type: str) -> str:
         "llama": "LlamaForCausalLM",
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
     }.get(model_type, "")
 
 

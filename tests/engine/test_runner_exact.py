@@ -225,3 +225,45 @@ def test_fast_path_equals_reference_on_ragged_batches(arch: str, dtype: torch.dt
     tol = 1e-4 if dtype == torch.float32 else 6e-2
     for fast, ref in zip(*results, strict=True):
         torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+
+
+def test_llama3_rope_scaling_matches_transformers() -> None:
+    """Llama 3.x scales RoPE's low frequencies (rope_type "llama3"): our rotary embedding and
+    transformers' agree past the original context, where the scaling changes the angles."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    model = tiny_hf_model("llama", seed=7, rope_parameters=rope, max_position_embeddings=1024)
+    runner, pool = make_runner(model)
+    assert runner.spec.rope_type == "llama3"
+    plain = 1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    assert not torch.allclose(runner.rope.inv_freq.cpu(), plain)  # the scaling is in force
+    ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    assert (full_logits(runner, pool, ids) - hf_logits(model, ids)).abs().max().item() <= TOL
+
+
+def test_qwen3_q_k_norms_are_applied_and_stored_k_is_normalised_unrotated() -> None:
+    """Qwen3 normalises each q and k head before RoPE. The store keeps K before RoPE, so what
+    reaches it must already be normalised: the sink's K equals the normalised projection."""
+    model = tiny_hf_model("qwen3", seed=9)
+    runner, pool = make_runner(model)
+    assert runner.spec.qk_norm and runner.layers[0].k_norm is not None
+    ids = list(range(3, 40))
+    seen: dict[int, torch.Tensor] = {}
+
+    def sink(layer: int, k: torch.Tensor, v: torch.Tensor, batch: object) -> None:
+        seen[layer] = k.clone()
+
+    bs = runner.kv_cache.block_size
+    blocks = pool.allocate(-(-len(ids) // bs))
+    runner.forward(ForwardBatch.build([SequenceChunk(ids, 0, blocks)], bs), kv_sink=sink)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        x = model.model.layers[0].input_layernorm(model.model.embed_tokens(torch.tensor(ids)))
+        k = attn.k_norm(attn.k_proj(x).view(len(ids), -1, 16))
+    assert (seen[0] - k).abs().max().item() <= 1e-5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-TINY_ARCHS = ("llama", "mistral", "qwen2")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def tiny_hf_model(arch: str, seed: int = 0, **overrides):
@@ -16,12 +16,15 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides):
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     kwargs = dict(
@@ -40,6 +43,8 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides):
     )
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    if arch == "qwen3":
+        kwargs["head_dim"] = 16  # Qwen3 names its head size (default 128), not hidden / heads
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).eval()
@@ -48,6 +53,11 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if arch == "qwen3":
+        # Qwen3 initialises its q/k norms to ones; random ones make the norm weights matter.
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.3)
     model.config.architectures = [model_cls.__name__]
     return model
 
