@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 SECRET_BYTES = 32
 MAX_KEY_ID = 32  # bytes: the id is stored with every wrapped data key
 KEY_FILE_NAME = "secret.key"
+# The version-1 secret sealed the records written before envelope keys (legacy_v1.py).
+LEGACY_HINT = (
+    ". It is the secret of version 1: records sealed under it read as absent until "
+    "`chatstore admin migrate-v1` re-seals them; give it to that migration, once moved, as "
+    "CHATSTORE_LEGACY_SECRET_FILE (docs/security.md)"
+)
 
 
 class KeyringError(ValueError):
@@ -95,15 +101,15 @@ def default_key_path() -> Path:
     return base.expanduser() / "chatstore" / KEY_FILE_NAME
 
 
-def _refuse_inside(path: Path, data_dir: Path) -> None:
-    """KeyringError when path lies inside data_dir (symlinks resolved)."""
+def refuse_inside(path: Path, data_dir: Path, hint: str = "") -> None:
+    """KeyringError when path lies inside data_dir (symlinks resolved); hint: said after."""
     key, data = path.expanduser().resolve(), data_dir.expanduser().resolve()
     if key == data or data in key.parents:
         raise KeyringError(
             f"the master key file {key} is inside the data directory {data}: a copy or backup "
             f"of the data directory would carry the key to its data. Move it out (for example "
             f"to {default_key_path()}) and point secret_key_file / --secret-file at it, or set "
-            f"CHATSTORE_SECRET_KEY"
+            f"CHATSTORE_SECRET_KEY{hint}"
         )
 
 
@@ -116,15 +122,15 @@ def load_master_secrets(
         return parse_secrets(secret_key, "CHATSTORE_SECRET_KEY")
     if secret_key_file:
         path = Path(secret_key_file).expanduser()
-        _refuse_inside(path, data_dir)
+        refuse_inside(path, data_dir)
         if not path.is_file():
             raise KeyringError(f"secret_key_file {path} does not exist")
         return read_key_file(path)
     legacy = data_dir / KEY_FILE_NAME
     if legacy.exists():  # what earlier versions generated: never read from there again
-        _refuse_inside(legacy, data_dir)
+        refuse_inside(legacy, data_dir, LEGACY_HINT)
     path = default_key_path()
-    _refuse_inside(path, data_dir)
+    refuse_inside(path, data_dir)
     if path.exists():
         return read_key_file(path)
     if replicas:
