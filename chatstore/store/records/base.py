@@ -37,6 +37,7 @@ from chatstore.store.records.record import (
 )
 from chatstore.store.records.responses import ResponseRecords
 from chatstore.store.sealing import RECORD_PURPOSE, OpenError, Sealer
+from chatstore.store.sealing.legacy_v1 import HOW_TO_MIGRATE, LegacyOpener, is_legacy_sealed
 from chatstore.store.sealing.sealer import is_sealed, owner_tenant
 from chatstore.store.session_kv import SessionKey
 
@@ -61,6 +62,7 @@ class RecordStore(ABC):
         self.ttl_s = ttl_s  # the server's session TTL; a record's own ttl_s overrides it
         self.sealer = sealer
         self.open_failures = 0  # records that failed to open (read as absent)
+        self._told_legacy = False  # the version-1 migration hint is logged once
 
     # -- sealing ----------------------------------------------------------------------------
 
@@ -78,6 +80,9 @@ class RecordStore(ABC):
         except OpenError as exc:
             self.open_failures += 1
             log.warning("record %r failed to open (%s): read as absent", name, exc)
+            if not self._told_legacy and is_legacy_sealed(raw):
+                self._told_legacy = True
+                log.warning("records sealed by version 1 read as absent: %s", HOW_TO_MIGRATE)
             return None
 
     def digest_key(self, tenant: str) -> bytes:
@@ -108,18 +113,27 @@ class RecordStore(ABC):
             return None
 
     def reseal(
-        self, tenant: str, name: bytes, raw: bytes, adopt_clear: bool = False
+        self,
+        tenant: str,
+        name: bytes,
+        raw: bytes,
+        adopt_clear: bool = False,
+        legacy: LegacyOpener | None = None,
     ) -> bytes | None:
         """raw re-sealed under its tenant's sealing data key when it is under an older one
         (data-key rotation); None when it needs nothing or does not open (counted, left as
         it is). A value in the clear is never accepted here, except by `adopt_clear`
         (encrypt-existing: the operator's explicit conversion of data written with
-        encrypt_at_rest = false), which seals clear JSON and leaves sealed values alone. Any
-        record kind (a session, a stored Response): the JSON is checked, not its fields."""
+        encrypt_at_rest = false), which seals clear JSON and leaves sealed values alone.
+        `legacy` (migrate-v1): only version-1 values, opened under the legacy secret, are
+        sealed again (as version 2); every other value is left alone. Any record kind (a
+        session, a stored Response): the JSON is checked, not its fields."""
         sealer = self.sealer
         if sealer is None:
             return None
-        if is_sealed(raw):
+        if legacy is not None:
+            plain = self._open_legacy(legacy, tenant, name, raw)
+        elif is_sealed(raw):
             if adopt_clear or not sealer.needs_reseal(tenant, raw):
                 return None
             plain = self.unseal(tenant, name, raw)  # counted when it does not open
@@ -132,6 +146,19 @@ class RecordStore(ABC):
         except ValueError:
             return None
         return bytes(sealer.seal(RECORD_PURPOSE, tenant, name, plain))
+
+    def _open_legacy(
+        self, legacy: LegacyOpener, tenant: str, name: bytes, raw: bytes
+    ) -> bytes | None:
+        """A version-1 value's plaintext (None: not one, or it does not open: counted)."""
+        if not is_legacy_sealed(raw):
+            return None  # version 2, or clear: never adopted by the migration
+        try:
+            return legacy.open(RECORD_PURPOSE, tenant, name, raw)
+        except OpenError as exc:
+            self.open_failures += 1
+            log.warning("version-1 record %r not migrated (%s): left as it is", name, exc)
+            return None
 
     # -- expiry -----------------------------------------------------------------------------
 
@@ -328,11 +355,20 @@ class RecordStore(ABC):
 
     @abstractmethod
     def reseal_all(
-        self, after: bytes = b"", batch: int = 64, adopt_clear: bool = False
+        self,
+        after: bytes = b"",
+        batch: int = 64,
+        adopt_clear: bool = False,
+        legacy: LegacyOpener | None = None,
     ) -> tuple[int, bytes | None]:
         """Re-seal up to `batch` records (sessions and Responses) after `after` (`reseal`;
-        adopt_clear: encrypt-existing): (how many were rewritten, the cursor to resume from;
-        None when done)."""
+        adopt_clear: encrypt-existing; legacy: migrate-v1): (how many were rewritten, the
+        cursor to resume from; None when done)."""
+
+    @abstractmethod
+    def rebuild_indexes(self) -> None:
+        """The prefix index and the sessions' counts and expiry entries built again from every
+        record that opens (after migrate-v1: its records did not open when they were built)."""
 
     @abstractmethod
     def _load(self, key: SessionKey) -> SessionRecord | None: ...

@@ -32,12 +32,14 @@ from chatstore.store.records.lmdb_responses import LmdbResponses
 from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch
 from chatstore.store.records.record import RecordStoreFull, RecordStoreUnavailable, SessionRecord
 from chatstore.store.sealing import Sealer
+from chatstore.store.sealing.legacy_v1 import LegacyOpener, warn_if_legacy
 from chatstore.store.session_kv import SessionKey
 
 log = logging.getLogger(__name__)
 
 SESSIONS, RESPONSES, INDEX = b"t:", b"r:", b"p:"
 INDEX_BUILT = b"m:prefix-index"
+LEGACY_SAMPLE = 16  # records a start looks at for version-1 values (a hint, not a scan)
 
 
 Saved = tuple[tuple[int, ...], str]  # a record's saved token ids and fingerprint
@@ -110,17 +112,39 @@ class LmdbRecordStore(RecordStore):
                     txn.put(new_name, self._encode(record.tenant, new_name, record))
                     txn.delete(name)
         if not indexed:  # never, or hashed otherwise (before keyed hashes): built anew
-            records = self._all()
-            with self.env.begin(write=True) as txn:
-                old_entries = txn.cursor()
-                if old_entries.set_range(INDEX):
-                    while bytes(old_entries.key())[:2] == INDEX and old_entries.delete():
-                        pass
-                for record in records:
-                    self._index(txn, record.key, None, _saved(record))
-                txn.put(INDEX_BUILT, self.index_mark())
+            self._build_index()
         if facts_ttl != self.ttl_s:
             self._build_facts()
+        if self.sealer is not None:
+            warn_if_legacy(str(self.path), self._first_values(SESSIONS, LEGACY_SAMPLE))
+
+    def _first_values(self, prefix: bytes, count: int) -> list[bytes]:
+        """Up to `count` values whose names start with prefix (not the whole range)."""
+        found: list[bytes] = []
+        with self.env.begin() as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(prefix):
+                for name, raw in cursor:
+                    if not name.startswith(prefix) or len(found) >= count:
+                        break
+                    found.append(bytes(raw))
+        return found
+
+    def _build_index(self) -> None:
+        """The prefix index from every record that opens, its old entries dropped."""
+        records = self._all()
+        with self.env.begin(write=True) as txn:
+            old_entries = txn.cursor()
+            if old_entries.set_range(INDEX):
+                while bytes(old_entries.key())[:2] == INDEX and old_entries.delete():
+                    pass
+            for record in records:
+                self._index(txn, record.key, None, _saved(record))
+            txn.put(INDEX_BUILT, self.index_mark())
+
+    def rebuild_indexes(self) -> None:
+        self._build_index()
+        self._build_facts()
 
     def _build_facts(self) -> None:
         """The counts and the expiry index from every record: once for the records written
@@ -419,11 +443,16 @@ class LmdbRecordStore(RecordStore):
     # -- key rotation -----------------------------------------------------------------------
 
     def reseal_all(
-        self, after: bytes = b"", batch: int = 64, adopt_clear: bool = False
+        self,
+        after: bytes = b"",
+        batch: int = 64,
+        adopt_clear: bool = False,
+        legacy: LegacyOpener | None = None,
     ) -> tuple[int, bytes | None]:
-        """Re-seal up to `batch` records (Responses, then sessions) whose names follow `after`
-        (key rotation); (how many were rewritten, the last name looked at: the cursor to resume
-        from; None when done)."""
+        """Re-seal up to `batch` records (Responses, then sessions' headers and log entries)
+        whose names follow `after` (key rotation, encrypt-existing, migrate-v1: `reseal`);
+        (how many were rewritten, the last name looked at: the cursor to resume from; None
+        when done)."""
         with self.env.begin() as txn:
             cursor = txn.cursor()
             todo: list[tuple[bytes, bytes]] = []
@@ -440,7 +469,7 @@ class LmdbRecordStore(RecordStore):
             return 0, None
         done = 0
         for name, raw in todo:
-            sealed = self.reseal(_tenant_of(name), name, raw, adopt_clear)
+            sealed = self.reseal(_tenant_of(name), name, raw, adopt_clear, legacy)
             if sealed is None:
                 continue
 

@@ -38,11 +38,13 @@ from chatstore.store.records.record import RecordStoreUnavailable, SessionRecord
 from chatstore.store.records.redis_facts import RedisFacts, as_text, tagged_tenant
 from chatstore.store.records.redis_responses import RedisResponses
 from chatstore.store.sealing import Sealer
+from chatstore.store.sealing.legacy_v1 import LegacyOpener, warn_if_legacy
 from chatstore.store.session_kv import SessionKey
 
 log = logging.getLogger(__name__)
 
 Saved = tuple[tuple[int, ...], str]  # a record's saved token ids and fingerprint
+LEGACY_SAMPLE = 16  # records a start looks at for version-1 values (one SCAN page, a hint)
 
 
 def _saved(record: SessionRecord | None) -> Saved | None:
@@ -79,6 +81,7 @@ class RedisRecordStore(RedisFacts):
             self.client = url_or_client
         self.responses = RedisResponses(self)
         self._start()
+        self._warn_legacy()
 
     def _name(self, key: SessionKey) -> str:
         return f"{self.PREFIX}{{{quote(key.tenant, safe='')}:{key_digest(key)}}}"
@@ -105,6 +108,23 @@ class RedisRecordStore(RedisFacts):
             log.info("counted %d session records by tenant and expiry", len(records))
         except RecordStoreUnavailable as exc:
             log.warning("session records: expiry sets not built (%s)", exc)
+
+    def _warn_legacy(self) -> None:
+        """Log how to migrate when the first few records found are sealed by version 1 (one
+        SCAN page and one MGET: a hint at every start, not a scan of every record)."""
+        if self.sealer is None:
+            return
+        try:
+            page = self.client.scan(0, match=f"{self.PREFIX}*", count=100)
+            # One node: (cursor, names); a Cluster answers per node: {node: (cursor, names)}.
+            pages = page.values() if isinstance(page, dict) else [page]
+            found = [as_text(n) for _, names in pages for n in names]
+            names = [n for n in found if n.endswith("}")][:LEGACY_SAMPLE]
+            sample = [raw for name in names if (raw := self.client.get(name))]
+        except self._errors as exc:
+            log.debug("session records: version-1 check skipped (%s)", exc)
+            return
+        warn_if_legacy("session records in Redis", sample)
 
     def _rename_legacy_records(self) -> None:
         """Records named before the hash tag (`chatstore:rec:<tenant>:<digest>`, single-node
@@ -311,7 +331,11 @@ class RedisRecordStore(RedisFacts):
     # -- key rotation -----------------------------------------------------------------------
 
     def reseal_all(
-        self, after: bytes = b"", batch: int = 64, adopt_clear: bool = False
+        self,
+        after: bytes = b"",
+        batch: int = 64,
+        adopt_clear: bool = False,
+        legacy: LegacyOpener | None = None,
     ) -> tuple[int, bytes | None]:
         """Re-seal the records and stored Responses (key rotation), `batch` names after
         `after`, in name order (SCAN has no cursor that survives a restart); (rewritten, the
@@ -324,25 +348,26 @@ class RedisRecordStore(RedisFacts):
                 self._reseal_order = sorted(n.encode() for n in every)
             order = self._reseal_order
             todo = order[bisect.bisect_right(order, after) :][:batch]
-            done = sum(self._reseal_one(name.decode(), adopt_clear) for name in todo)
+            done = sum(self._reseal_one(name.decode(), adopt_clear, legacy) for name in todo)
             if not todo:
                 self._reseal_order = None
             return done, todo[-1] if todo else None
 
         return self._call(run)
 
-    def _reseal_one(self, name: str, adopt_clear: bool) -> bool:
+    def _reseal_one(self, name: str, adopt_clear: bool, legacy: LegacyOpener | None) -> bool:
+        tenant = tagged_tenant(name)
         if name.startswith(self.PREFIX):  # a session: its header and log entries
 
             def whole(pipe: Any) -> bool:  # retried by redis-py if either changes meanwhile
-                return redis_log.reseal_record(self, pipe, tagged_tenant(name), name, adopt_clear)
+                return redis_log.reseal_record(self, pipe, tenant, name, adopt_clear, legacy)
 
             watched = (name, redis_log.log_name(name))
             return bool(self.client.transaction(whole, *watched, value_from_callable=True))
 
         def attempt(pipe: Any) -> bool:  # retried by redis-py if `name` changes meanwhile
             raw = pipe.get(name)
-            sealed = raw and self.reseal(tagged_tenant(name), name.encode(), raw, adopt_clear)
+            sealed = raw and self.reseal(tenant, name.encode(), raw, adopt_clear, legacy)
             if not sealed:
                 return False
             pipe.multi()
@@ -350,6 +375,22 @@ class RedisRecordStore(RedisFacts):
             return True
 
         return bool(self.client.transaction(attempt, name, value_from_callable=True))
+
+    def rebuild_indexes(self) -> None:
+        """Every record's counts, expiry and start entries written again (idempotent adds),
+        and every tenant's prefix index marked unbuilt: its next lookup builds it anew."""
+
+        def rebuild() -> int:
+            records = self._all()
+            for record in records:
+                self._facts(record.key, record)
+            for tenant in {r.tenant for r in records}:
+                self.client.hdel(self._index_name(tenant), self.INDEX_BUILT)
+            return len(records)
+
+        log.info(
+            "session records: counts and expiry of %d records written again", self._call(rebuild)
+        )
 
     def close(self) -> None:
         self.client.close()

@@ -30,6 +30,7 @@ from typing import Any
 from chatstore.store.records import lmdb_log
 from chatstore.store.records.base import RecordStore
 from chatstore.store.records.record import SessionRecord
+from chatstore.store.sealing.legacy_v1 import LegacyOpener
 
 log = logging.getLogger(__name__)
 
@@ -178,19 +179,25 @@ def queue_write(
 
 
 def reseal_record(
-    store: RecordStore, pipe: Any, tenant: str, name: str, adopt_clear: bool = False
+    store: RecordStore,
+    pipe: Any,
+    tenant: str,
+    name: str,
+    adopt_clear: bool = False,
+    legacy: LegacyOpener | None = None,
 ) -> bool:
-    """Re-seal a record's header and log entries under the sealing key (key rotation), in
-    one MULTI under WATCH of both (pipe: watching them); whether anything was rewritten. Each
-    value keeps its TTL (SET KEEPTTL, LSET)."""
+    """Re-seal a record's header and log entries under the sealing key (key rotation,
+    encrypt-existing, migrate-v1: store.reseal), in one MULTI under WATCH of both (pipe:
+    watching them); whether anything was rewritten. Each value keeps its TTL (SET KEEPTTL,
+    LSET)."""
     logged = log_name(name)
     raw = pipe.get(name)
     entries = pipe.lrange(logged, 0, -1)
-    header = raw and store.reseal(tenant, name.encode(), raw, adopt_clear)
+    header = raw and store.reseal(tenant, name.encode(), raw, adopt_clear, legacy)
     changed = {
         i: sealed
         for i, entry in enumerate(entries)
-        if (sealed := store.reseal(tenant, entry_ad(logged, i), entry, adopt_clear))
+        if (sealed := store.reseal(tenant, entry_ad(logged, i), entry, adopt_clear, legacy))
     }
     if not raw or not (header or changed):
         return False
