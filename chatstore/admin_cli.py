@@ -7,10 +7,16 @@
                                       this starts or resumes it and prints its progress)
     chatstore admin encrypt-existing  seal the values written with encrypt_at_rest = false
                                       (the only way a clear value becomes sealed; as above)
+    chatstore admin migrate-v1        re-seal the records sealed by version 1 (before envelope
+                                      keys) under the tenants' data keys (as above); the server
+                                      must have been started with the old secret in
+                                      CHATSTORE_LEGACY_SECRET_FILE (or _KEY)
     chatstore admin shred-tenant T    crypto-shred tenant T (its data keys, then its data)
 
 They talk to the server rather than open the data directory: the server holds the LMDB
-environments and its in-memory index, and with replicas the values live in Redis.
+environments and its in-memory index, and with replicas the values live in Redis. No key
+material crosses the API: migrate-v1's old secret is given to the server process, as its
+master key is.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ POLL_S = 1.0
 JOBS = {
     "rotate-data-keys": "new data keys for every tenant; re-seal all stored data under them",
     "encrypt-existing": "seal the values written with encrypt_at_rest = false",
+    "migrate-v1": "re-seal the records sealed by version 1 (the server holds the old secret)",
 }
 ENDPOINTS = {
     "rotate-data-keys": "/admin/keys/rotate-data",
     "encrypt-existing": "/admin/keys/encrypt-existing",
+    "migrate-v1": "/admin/keys/migrate-v1",
 }
 
 

@@ -20,8 +20,11 @@ DELETE /admin/tenants/{tenant}/data  crypto-shred: destroy the tenant's data key
                          and stored Responses
 POST /admin/keys/rotate  master-key rotation: every data key wrapped by the newest master key
 POST /admin/keys/rotate-data  new data keys, every value re-sealed, old keys dropped; and
-POST /admin/keys/encrypt-existing  seal values written in the clear: background jobs,
-                         resumable from their saved cursor; GET /admin/keys/rotation: progress
+POST /admin/keys/encrypt-existing  seal values written in the clear; and
+POST /admin/keys/migrate-v1  re-seal the records sealed by version 1 (keys derived from the
+                         old secret, which the server is given as CHATSTORE_LEGACY_SECRET_FILE
+                         or _KEY, never in a request): background jobs, resumable from their
+                         saved cursor; GET /admin/keys/rotation: progress
 GET  /healthz            the process is up
 GET  /readyz             the engine is started and not draining (503 otherwise)
 """
@@ -225,8 +228,18 @@ def encrypt_existing(request: Request, _: Admin) -> dict[str, Any]:
     return _start_job(request, "encrypt-existing")
 
 
+@router.post("/admin/keys/migrate-v1", status_code=202)
+def migrate_v1(request: Request, _: Admin) -> dict[str, Any]:
+    """Re-seal the records sealed by version 1 under the tenants' data keys, in the background
+    (KV chunks are a cache: recomputed). 409 when the server was given no legacy secret."""
+    return _start_job(request, "migrate-v1")
+
+
 def _start_job(request: Request, job: str) -> dict[str, Any]:
-    progress = request.app.state.service.store.rotate_keys(job)
+    try:
+        progress = request.app.state.service.store.rotate_keys(job)
+    except ValueError as exc:  # the store's KeyringError: migrate-v1 without its secret
+        raise APIError(409, str(exc), code="legacy_secret_missing") from None
     if progress is None:
         raise APIError(409, "encryption at rest is off: there is nothing to seal")
     return progress
