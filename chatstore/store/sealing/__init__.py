@@ -8,7 +8,9 @@ key_store_redis.py ... in the records' Redis (replicas)
 keyring.py         data keys: made, unwrapped once, cached; shredding, rewrapping, rotation
 key_watch.py       replicas drop a data key another replica changed
 sealer.py          the sealed value format, seal / open (OpenError), associated data
-reseal.py          the background re-seal (data-key rotation, encrypt-existing), resumable
+reseal.py          the background re-seal (data-key rotation, encrypt-existing, migrate-v1),
+                   resumable
+legacy_v1.py       opening values sealed by version 1, for the records' migration only
 """
 
 from __future__ import annotations
