@@ -9,10 +9,7 @@ from chatstore.kernels import native
 
 
 def cpu_model() -> str:
-    for line in native._cpuinfo().splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return "unknown"
+    return native.cpu_model()
 
 
 def cpu_isa() -> str:

@@ -71,7 +71,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import signal
@@ -88,6 +87,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import progress  # noqa: E402
+from bench.machine import cpu_model  # noqa: E402
 from tests.chaos.clients import sse_events  # noqa: E402
 from tests.chaos.harness import free_port, http_client  # noqa: E402
 
@@ -144,13 +144,6 @@ def rss_mb(pid: int | str = "self") -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def child_env(data_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -699,7 +692,7 @@ def main(argv: list[str] | None = None) -> None:
     # A SIGTERM unwinds like ^C: the servers and the Redis this run started stop with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = sorted({int(s) for s in args.sizes.split(",")})
-    say(f"CPU: {cpu_name()} ({os.cpu_count()} cores); cache {args.cache}")
+    say(f"CPU: {cpu_model()} ({os.cpu_count()} cores); cache {args.cache}")
     per_size: dict[int, dict] = {}
     for size in sizes:
         turns = args.turns if size == sizes[-1] else args.small_turns
@@ -715,7 +708,7 @@ def main(argv: list[str] | None = None) -> None:
             f", RSS {r['rss_mb']:.0f} MB, disk {r['disk_mb']:.0f} MB"
             f" (populated in {r['population_s']:.0f} s, dtype {r['storage_dtype']})"
         )
-    result: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count()}
+    result: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count()}
     result["model_dtype"] = per_size[sizes[-1]]["model_dtype"]
     result["storage_dtype"] = per_size[sizes[-1]]["storage_dtype"]
     result |= headline(per_size, args.turns)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import tomllib
 from collections.abc import Mapping
@@ -11,6 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# The CPU's flags are read in one place (kernels/native.py); `_cpu_flags` is the name tests replace.
+from chatstore.kernels.native import cpu_flags as _cpu_flags
+from chatstore.kernels.native import flags_of
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent.parent / "config" / "default.toml"
 
@@ -30,23 +33,8 @@ _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): from `cpuinfo` (the text
     of /proc/cpuinfo), or this machine's, read once."""
-    flags = _cpu_flags() if cpuinfo is None else _flags_of(cpuinfo)
+    flags = _cpu_flags() if cpuinfo is None else flags_of(cpuinfo)
     return any(f in flags for f in _BF16_CPU_FLAGS)
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        return _flags_of(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return frozenset()
-
-
-def _flags_of(cpuinfo: str) -> frozenset[str]:
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:

@@ -137,9 +137,22 @@ def _cpuinfo() -> str:
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The flags the OS reports for this CPU (empty where /proc/cpuinfo is unreadable); read
-    once."""
-    line = next((ln for ln in _cpuinfo().splitlines() if ln.startswith("flags")), "")
+    once. The one reader of the CPU's flags: config.py and the benchmarks ask here."""
+    return flags_of(_cpuinfo())
+
+
+def flags_of(cpuinfo: str) -> frozenset[str]:
+    """The flags in the text of a /proc/cpuinfo (its first processor's)."""
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
     return frozenset(line.partition(":")[2].split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the OS reports it ("unknown" where it does not)."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return platform.processor() or "unknown"
 
 
 def _cpu_identity() -> str:
