@@ -25,7 +25,14 @@ from chatstore.store.keys import key_digest
 from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord, redis_log
 from chatstore.store.records.lmdb_log import header_json
 from chatstore.store.records.responses import ResponseRecord
-from chatstore.store.sealing import RECORD_PURPOSE, Keyring, KeyringError, OpenError, Sealer
+from chatstore.store.sealing import (
+    RECORD_PURPOSE,
+    Keyring,
+    KeyringError,
+    OpenError,
+    Sealer,
+    load_master_secrets,
+)
 from chatstore.store.sealing import reseal as reseal_module
 from chatstore.store.sealing.key_store_lmdb import LmdbKeyStore
 from chatstore.store.sealing.key_store_redis import RedisKeyStore
@@ -243,3 +250,17 @@ def test_redis_v1_records_migrate_and_a_tenant_shredded_on_a_replica_stays(
         LegacyOpener([old], {"carol": 1}).open(
             RECORD_PURPOSE, "carol", carol.encode(), carols[carol]
         )
+
+
+def test_a_version_1_secret_left_in_the_data_dir_is_refused_naming_the_migration(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # never the real one
+    data = tmp_path / "data"
+    data.mkdir()
+    write_private(data / "secret.key", f"k1:{b64(os.urandom(32))}\n")  # version 1's default
+    with pytest.raises(KeyringError, match="inside the data directory") as refused:
+        load_master_secrets(data)
+    assert "migrate-v1" in str(refused.value) and "CHATSTORE_LEGACY_SECRET_FILE" in str(
+        refused.value
+    )
