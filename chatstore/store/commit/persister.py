@@ -2,7 +2,12 @@
 killed with -9 restarts warm.
 
 A chunk stored in DRAM is copied to LMDB at most `lag_s` seconds later, off the engine thread,
-in batches: a turn's chunks usually arrive together and are written together. The copy is left
+in batches: a turn's chunks usually arrive together and are written together. A chunk is due
+`lag_s / 2` after it was stored; from then until its deadline (`lag_s` after) each copy waits
+for a moment without a prefill (at most `max_defer_s`), and past its deadline it waits for
+nothing: under sustained load there is no such moment, and deferring every chunk would let
+LMDB fall behind without bound (a kill -9 after 15 s of back-to-back turns once found nothing
+of them on SSD). The copy is left
 in DRAM (chunks are immutable: both copies are valid). The session record already lists the
 chunk; until its copy lands a crash loses only that chunk, and the session reloads up to it.
 
@@ -45,7 +50,7 @@ class Persister:
         self.lag_s = lag_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
-        self._due: deque[tuple[float, ChunkKey]] = deque()
+        self._due: deque[tuple[float, ChunkKey]] = deque()  # (due, key), due order
         self._retry: dict[ChunkKey, None] = {}  # refused chunks (and those waiting with them)
         self._retry_at = 0.0  # when they are tried again
         self._refusals = 0  # consecutive failed tries: the backoff's exponent
@@ -62,7 +67,7 @@ class Persister:
         with self._cond:
             if self._closed:
                 return
-            self._due.append((time.monotonic() + self.lag_s, key))
+            self._due.append((time.monotonic() + self.lag_s / 2, key))
             self._wake()
 
     def retry(self, key: ChunkKey) -> None:
@@ -120,27 +125,30 @@ class Persister:
         if thread is not None:
             thread.join(5.0)
 
-    def _wait_turn(self) -> None:
-        """Let a running prefill finish first (at most max_defer_s): see WriteBuffer."""
+    def _wait_turn(self, deadline: float) -> None:
+        """Let a running prefill finish first (see WriteBuffer): at most max_defer_s, and never
+        past the chunk's deadline."""
         idle = self.idle
-        if idle is not None and not self._closed:
-            idle.wait(self.max_defer_s)
+        wait = min(self.max_defer_s, deadline - time.monotonic())
+        if idle is not None and not self._closed and wait > 0:
+            idle.wait(wait)
 
-    def _next_batch(self) -> list[ChunkKey] | None:
+    def _next_batch(self) -> list[tuple[float, ChunkKey]] | None:
         """Under the condition: wait for the chunks due now (None once closed). While refused
-        copies wait for their retry, chunks coming due join them instead."""
+        copies wait for their retry, chunks coming due join them instead. Each chunk comes
+        with its deadline (a retried or flushed one: now)."""
         while not self._closed:
             now = time.monotonic()
-            batch: list[ChunkKey] = []
+            batch: list[tuple[float, ChunkKey]] = []
             if self._retry and self._retry_at <= now:
-                batch = list(self._retry)
+                batch = [(now, key) for key in self._retry]
                 self._retry.clear()
             while self._due and self._due[0][0] <= now:
-                key = self._due.popleft()[1]
+                due, key = self._due.popleft()
                 if self._retry:  # still backing off
                     self._retry[key] = None
                 else:
-                    batch.append(key)
+                    batch.append((due + self.lag_s / 2, key))
             if batch:
                 return batch
             times = [self._due[0][0]] if self._due else []
@@ -165,9 +173,9 @@ class Persister:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _copy(self, batch: list[ChunkKey]) -> None:
-        for i, key in enumerate(batch):
-            self._wait_turn()
+    def _copy(self, batch: list[tuple[float, ChunkKey]]) -> None:
+        for i, (deadline, key) in enumerate(batch):
+            self._wait_turn(deadline)
             try:
                 self._before_copy()
             except Exception:
@@ -186,7 +194,7 @@ class Persister:
                 delay = self._backoff()
                 self._refusals += 1
                 self._retry_at = time.monotonic() + delay
-                for rest in batch[i:]:
+                for _, rest in batch[i:]:
                     self._retry[rest] = None
             log.info(
                 "write-back refused (the tier is full): %d chunks stay in DRAM, retry in %.1f s",
