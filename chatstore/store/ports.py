@@ -258,8 +258,9 @@ class SessionKVAdmin(Protocol):
 
     def rotate_keys(self, job: str = "data-keys") -> dict[str, object] | None:
         """Start (or resume) a background job over every stored value, "data-keys" (new data
-        keys, re-seal, retire the old) or "encrypt-existing" (seal clear values); its
-        progress. None: encryption at rest is off."""
+        keys, re-seal, retire the old), "encrypt-existing" (seal clear values) or "migrate-v1"
+        (re-seal records sealed before envelope keys); its progress. None: encryption at rest
+        is off."""
 
     def rotation_progress(self) -> dict[str, object] | None: ...
     def shred_tenant(self, tenant: str) -> dict[str, int]:
