@@ -7,8 +7,9 @@ cycle: start ─► sessions post turns (one thread each, JSON and SSE turns alt
   fixed windows a slow CPU (an AVX2-only machine, fp32) was killed before any turn finished in
   9 cycles of 10, so the test checked almost nothing there.
 last cycle: the load stops, quiet_s later the kill (past persist_lag_s, so every
-  completed chunk has reached LMDB: under load the write-back yields to prefills and
-  lags, and a session's KV is a cache, only its record is promised)
+  completed chunk has reached LMDB); or, with quiet_s = 0, the kill comes under load after
+  last_up_s of it: the write-back yields to prefills only until a chunk's deadline
+  (persist_lag_s), so what was stored that long before the kill is on SSD all the same
 then: copy the data dir (a crash image), restart on the original
   - every acknowledged turn is in its session's history, in order, with the reply seen
   - a session deleted under load stays deleted
@@ -46,7 +47,8 @@ class Kill9Config:
     sessions: int = 8
     up_s: tuple[float, float] = (0.5, 2.5)  # load between the first ack and the kill (seeded)
     max_tokens: int = 6
-    quiet_s: float = 1.5  # before the last kill
+    quiet_s: float = 1.5  # before the last kill (0: killed under load)
+    last_up_s: float | None = None  # load before the last kill (None: drawn as up_s)
     seed: int = 12
 
 
@@ -80,7 +82,10 @@ def run(work: Path, config: Kill9Config, say: Callable[[str], None] = print) -> 
             if cycle == 0:
                 _create(server, [*sids, DELETED])
             up = rng.uniform(*config.up_s)
-            quiet = config.quiet_s if cycle == config.cycles - 1 else 0.0
+            last = cycle == config.cycles - 1
+            if last and config.last_up_s is not None:
+                up = config.last_up_s
+            quiet = config.quiet_s if last else 0.0
             _load_then_kill(server, sids, cycle, (up, quiet), ledger, config.max_tokens)
             report.cycles += 1
             say(f"  cycle {cycle}: killed after {up:.2f} s of load, {ledger.acked} acked so far")
