@@ -34,13 +34,17 @@ def responses_usage(result: TurnResult) -> dict[str, Any]:
     }
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An output_text part; `logprobs`: its tokens' (OpenAI's logprobs.content entries), when
+    the request includes message.output_text.logprobs."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+def message_item(
+    item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The assistant's output message; `text=None`: not begun (no content part yet)."""
-    content = [] if text is None else [output_text(text)]
+    content = [] if text is None else [output_text(text, logprobs)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
             "content": content}  # fmt: skip
 
@@ -66,6 +70,10 @@ class ResponseHead:
     store: bool
     user: str | None
     metadata: dict[str, str] = field(default_factory=dict)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # as the request gave them
+    tool_choice: Any = "none"
+    parallel_tool_calls: bool = False
+    top_logprobs: int | None = None
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def body(self, status: str = "in_progress", **fields: Any) -> dict[str, Any]:
@@ -88,9 +96,10 @@ class ResponseHead:
             "metadata": self.metadata,
             "store": self.store,
             "user": self.user,
-            "parallel_tool_calls": False,
-            "tool_choice": "none",
-            "tools": [],
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "tool_choice": self.tool_choice,
+            "tools": self.tools,
+            "top_logprobs": self.top_logprobs,
             "text": {"format": {"type": "text"}},
             "truncation": "auto",  # the server drops the oldest history past the context
             "background": False,
@@ -99,17 +108,24 @@ class ResponseHead:
             **fields,
         }
 
-    def finished(self, result: TurnResult, session_id: str | None) -> dict[str, Any]:
-        """The response object of a turn that ended (completed, incomplete or failed)."""
+    def finished(
+        self,
+        result: TurnResult,
+        session_id: str | None,
+        output: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The response object of a turn that ended (completed, incomplete or failed);
+        `output`: its items (output.py), the reply as one message when not given."""
         status = turn_status(result)
         if status == "failed":
             error = {"code": "server_error", "message": f"generation failed: {result.error}"}
             return self.body("failed", error=error, usage=responses_usage(result))
-        item = message_item(self.item_id, result.texts[0], status)
+        if output is None:
+            output = [message_item(self.item_id, result.texts[0], status)]
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return self.body(
             status,
-            output=[item],
+            output=output,
             usage=responses_usage(result),
             incomplete_details=incomplete,
             completed_at=int(time.time()) if status == "completed" else None,

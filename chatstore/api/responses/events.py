@@ -10,6 +10,13 @@
     response.completed | response.incomplete             one write, once the response is kept
     response.failed (generation failed) | error (the reply could not be kept)
 
+With tools the model may call (stream.py), the message item opens at the reply's first text,
+and each call, once parsed, is one write:
+
+    response.output_item.added (function_call, arguments "")
+    response.function_call_arguments.delta …  response.function_call_arguments.done
+    response.output_item.done (function_call, completed)
+
 A delta is framed by concatenation around the one JSON-encoded string it carries: a stream
 writes one per token, and a dict built and encoded per token costs the event loop more than the
 rest of the frame.
@@ -22,6 +29,9 @@ from typing import Any
 
 from chatstore.api.common.errors import APIError
 from chatstore.api.responses.body import ResponseHead, message_item, output_text
+from chatstore.api.responses.output import function_call_item
+from chatstore.api.tools.protocol import ToolCall
+from chatstore.api.tools.replies import ARGUMENT_PIECE
 
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 DELTA = "response.output_text.delta"
@@ -32,46 +42,90 @@ class ResponseEvents:
     def __init__(self, head: ResponseHead) -> None:
         self.head = head
         self.sequence = 0
-        self._where = f'"item_id":{_ENCODE(head.item_id)},"output_index":0,"content_index":0'
-        self._delta_prefix = (
-            f'event: {DELTA}\ndata: {{"type":"{DELTA}",{self._where},"logprobs":[],'
+        self._at(0)
+
+    def _at(self, output_index: int) -> None:
+        """Where the message item sits in the output (0 unless calls came first)."""
+        self._message_index = output_index
+        self._where = (
+            f'"item_id":{_ENCODE(self.head.item_id)},"output_index":{output_index},'
+            '"content_index":0'
         )
+        self._delta_prefix = f'event: {DELTA}\ndata: {{"type":"{DELTA}",{self._where},'
 
     def event(self, kind: str, **fields: Any) -> bytes:
         return self._frame(kind, "," + _ENCODE(fields)[1:-1] if fields else "")
 
-    def delta(self, text: str) -> bytes:
+    def delta(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
         n = self.sequence
         self.sequence += 1
-        return f'{self._delta_prefix}"sequence_number":{n},"delta":{_ENCODE(text)}}}\n\n'.encode()
+        entries = _ENCODE(logprobs) if logprobs else "[]"
+        return (
+            f'{self._delta_prefix}"logprobs":{entries},"sequence_number":{n},'
+            f'"delta":{_ENCODE(text)}}}\n\n'
+        ).encode()
 
     def opening(self) -> bytes:
         """The events before the first token (the response object encoded once for two)."""
+        return self.started() + self.message_added(0)
+
+    def started(self) -> bytes:
         started = f',"response":{_ENCODE(self.head.body())}'
+        return self._frame("response.created", started) + self._frame(
+            "response.in_progress", started
+        )
+
+    def message_added(self, output_index: int) -> bytes:
+        """The message item opens (its empty text part with it) at `output_index`."""
+        self._at(output_index)
         item = message_item(self.head.item_id, None, "in_progress")
-        return b"".join(
-            (
-                self._frame("response.created", started),
-                self._frame("response.in_progress", started),
-                self.event("response.output_item.added", output_index=0, item=item),
-                self._part("response.content_part.added", ""),
+        return self.event(
+            "response.output_item.added", output_index=output_index, item=item
+        ) + self._part("response.content_part.added", "")
+
+    def function_call(self, output_index: int, call: ToolCall, item_id: str) -> bytes:
+        """A parsed call, whole: added, its arguments in pieces (as chat completions streams
+        them), done."""
+        where = {"item_id": item_id, "output_index": output_index}
+        added = function_call_item(call._replace(arguments=""), item_id, "in_progress")
+        frames = [self.event("response.output_item.added", output_index=output_index, item=added)]
+        for at in range(0, len(call.arguments), ARGUMENT_PIECE):
+            piece = call.arguments[at : at + ARGUMENT_PIECE]
+            frames.append(
+                self.event("response.function_call_arguments.delta", **where, delta=piece)
+            )
+        frames.append(
+            self.event(
+                "response.function_call_arguments.done",
+                **where,
+                name=call.name,
+                arguments=call.arguments,
             )
         )
+        item = function_call_item(call, item_id)
+        frames.append(self.event("response.output_item.done", output_index=output_index, item=item))
+        return b"".join(frames)
 
     def closing(self, response: dict[str, Any], response_json: str) -> bytes:
         """The events after the last token, ending with the finished response (given as its
         object and that object's JSON, which the final event carries as is)."""
-        item = response["output"][0]
-        text = item["content"][0]["text"]
-        done = f',{self._where},"text":{_ENCODE(text)},"logprobs":[]'
+        return self.message_done(response["output"][0]) + self.final(response, response_json)
+
+    def message_done(self, item: dict[str, Any]) -> bytes:
+        part = item["content"][0]
+        text = part["text"]
+        done = f',{self._where},"text":{_ENCODE(text)},"logprobs":{_ENCODE(part["logprobs"])}'
+        index = self._message_index
         return b"".join(
             (
                 self._frame("response.output_text.done", done),
-                self._part("response.content_part.done", text),
-                self.event("response.output_item.done", output_index=0, item=item),
-                self._frame(FINAL[response["status"]], f',"response":{response_json}'),
+                self._frame("response.content_part.done", f',{self._where},"part":{_ENCODE(part)}'),
+                self.event("response.output_item.done", output_index=index, item=item),
             )
         )
+
+    def final(self, response: dict[str, Any], response_json: str) -> bytes:
+        return self._frame(FINAL[response["status"]], f',"response":{response_json}')
 
     def failed(self, response: dict[str, Any]) -> bytes:
         return self.event("response.failed", response=response)

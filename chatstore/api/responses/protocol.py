@@ -3,19 +3,31 @@
 `input` is read by hand (`input_messages`) rather than by a pydantic union: a union's errors name
 its branches ("input.str: ..."), while a client needs to hear which item and which field is wrong.
 Unknown fields are ignored, as OpenAI-compatible servers do; features this server does not have
-(tools, background runs, structured output) are refused with a 400 rather than ignored.
+(built-in tools, background runs, structured output) are refused with a 400 rather than ignored.
+Function tools, function_call / function_call_output items and output_text logprobs are
+served by chat completions' own code (responses/tools.py, items.py, api/tools/).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from chatstore.api.common.chat_template import Message
 from chatstore.api.common.errors import bad_param
 from chatstore.api.common.protocol import INT64_MAX, SamplingFields
+from chatstore.api.responses.items import (
+    FUNCTION_CALL,
+    FUNCTION_CALL_OUTPUT,
+    Item,
+    call_item,
+    output_item,
+)
+from chatstore.api.responses.tools import MAX_TOOLS, FunctionTool
 from chatstore.api.sessions.limits import check_text
+from chatstore.api.tools.protocol import ToolCall
+from chatstore.engine.request import MAX_LOGPROBS
 
 RESPONSE_ID_MAX = 128
 METADATA_KEYS = 16  # OpenAI's limits on `metadata`
@@ -23,6 +35,8 @@ METADATA_KEY_CHARS = 64
 METADATA_VALUE_CHARS = 512
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text")  # output_text: a client replaying an earlier output
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+CALL_ID_MAX = 256  # as chat completions' tool_call_id
 
 
 class TextFormat(BaseModel):
@@ -58,8 +72,12 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Any = None  # read by responses/tools.py: "none" | "auto" | "required" | named
+    parallel_tool_calls: bool | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" is the one acted on
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Accepted only in the form that asks for nothing this server lacks.
-    tools: list[dict[str, Any]] = Field(default_factory=list)
     background: bool = False
     text: TextConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -85,14 +103,18 @@ class ResponsesRequest(BaseModel):
 
     def check_supported(self) -> None:
         """400 for what the request asks that this server cannot do (or a metadata too big)."""
-        if self.tools:
-            raise bad_param("tools", "tools are not supported by this server", "unsupported")
+        if self.top_logprobs is not None and not self.wants_logprobs:
+            raise bad_param("top_logprobs", f'top_logprobs needs include: ["{LOGPROBS_INCLUDE}"]')
         if self.background:
             raise bad_param("background", "background responses are not supported", "unsupported")
         kind = self.text.format.type if self.text and self.text.format else "text"
         if kind != "text":
             raise bad_param("text.format", f"text format {kind!r} is not supported", "unsupported")
         check_metadata(self.metadata or {})
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ())
 
 
 def check_metadata(metadata: dict[str, str]) -> None:
@@ -107,10 +129,11 @@ def check_metadata(metadata: dict[str, str]) -> None:
             )
 
 
-def input_messages(raw: Any, max_chars: int) -> list[Message]:
-    """`input` as chat messages: a string is one user message; a list holds message items
-    whose content is a string or text parts. 400 naming the item for anything else, or for a
-    text over `max_chars` (the server's max_message_chars)."""
+def input_items(raw: Any, max_chars: int) -> list[Item]:
+    """`input` as conversation items (items.py): a string is one user message; a list holds
+    message items (content a string or text parts), function_call and function_call_output
+    items. 400 naming the item for anything else, or for a text over `max_chars` (the
+    server's max_message_chars)."""
     if isinstance(raw, str):
         if not raw:
             raise bad_param("input", "input must not be empty", "empty_input")
@@ -119,18 +142,27 @@ def input_messages(raw: Any, max_chars: int) -> list[Message]:
         raise bad_param("input", "input must be a string or a list of input items", "invalid_type")
     if not raw:
         raise bad_param("input", "input must hold at least one item", "empty_input")
-    messages = [_message(f"input.{i}", item) for i, item in enumerate(raw)]
-    for i, m in enumerate(messages):
-        check_text(f"input.{i}.content", m["content"], max_chars)
-    return messages
+    items = [_item(f"input.{i}", item) for i, item in enumerate(raw)]
+    for i, item in enumerate(items):
+        for key in ("content", "arguments", "output"):
+            if key in item:
+                check_text(f"input.{i}.{key}", item[key], max_chars)
+    return items
 
 
-def _message(where: str, item: Any) -> Message:
+def _item(where: str, item: Any) -> Item:
     if not isinstance(item, dict):
         raise bad_param(
             where, "an input item must be an object with role and content", "invalid_type"
         )
     kind = item.get("type", "message")
+    if kind == FUNCTION_CALL:
+        return _function_call(where, item)
+    if kind == FUNCTION_CALL_OUTPUT:
+        call_id = _string(where, item, "call_id")
+        output = item.get("output")
+        text = output if isinstance(output, str) else _content(f"{where}.output", output)
+        return output_item(call_id, text)
     if kind != "message":
         raise bad_param(
             f"{where}.type", f"input items of type {kind!r} are not supported", "unsupported"
@@ -139,6 +171,29 @@ def _message(where: str, item: Any) -> Message:
     if role not in ROLES:
         raise bad_param(f"{where}.role", f"role must be one of {', '.join(ROLES)}")
     return {"role": ROLES[role], "content": _content(f"{where}.content", item.get("content"))}
+
+
+def _function_call(where: str, item: dict[str, Any]) -> Item:
+    """A call the model made, sent back (arguments: the JSON text of an object, as
+    chat completions requires of an assistant message's tool_calls)."""
+    call_id, name = _string(where, item, "call_id"), _string(where, item, "name")
+    arguments = _string(where, item, "arguments")
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        raise bad_param(f"{where}.arguments", "arguments are not valid JSON") from None
+    if not isinstance(value, dict):
+        raise bad_param(f"{where}.arguments", "arguments must be a JSON object")
+    return call_item(ToolCall(name, arguments, call_id))
+
+
+def _string(where: str, item: dict[str, Any], key: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or (not value and key != "arguments"):
+        raise bad_param(f"{where}.{key}", f"{key} must be a non-empty string", "invalid_type")
+    if key == "call_id" and len(value) > CALL_ID_MAX:
+        raise bad_param(f"{where}.{key}", f"call_id is at most {CALL_ID_MAX} chars")
+    return value
 
 
 def _content(where: str, content: Any) -> str:

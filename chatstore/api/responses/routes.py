@@ -21,7 +21,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
@@ -32,15 +31,21 @@ from chatstore.api.common.auth import Principal, tenant_principal
 from chatstore.api.common.errors import ERRORS, APIError, bad_param, not_found
 from chatstore.api.common.sampling import to_sampling
 from chatstore.api.common.streaming import sse_response
+from chatstore.api.openai.grammar import grammars_for, pick_constraint
+from chatstore.api.openai.logprobs import TokenBytes, logprobs_content, token_bytes_for
 from chatstore.api.responses.body import ResponseHead
-from chatstore.api.responses.chain import ChainTurn, plan_turn
-from chatstore.api.responses.events import ResponseEvents
-from chatstore.api.responses.protocol import RESPONSE_ID_MAX, ResponsesRequest, input_messages
+from chatstore.api.responses.chain import ChainTurn, ToolRendering, plan_turn
+from chatstore.api.responses.output import ReplyForm, ReplyOutput, reply_output
+from chatstore.api.responses.protocol import RESPONSE_ID_MAX, ResponsesRequest, input_items
 from chatstore.api.responses.store import ResponseStore, StoredResponse, new_response_id
+from chatstore.api.responses.stream import stream_response
+from chatstore.api.responses.tools import echo_choice, echo_tools, responses_tool_request
 from chatstore.api.sessions.limits import check_text
 from chatstore.api.sessions.service import ChatService, TurnSpec, new_session_id
 from chatstore.api.sessions.turn import Turn, TurnResult
-from chatstore.engine.request import SamplingParams
+from chatstore.api.tools.formats import detect_format
+from chatstore.api.tools.request import ToolRequest
+from chatstore.engine.request import SamplingParams, TokenLogprob
 
 log = logging.getLogger("chatstore.api")
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
@@ -57,7 +62,7 @@ Tenant = Annotated[Principal, Depends(_tenant)]
 
 
 @dataclass(frozen=True)
-class _Call:
+class ResponseCall:
     """One POST /v1/responses, once its turn is open."""
 
     service: ChatService
@@ -65,15 +70,29 @@ class _Call:
     head: ResponseHead
     chain: ChainTurn
     turn: Turn
+    form: ReplyForm | None  # tools the model may call: how to read them out of the reply
+    token_bytes: TokenBytes
 
-    async def finish(self, result: TurnResult) -> tuple[dict[str, Any], str]:
-        """The finished response object (and as JSON), stored first when it is to be kept."""
+    def logprobs_of(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+        return logprobs_content(entries, self.token_bytes)
+
+    def result_logprobs(self, result: TurnResult) -> list[dict[str, Any]] | None:
+        """The reply's tokens' logprobs (None: not asked for)."""
+        return None if result.logprobs is None else self.logprobs_of(result.logprobs[0])
+
+    async def finish(
+        self, result: TurnResult, reply: ReplyOutput | None = None
+    ) -> tuple[dict[str, Any], str]:
+        """The finished response object (and as JSON), stored first when it is to be kept;
+        `reply`: its output as streamed, else read from the result here."""
         keep = self.head.store
-        body = self.head.finished(result, self.turn.session_id if keep else None)
+        if reply is None:
+            reply = reply_output(self.head, result, self.form, self.result_logprobs(result))
+        body = self.head.finished(result, self.turn.session_id if keep else None, reply.output)
         text = _ENCODE(body)
         if keep:
-            reply = {"role": "assistant", "content": result.texts[0]}
-            stored = StoredResponse(text, self.turn.session_id, [*self.chain.items, reply])
+            items = [*self.chain.items, *reply.kept]
+            stored = StoredResponse(text, self.turn.session_id, items)
             put = _responses(self.service).put
             await asyncio.to_thread(put, self.tenant, self.head.id, stored)
         return body, text
@@ -104,9 +123,21 @@ async def create_response(body: ResponsesRequest, request: Request, principal: T
     service: ChatService = request.app.state.service
     body.check_supported()
     max_chars = service.settings.max_message_chars
-    new_items = input_messages(body.input, max_chars)
+    new_items = input_items(body.input, max_chars)
     check_text("instructions", body.instructions or "", max_chars)
+    tools = responses_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+    template = service.template
+    rendering = ToolRendering(tools, detect_format(template.tokenizer.chat_template))
+    form = ReplyForm(rendering.fmt, tools.parallel) if tools and tools.parses_calls else None
     sampling = to_sampling(body.sampling_fields(), service.settings.default_max_tokens)
+    if body.wants_logprobs:  # None = nothing computed: the requests that do not ask pay nothing
+        sampling = replace(sampling, logprobs=body.top_logprobs or 0)
+    if form is not None:  # the generic form's answer is constrained, as chat completions does
+        grammars = grammars_for(template.tokenizer, service.vocab_size, template.eos_token_ids)
+        pick = functools.partial(pick_constraint, None, tools, form.fmt, grammars)
+        constraint = await asyncio.to_thread(pick)  # the first one reads the vocabulary
+        if constraint is not None:
+            sampling = replace(sampling, constraint=constraint)
     plan = functools.partial(
         plan_turn,
         service.store,
@@ -115,6 +146,7 @@ async def create_response(body: ResponsesRequest, request: Request, principal: T
         body.instructions,
         new_items,
         body.store,
+        rendering,
     )
     # Only a continuation reads records: a new chain skips the hop to a worker thread.
     chain = plan() if body.previous_response_id is None else await asyncio.to_thread(plan)
@@ -133,17 +165,24 @@ async def create_response(body: ResponsesRequest, request: Request, principal: T
         session_id=chain.session_id,
         messages=chain.messages,
         api="responses",
+        rich=chain.rich,
     )
-    head = _head(body, sampling, request.app.state.settings.model_name)
+    head = _head(body, sampling, request.app.state.settings.model_name, tools)
     turn = await _open(service, spec, chain)
     request.scope["chatstore.turn"] = turn
-    call = _Call(service, principal.tenant, head, chain, turn)
+    token_bytes = token_bytes_for(template.tokenizer)
+    call = ResponseCall(service, principal.tenant, head, chain, turn, form, token_bytes)
     if body.stream:
-        return sse_response(_stream(call))
+        return sse_response(stream_response(call))
     return await _reply(call, request)
 
 
-def _head(body: ResponsesRequest, sampling: SamplingParams, default_model: str) -> ResponseHead:
+def _head(
+    body: ResponsesRequest,
+    sampling: SamplingParams,
+    default_model: str,
+    tools: ToolRequest | None,
+) -> ResponseHead:
     return ResponseHead(
         id=new_response_id(),
         item_id="msg_" + uuid.uuid4().hex,
@@ -156,6 +195,12 @@ def _head(body: ResponsesRequest, sampling: SamplingParams, default_model: str) 
         store=body.store,
         user=body.user,
         metadata=body.metadata or {},
+        tools=echo_tools(body.tools),
+        tool_choice=echo_choice(body.tool_choice, tools),
+        parallel_tool_calls=tools.parallel
+        if tools is not None
+        else body.parallel_tool_calls is not False,
+        top_logprobs=body.top_logprobs,
     )
 
 
@@ -170,7 +215,7 @@ async def _open(service: ChatService, spec: TurnSpec, chain: ChainTurn) -> Turn:
     return await service.open_turn(replace(spec, session_id=new_session_id()))
 
 
-async def _reply(call: _Call, request: Request) -> Any:
+async def _reply(call: ResponseCall, request: Request) -> Any:
     try:
         result = await call.turn.run_watching(request.is_disconnected)
         if result is None:  # the client went away: the turn was aborted, nobody to answer
@@ -185,33 +230,6 @@ async def _reply(call: _Call, request: Request) -> Any:
         discarded = call.discard()
         if discarded is not None:
             await discarded
-
-
-async def _stream(call: _Call) -> AsyncIterator[bytes]:
-    events = ResponseEvents(call.head)
-    turn = call.turn
-    try:
-        yield events.opening()
-        async for delta in turn.deltas():
-            if delta.text:
-                yield events.delta(delta.text)
-        result = turn.result
-        assert result is not None
-        if result.error is not None:
-            yield events.failed(call.head.finished(result, None))
-            return
-        if turn.save_error is not None:
-            yield events.error(turn.save_error)
-            return
-        try:
-            response, response_json = await call.finish(result)
-        except APIError as exc:
-            yield events.error(exc)
-            return
-        yield events.closing(response, response_json)
-    finally:
-        turn.close()
-        call.discard()  # not awaited: the stream may be cancelled (client gone)
 
 
 @router.get("/{response_id}", responses=ERRORS)

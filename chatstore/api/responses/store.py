@@ -3,7 +3,8 @@ replicas): chatstore/store/records/responses.py.
 
 A response is one `ResponseRecord` of its tenant, named by the response id: the response object
 as JSON, the session holding the conversation's KV, and the items it added to the conversation
-(input and reply, no instructions), linked to the response it continues; every 16th of a chain
+(input and reply, no instructions: messages, function_call and function_call_output items,
+responses/items.py), linked to the response it continues; every 16th of a chain
 holds the whole conversation (records/responses.py). Continuing from a response reads its
 conversation through the links, whatever happened to its session since (continued by another
 response, deleted, expired) and whether or not the responses before it were deleted (a deleted
@@ -23,8 +24,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from chatstore.api.common.chat_template import Message
 from chatstore.api.common.errors import store_error
+from chatstore.api.responses.items import Item
 from chatstore.store.ports import (
     RecordStoreError,
     ResponseExists,
@@ -41,7 +42,7 @@ def new_response_id() -> str:
 class StoredResponse:
     body_json: str  # the response object, as GET returns it (text: a continuation skips it)
     session_id: str  # the session whose record and KV hold this conversation
-    items: list[Message]  # the conversation through this response's reply (no instructions)
+    items: list[Item]  # the conversation through this response's reply (no instructions)
 
     @property
     def body(self) -> dict[str, Any]:
@@ -70,7 +71,7 @@ class ResponseStore:
     def put(self, tenant: str, response_id: str, response: StoredResponse) -> None:
         """Keep the response durably (the records store's own guarantee); APIError 503/507
         when it cannot be kept."""
-        items = [{"role": m["role"], "content": m["content"]} for m in response.items]
+        items = [dict(item) for item in response.items]  # messages and function call items
         record = ResponseRecord(
             tenant, response_id, response.body_json, response.session_id, items, time.time()
         )
