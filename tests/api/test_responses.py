@@ -306,7 +306,8 @@ def test_input_items_and_content_parts(alice):
         ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
         ({"input": [{"role": "user", "content": 7}]}, "input.0.content"),
         ({"input": ["hello"]}, "input.0"),
-        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.type"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
+        ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0.type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input.0.content.0",
@@ -317,7 +318,7 @@ def test_input_items_and_content_parts(alice):
         ({"input": "x", "previous_response_id": 5}, "previous_response_id"),
         ({"input": "x", "store": "maybe"}, "store"),
         ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
-        ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
         ({"input": "x", "stop": ["", "a"]}, "stop"),
         ({"input": "x" * 40_000}, "input"),
