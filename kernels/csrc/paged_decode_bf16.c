@@ -10,7 +10,7 @@
  * and out = bf16(acc * (1 / l)). Only the layout is decode's: keys in lanes for QK^T (K pairs
  * gathered once per chunk, shared by the G query heads) and dims in lanes for PV, so a query
  * head costs D/32 dot products per key instead of a whole lane vector's D/2.
- * tests/engine/test_kernels_bf16.py pins decode == prefill bitwise. Built only where CHATSTORE_BF16_DOT.
+ * tests/kernels/test_kernels_bf16.py pins decode == prefill bitwise. Built only where CHATSTORE_BF16_DOT.
  */
 #include <math.h>
 #include <stdint.h>

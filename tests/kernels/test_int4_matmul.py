@@ -19,8 +19,8 @@ from chatstore.engine.weight_plan import DENSE_FROM, Projections
 from chatstore.kernels import native
 from chatstore.kernels.int4_matmul import int4_matmul, pack_int4
 from chatstore.model.quant_weights import Int4Weight, quantize_int4
-from tests.engine.test_quant_weights import greedy, runner_with
 from tests.engine.test_runner_exact import full_logits
+from tests.model.test_quant_weights import greedy, runner_with
 from tests.support.tiny_models import TINY_ARCHS, tiny_hf_model
 
 ALWAYS_QUANT = dict.fromkeys(DENSE_FROM, NEVER)
@@ -153,7 +153,7 @@ def test_embedded_model_on_the_native_kernel_stays_within_bf16_noise(default_mod
     for that noise; torch's kernel 0.73), and the same greedy tokens until a near-tie under fp32
     (measured: 5 equal, then two candidates 0.22 nats apart)."""
     from chatstore.model.gguf_weights import GGUFWeights
-    from tests.engine.test_quant_weights import DequantisedMatmul
+    from tests.model.test_quant_weights import DequantisedMatmul
 
     gguf = GGUFWeights(default_model.gguf, default_model.spec)
     quant = Projections("gguf", torch.float32, True, gguf, dense_from=ALWAYS_QUANT, int4="native")

@@ -66,7 +66,7 @@ def test_a_variant_this_cpu_cannot_run_is_a_clear_error(cpu, monkeypatch):
 
 
 def test_every_runnable_variant_builds_and_says_what_it_is():
-    """The variants this CPU runs are the ones `make test` exercises (tests/engine/conftest.py):
+    """The variants this CPU runs are the ones `make test` exercises (tests/kernels/conftest.py):
     each builds, and its vector width and bf16 path are those of its ISA."""
     widths = {"avx512_bf16": 512, "avx512": 512, "avx2": 256, "generic": 128}
     for v in native.runnable_variants():
