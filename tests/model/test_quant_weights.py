@@ -34,7 +34,8 @@ from tests.support.tiny_models import TINY_ARCHS, tiny_hf_model
 
 ALWAYS_QUANT = dict.fromkeys(DENSE_FROM, NEVER)  # the quantized kernel at every token count
 # These tests hold torch's int4 kernel (bf16 activations) to its references on every CPU; the
-# native integer-dot kernel, what auto picks without AVX512-BF16, has tests/kernels/test_int4_matmul.
+# native integer-dot kernel, what auto picks without AVX512-BF16, has its own tests
+# (tests/kernels/test_int4_matmul.py).
 
 
 @pytest.fixture(autouse=True)
