@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
-import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -32,24 +30,23 @@ from chatstore.api.common.errors import ERRORS, APIError, bad_param, not_found
 from chatstore.api.common.sampling import to_sampling
 from chatstore.api.common.streaming import sse_response
 from chatstore.api.openai.grammar import grammars_for, pick_constraint
-from chatstore.api.openai.logprobs import TokenBytes, logprobs_content, token_bytes_for
+from chatstore.api.openai.logprobs import token_bytes_for
 from chatstore.api.responses.body import ResponseHead
+from chatstore.api.responses.call import ResponseCall, response_store
 from chatstore.api.responses.chain import ChainTurn, ToolRendering, plan_turn
-from chatstore.api.responses.output import ReplyForm, ReplyOutput, reply_output
+from chatstore.api.responses.output import ReplyForm
 from chatstore.api.responses.protocol import RESPONSE_ID_MAX, ResponsesRequest, input_items
-from chatstore.api.responses.store import ResponseStore, StoredResponse, new_response_id
+from chatstore.api.responses.store import StoredResponse, new_response_id
 from chatstore.api.responses.stream import stream_response
 from chatstore.api.responses.tools import echo_choice, echo_tools, responses_tool_request
 from chatstore.api.sessions.limits import check_text
 from chatstore.api.sessions.service import ChatService, TurnSpec, new_session_id
-from chatstore.api.sessions.turn import Turn, TurnResult
+from chatstore.api.sessions.turn import Turn
 from chatstore.api.tools.formats import detect_format
 from chatstore.api.tools.request import ToolRequest
-from chatstore.engine.request import SamplingParams, TokenLogprob
+from chatstore.engine.request import SamplingParams
 
-log = logging.getLogger("chatstore.api")
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 async def _tenant(request: Request) -> Principal:
@@ -59,62 +56,6 @@ async def _tenant(request: Request) -> Principal:
 
 
 Tenant = Annotated[Principal, Depends(_tenant)]
-
-
-@dataclass(frozen=True)
-class ResponseCall:
-    """One POST /v1/responses, once its turn is open."""
-
-    service: ChatService
-    tenant: str
-    head: ResponseHead
-    chain: ChainTurn
-    turn: Turn
-    form: ReplyForm | None  # tools the model may call: how to read them out of the reply
-    token_bytes: TokenBytes
-
-    def logprobs_of(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-        return logprobs_content(entries, self.token_bytes)
-
-    def result_logprobs(self, result: TurnResult) -> list[dict[str, Any]] | None:
-        """The reply's tokens' logprobs (None: not asked for)."""
-        return None if result.logprobs is None else self.logprobs_of(result.logprobs[0])
-
-    async def finish(
-        self, result: TurnResult, reply: ReplyOutput | None = None
-    ) -> tuple[dict[str, Any], str]:
-        """The finished response object (and as JSON), stored first when it is to be kept;
-        `reply`: its output as streamed, else read from the result here."""
-        keep = self.head.store
-        if reply is None:
-            reply = reply_output(self.head, result, self.form, self.result_logprobs(result))
-        body = self.head.finished(result, self.turn.session_id if keep else None, reply.output)
-        text = _ENCODE(body)
-        if keep:
-            items = [*self.chain.items, *reply.kept]
-            stored = StoredResponse(text, self.turn.session_id, items)
-            put = _responses(self.service).put
-            await asyncio.to_thread(put, self.tenant, self.head.id, stored)
-        return body, text
-
-    def discard(self) -> asyncio.Future[None] | None:
-        """store=false: delete the turn's own session (in the background; the future)."""
-        if self.head.store:
-            return None
-        loop = asyncio.get_running_loop()
-        return loop.run_in_executor(None, _discard, self.service, self.tenant, self.turn.session_id)
-
-
-def _responses(service: ChatService) -> ResponseStore:
-    return ResponseStore(service.store)
-
-
-def _discard(service: ChatService, tenant: str, session_id: str) -> None:
-    try:
-        service.delete_session(tenant, session_id)
-    except APIError as exc:
-        if exc.status != 404:  # 404: the turn failed before its record was written
-            log.warning("could not delete the store=false session %s: %s", session_id, exc)
 
 
 @router.post("", responses=ERRORS)
@@ -240,7 +181,7 @@ def get_response(response_id: str, request: Request, principal: Tenant) -> Any:
 
 @router.delete("/{response_id}", responses=ERRORS)
 def delete_response(response_id: str, request: Request, principal: Tenant) -> Any:
-    store = _responses(request.app.state.service)
+    store = response_store(request.app.state.service)
     if len(response_id) > RESPONSE_ID_MAX or not store.delete(principal.tenant, response_id):
         raise not_found(f"response {response_id}")
     return {"id": response_id, "object": "response.deleted", "deleted": True}
@@ -249,7 +190,7 @@ def delete_response(response_id: str, request: Request, principal: Tenant) -> An
 def _find(request: Request, principal: Principal, response_id: str) -> StoredResponse:
     stored = None
     if len(response_id) <= RESPONSE_ID_MAX:
-        stored = _responses(request.app.state.service).get(principal.tenant, response_id)
+        stored = response_store(request.app.state.service).get(principal.tenant, response_id)
     if stored is None:
         raise not_found(f"response {response_id}")
     return stored

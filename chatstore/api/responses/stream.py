@@ -26,7 +26,7 @@ from chatstore.api.tools.replies import call_id
 from chatstore.api.tools.streaming import CallDone, StreamEvent, ToolStreamParser
 
 if TYPE_CHECKING:
-    from chatstore.api.responses.routes import ResponseCall
+    from chatstore.api.responses.call import ResponseCall
 
 
 class ToolReplyStream:
