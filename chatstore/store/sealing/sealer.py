@@ -94,23 +94,19 @@ class Sealer:
     def seal(
         self, purpose: bytes, tenant: str, key: bytes, plaintext: bytes | bytearray
     ) -> bytearray:
-        data_key = self.keyring.sealing_key(owner_tenant(tenant))
-        nonce = os.urandom(NONCE_BYTES)
-        kid = data_key.dek_id.encode()
-        head = bytes((VERSION, len(kid))) + kid + nonce
-        # Encrypted straight into the value's buffer: a chunk (MBs) is not copied again.
-        out = bytearray(len(head) + len(plaintext) + TAG_BYTES)
-        out[: len(head)] = head
-        aad = associated_data(purpose, tenant, key)
-        data_key.cipher.encrypt_into(nonce, plaintext, aad, memoryview(out)[len(head) :])
-        return out
+        """plaintext sealed for (purpose, tenant, key) under the tenant's sealing data key."""
+        return self.seal_parts(purpose, tenant, key, [plaintext])
 
     def seal_parts(
-        self, purpose: bytes, tenant: str, key: bytes, parts: Sequence[bytes | memoryview]
+        self,
+        purpose: bytes,
+        tenant: str,
+        key: bytes,
+        parts: Sequence[bytes | bytearray | memoryview],
     ) -> bytearray:
-        """seal() of the concatenation of `parts`, the same bytes out, without building that
-        concatenation: a KV chunk's header and its KV tensor's memory are encrypted straight
-        into the sealed value (one pass over the MBs, where joining them first is a second)."""
+        """seal() of the concatenation of `parts`, without building that concatenation: a
+        KV chunk's header and its KV tensor's memory are encrypted straight into the sealed
+        value (one pass over the MBs, where joining them first is a second)."""
         data_key = self.keyring.sealing_key(owner_tenant(tenant))
         nonce = os.urandom(NONCE_BYTES)
         kid = data_key.dek_id.encode()
