@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from chatstore.server.launcher import local_server
+from tests.api.test_openai_tools import loop_so_far  # the weather agent's two finished steps
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -38,34 +39,10 @@ GREEDY = {"model": "default", "temperature": 0, "max_output_tokens": 40}
 ASK = "What is the weather in Rome?"
 
 
-def chat_call(call_id: str, city: str) -> dict:
-    function = {"name": "get_weather", "arguments": json.dumps({"city": city})}
-    return {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [{"id": call_id, "type": "function", "function": function}],
-    }
-
-
-def chat_loop() -> list[dict]:
-    """Two finished steps of a weather agent, then a new question (test_openai_tools.py's)."""
-    return [
-        {"role": "user", "content": "Weather in Paris?"},
-        chat_call("call_1", "Paris"),
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
-        {"role": "assistant", "content": "It is 18 C in Paris."},
-        {"role": "user", "content": "Weather in London?"},
-        chat_call("call_2", "London"),
-        {"role": "tool", "tool_call_id": "call_2", "content": "12 C"},
-        {"role": "assistant", "content": "It is 12 C in London."},
-        {"role": "user", "content": "Weather in Rome?"},
-    ]
-
-
 def responses_loop() -> list[dict]:
     """The same conversation as Responses input items."""
     items: list[dict] = []
-    for m in chat_loop():
+    for m in loop_so_far():
         if m.get("tool_calls"):
             for c in m["tool_calls"]:
                 f = c["function"]
@@ -155,7 +132,7 @@ def test_agent_loop_prompts_as_chat_completions_and_continues_the_chain(client, 
     then the tool's result sent as function_call_output with previous_response_id runs in the
     chain's session (its KV reused), rendered as chat completions renders a tool message."""
     chat_raw = client.chat.completions.with_raw_response.create(
-        messages=chat_loop(),
+        messages=loop_so_far(),
         tools=[CHAT_WEATHER],
         logit_bias=tip,
         model="default",
@@ -192,7 +169,7 @@ def test_agent_loop_prompts_as_chat_completions_and_continues_the_chain(client, 
         "tool_call": {"name": "get_weather", "arguments": {"city": "Rome"}}
     }
     # Chat completions, sent the same step, writes the same answer.
-    messages = [*chat_loop(), chat.message.model_dump(exclude_none=True)]
+    messages = [*loop_so_far(), chat.message.model_dump(exclude_none=True)]
     messages.append(
         {"role": "tool", "tool_call_id": chat.message.tool_calls[0].id, "content": "25 C, sunny"}
     )
