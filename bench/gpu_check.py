@@ -222,9 +222,10 @@ def run_turn(
     check: Check, engine: LLMEngine, store: AttentionStore, ids: list[int], turn: str
 ) -> tuple:
     """One greedy turn of session "s": its tokens and where its cached history came from."""
-    store.fetch_remote("gpu-check", "s")
+    opened = store.open_turn("gpu-check", "s")
     params = SamplingParams(max_tokens=check.greedy, temperature=0.0, ignore_eos=True)
-    engine.add_request(Request(turn, ids, params, tenant="gpu-check", session_id="s"))
+    request = Request(turn, ids, params, tenant="gpu-check", session_id="s", store_turn=opened)
+    engine.add_request(request)
     tokens: list[int] = []
     usage = None
     while engine.has_work():

@@ -125,7 +125,8 @@ async def run_session(
         sampling = SamplingParams(max_tokens=args.reply_tokens, temperature=0.0, ignore_eos=True)
         request = Request(f"{mode}-{idx}-{turn}", ids, sampling, session_id=f"s{idx}")
         if store is not None:  # the API opens the turn: SSD / Redis chunks come up to host memory
-            await asyncio.to_thread(store.fetch_remote, request.tenant, f"s{idx}")
+            opening = asyncio.to_thread(store.open_turn, request.tenant, f"s{idx}")
+            request.store_turn = await opening
         reply: list[int] = []
         first = usage = None
         async for o in engine.submit(request):

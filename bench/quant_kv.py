@@ -128,7 +128,7 @@ class Rig:
         prefill of the rest, as the engine does; the logits (every new token's, or the last)."""
         conn = self.conns[kind]
         req = self.request(ids, session)
-        self.stores[kind].fetch_remote(TENANT, session)  # the API opens the turn: LMDB -> host
+        req.store_turn = self.stores[kind].open_turn(TENANT, session)  # the API's opening
         assert conn.num_external_tokens(req, 0) == history, "the history was not found whole"
         table = self.table(len(ids))
         conn.start_load(req, 0, history, table)

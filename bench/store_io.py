@@ -146,7 +146,7 @@ class Rig:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         request = Request(f"r{self._n}", ids, sampling, tenant="local", session_id=session)
         if self.store is not None:  # the API opens the turn: LMDB / Redis chunks to host memory
-            self.store.fetch_remote("local", session)
+            request.store_turn = self.store.open_turn("local", session)
 
         async def run() -> TurnResult:
             first = usage = None

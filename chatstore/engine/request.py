@@ -129,6 +129,9 @@ class Request:
     tenant: str = "default"
     session_id: str | None = None  # the store keys saved KV by (tenant, session)
     arrival_time: float = field(default_factory=time.monotonic)
+    # The store's handle of the turn (store.OpenedTurn), from the API's opening to the
+    # connector's load and save: opaque to the engine, which only carries it.
+    store_turn: object | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

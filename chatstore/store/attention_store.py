@@ -8,7 +8,7 @@ Built from config by `create_store` (None when `kv_store = "off"`). On disk, und
 This file builds the parts and implements the ports (ports.py) over them:
 
     chunks/     keys, a turn's plan, reads          sessions/  index, versions, retention,
-    commit/     turn commit, writer, write-back                truncation, remote fetch, removal
+    commit/     turn commit, writer, write-back                truncation, turn opening, removal
     tiers/      DRAM, LMDB, Redis, ChunkTiers       placement/ policies, victims, prefetch
 """
 
@@ -43,9 +43,9 @@ from chatstore.store.ports import (
     HintListener,
     KVPlacement,
     KVSource,
+    OpenedTurn,
     StoredSession,
     StoreStats,
-    TurnHold,
     TurnPlan,
     WaitingQueue,
 )
@@ -54,11 +54,11 @@ from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.sessions.holds import ChunkPins
 from chatstore.store.sessions.index import SessionChain, SessionIndex
-from chatstore.store.sessions.remote_fetch import RemoteFetch
 from chatstore.store.sessions.removal import WAIT_SAVED_S, SessionRemoval
 from chatstore.store.sessions.restore import IndexRestore
 from chatstore.store.sessions.retention_table import RetentionTable, SessionRetention
 from chatstore.store.sessions.truncation import SessionTruncation
+from chatstore.store.sessions.turn_opening import TurnOpening
 from chatstore.store.sessions.versions import SessionVersions
 from chatstore.store.settings import StoreSettings
 from chatstore.store.store_parts import build_records, build_remote, build_tiers, store_stats
@@ -133,17 +133,17 @@ class AttentionStore:
             self.committer, self.hasher, self.versions, list(self.tiers.slow),
             self.retainer.retain, self._needed, self._restored,
         )  # fmt: skip
-        self.remote_fetch = fetch = RemoteFetch(
+        self.opening = opening = TurnOpening(
             self.committer, self.session_placement, self.records, self.hasher, self.versions,
             self.retainer.retain, pins, self.restore.ensure,
         )  # fmt: skip
-        self.reader = ChunkReader(self.committer, fetch, self.session_placement, self.retention)
+        self.reader = ChunkReader(self.committer, opening, self.session_placement, self.retention)
         interval = self.settings.prefetch_interval_s
         candidates = self.session_placement.prefetch_candidates
-        self.prefetcher = Prefetcher(fetch.prefetch_session, candidates, interval)
+        self.prefetcher = Prefetcher(opening.prefetch_session, candidates, interval)
         places, retention = self.session_placement, self.retention
         self.removal = SessionRemoval(
-            self.committer, places, retention, fetch, self.sealer, self.restore.wait
+            self.committer, places, retention, self.sealer, self.restore.wait
         )
         window = self.context.window
         self.truncation = SessionTruncation(self.reader, self.committer, self._save_key, window)
@@ -188,7 +188,7 @@ class AttentionStore:
 
     @property
     def held_bytes(self) -> int:
-        return self.remote_fetch.held_bytes
+        return self.opening.held_bytes
 
     @property
     def bytes_written(self) -> int:
@@ -213,29 +213,29 @@ class AttentionStore:
     def add_hint_listener(self, listener: HintListener) -> None:
         self._hint_listeners.append(listener)
 
-    def fetch_remote(
+    def open_turn(
         self,
         tenant: str,
         session_id: str,
         prompt_ids: Sequence[int] = (),
         records_turn: bool = False,
-    ) -> int:
-        key = self.key(tenant, session_id)
-        if records_turn:
-            self.committer.expect_record(key)
-        return self.remote_fetch.fetch(key, prompt_ids)
+    ) -> OpenedTurn:
+        return self.opening.open(self.key(tenant, session_id), prompt_ids, records_turn)
 
-    def take_unrecorded(self, tenant: str, session_id: str) -> dict[str, Any]:
-        return self.committer.take_unrecorded(self.key(tenant, session_id))
+    def complete_load(self, opened: OpenedTurn | None) -> None:
+        if opened is not None:
+            opened.unpin()
 
-    def take_hold(self, tenant: str, session_id: str) -> TurnHold | None:
-        return self.remote_fetch.take(self.key(tenant, session_id))
-
-    def release_hold(self, hold: TurnHold | None) -> None:
-        self.remote_fetch.release(hold)
+    def end_turn(self, opened: OpenedTurn | None) -> None:
+        if opened is None:
+            return
+        opened.unpin()
+        given_up = opened.chain.give_up() if opened.chain is not None else None
+        if given_up is not None:
+            self.committer.record_given_up(opened.key, given_up)
 
     def stored_below(self, chunk: ChunkKey) -> bool:
-        where = self.remote_fetch.chunk_tier(chunk)
+        where = self.opening.chunk_tier(chunk)
         return any(t.name == where for t in self.tiers.slow)
 
     def foreground_reads(self) -> AbstractContextManager[None]:
@@ -250,7 +250,7 @@ class AttentionStore:
         chain = self.index.get(key)
         if chain is None:
             return {}
-        C, n, tier_of = self.chunk_tokens, len(chain.token_ids), self.remote_fetch.chunk_tier
+        C, n, tier_of = self.chunk_tokens, len(chain.token_ids), self.opening.chunk_tier
         return tokens_by_tier(chain.chunks, C, 0, n, tier_of)
 
     def placement(self, tenant: str, session_id: str) -> KVPlacement:
@@ -258,11 +258,15 @@ class AttentionStore:
 
     # -- finding, reading, saving ---------------------------------------------------------------
 
-    def find(self, tenant: str, session_id: str) -> StoredSession | None:
-        return self.reader.find(self.key(tenant, session_id))
+    def find(
+        self, tenant: str, session_id: str, opened: OpenedTurn | None = None
+    ) -> StoredSession | None:
+        return self.reader.find(self.key(tenant, session_id), opened)
 
-    def admit(self, tenant: str, session_id: str) -> StoredSession | None:
-        return self.reader.admit(self.key(tenant, session_id))
+    def prepare_load(
+        self, tenant: str, session_id: str, opened: OpenedTurn | None
+    ) -> StoredSession | None:
+        return self.reader.prepare_load(self.key(tenant, session_id), opened)
 
     def read_chunks(
         self,
@@ -303,10 +307,16 @@ class AttentionStore:
         build: ChunkBuilder,
         nbytes: int,
         opened_at: float | None = None,
+        opened: OpenedTurn | None = None,
     ) -> None:
         chain = SessionChain(list(plan.token_ids), list(plan.chain))
         key, background = self.key(tenant, session_id), self.settings.async_save
-        self.committer.write_turn(key, chain, plan, build, nbytes, background, opened_at)
+        if opened is not None:
+            opened_at = opened.opened_at
+        recorded_by = opened.chain if opened is not None else None
+        self.committer.write_turn(
+            key, chain, plan, build, nbytes, background, opened_at, recorded_by
+        )
 
     def save(self, tenant: str, session_id: str, value: SessionKV) -> str | None:
         """Keep value as the session's whole KV (tools, tests, truncation), now; the tier its
@@ -392,7 +402,6 @@ class AttentionStore:
         self.restore.close()
         self.prefetcher.close()
         self.writer.close()
-        self.committer.record_unrecorded()
         if self.persister is not None:
             self.persister.close(flush=flush_dram)
         if flush_dram:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from chatstore.store.events import StoreStats
-from chatstore.store.ports import ContextBudget, KVPlacement, WaitingQueue
+from chatstore.store.ports import ContextBudget, KVPlacement, OpenedTurn, WaitingQueue
 from chatstore.store.records import RecordStore
 from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey
@@ -45,23 +45,21 @@ class KVAdmin(Protocol):
         """A client's hint that the session runs soon (typing, POST prefetch): its chunks move
         up to DRAM and hint listeners (the read buffer) stage it. Returns at once."""
 
-    def fetch_remote(
+    def open_turn(
         self,
         tenant: str,
         session_id: str,
         prompt_ids: Sequence[int] = (),
         records_turn: bool = False,
-    ) -> int:
+    ) -> OpenedTurn:
         """Open a turn (API worker thread, before the engine queues it): chunks only SSD or
-        Redis holds come up and are held until the engine reads them; a session without a
+        Redis holds come up and are pinned until the engine reads them; a session without a
         stored chain borrows the stored chunks its prompt's leading full chunks hash to (a
         shared system prompt, whichever replica stored it). records_turn: the caller records
-        the turn (take_unrecorded). How many came up from the remote tier."""
+        the turn's chain (the handle's TurnChain) with its messages."""
 
-    def take_unrecorded(self, tenant: str, session_id: str) -> dict[str, Any]:
-        """The record fields (token_ids, chunks, fingerprint) of the chain the turn opened
-        with records_turn committed, for the caller to write with the turn's messages ({}:
-        none)."""
+    def end_turn(self, opened: OpenedTurn | None) -> None:
+        """The turn is over (see ports.SessionKVAdmin.end_turn)."""
 
     def fit_context(
         self,

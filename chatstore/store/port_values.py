@@ -4,7 +4,7 @@ and a stored chunk's text. Plain data, no store part behind them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -15,7 +15,8 @@ from chatstore.store.session_kv import SessionKey, SessionKV
 @dataclass(frozen=True)
 class StoredSession:
     """What the store holds of a session: its leading tokens whose chunks are all stored.
-    `origins`: the tier each chunk was in when the turn opened (`admit` only; else empty)."""
+    `origins`: the tier each chunk was in when the turn opened (`prepare_load` only; else
+    empty)."""
 
     key: SessionKey
     token_ids: list[int]
@@ -42,6 +43,9 @@ class ChunkDelta:
     base: ChunkKey
     keep: int
     rows: SessionKV  # the rows after the kept ones (token ids and KV)
+
+
+ChunkBuilder = Callable[[], Mapping[ChunkKey, SessionKV | ChunkDelta]]  # a turn's new chunks
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ store as one of them, not as the class.
     engine ──(WaitingQueue)──► store          the look-ahead: who runs next
     transfer ──(KVSource)────► store          find, read, plan and save a turn's chunks
     api ──(SessionKVAdmin)───► store          records, leases, turns' contexts, KV admin, reports
+
+One turn's handle, `OpenedTurn` (opened_turn.py), goes api -> engine Request -> transfer -> api:
+open_turn, prepare_load / complete_load, save_turn, append_turn, end_turn.
     kv_events ──(ChunkCatalog)► store         stored chunks per tier and their events
 
 `SessionKVAdmin` has two implementations (session_store.py): records only (kv_store = "off")
@@ -15,7 +18,7 @@ are re-exported here).
 
 Threads. Every method is thread-safe unless its docstring names a thread. The engine thread
 never waits on the network, a disk or a pending write: it reads inside `foreground_reads()`
-(host memory only: no SSD, no remote tier), and the methods that may wait (`fetch_remote`,
+(host memory only: no SSD, no remote tier), and the methods that may wait (`open_turn`,
 `delete_session`, `purge_expired`, `wait_saved`, ...) are for the API's worker threads.
 Listeners and hint listeners are called on the thread that caused the event: keep them short,
 never call back into the store from one.
@@ -24,7 +27,7 @@ never call back into the store from one.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -32,8 +35,10 @@ import torch
 
 from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.events import EventKind, Listener, StoreEvent, StoreStats
+from chatstore.store.opened_turn import BorrowedPrefix, OpenedTurn, TurnChain
 from chatstore.store.port_values import (
     DEVICE_TIER,
+    ChunkBuilder,
     ChunkDelta,
     ChunkText,
     ContextBudget,
@@ -44,6 +49,7 @@ from chatstore.store.port_values import (
     store_hits,
 )
 from chatstore.store.records import (
+    ChainRecord,
     RecordConflict,
     RecordStoreError,
     RecordStoreFull,
@@ -64,10 +70,8 @@ from chatstore.store.retention import (
 )
 from chatstore.store.sealing.keyring import KeyUnavailable, ShredFailed
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.sessions.holds import TurnHold
 from chatstore.store.tiers.dram_rows import PooledRows  # rows read in place, as a port value
 
-ChunkBuilder = Callable[[], Mapping[ChunkKey, SessionKV | ChunkDelta]]
 HintListener = Callable[[str, str], object]  # (tenant, session_id)
 
 
@@ -111,12 +115,18 @@ class KVSource(Protocol):
     @property
     def bytes_per_token(self) -> int: ...
 
-    def find(self, tenant: str, session_id: str) -> StoredSession | None:
-        """The session's stored history (no KV read); None when none. Engine or loader thread."""
+    def find(
+        self, tenant: str, session_id: str, opened: OpenedTurn | None = None
+    ) -> StoredSession | None:
+        """The session's stored history (no KV read); None when none; with `opened`, a
+        session without a chain finds the prefix its turn borrowed. Engine or loader thread."""
 
-    def admit(self, tenant: str, session_id: str) -> StoredSession | None:
-        """`find` at a turn's admission, with each chunk's tier as the turn found it (taken
-        once: a second admit of the same turn sees the tiers as they are now)."""
+    def prepare_load(
+        self, tenant: str, session_id: str, opened: OpenedTurn | None
+    ) -> StoredSession | None:
+        """`find` at a turn's admission (engine thread), with each chunk's tier as the turn
+        found when it opened (`opened`, the handle the request carries; None: a turn the API
+        did not open, the tiers as they are now)."""
 
     def version(self, tenant: str, session_id: str) -> int:
         """Changes whenever the session's KV may have; read it before `find`."""
@@ -140,11 +150,9 @@ class KVSource(Protocol):
     def prefetch(self, tenant: str, session_id: str) -> None:
         """Move the session's chunks up to DRAM on the prefetch thread; returns at once."""
 
-    def take_hold(self, tenant: str, session_id: str) -> TurnHold | None:
-        """The opened turn's hold (`fetch_remote`), the engine thread's to release once read."""
-
-    def release_hold(self, hold: TurnHold | None) -> None:
-        """Unpin the hold's chunks (any thread; a second release does nothing)."""
+    def complete_load(self, opened: OpenedTurn | None) -> None:
+        """The turn's stored chunks are read: unpin them (any thread; a second call does
+        nothing)."""
 
     def plan_turn(
         self, tenant: str, token_ids: list[int], stored: StoredSession | None, reusable: int
@@ -159,9 +167,12 @@ class KVSource(Protocol):
         build: ChunkBuilder,
         nbytes: int,
         opened_at: float | None = None,
+        opened: OpenedTurn | None = None,
     ) -> None:
         """Make plan's chain the session's history; `build()` runs once (on the writer thread
-        with async_save). Engine thread; returns once a `find` sees the new chain."""
+        with async_save). Engine thread; returns once a `find` sees the new chain. A session
+        deleted after `opened_at` (monotonic; `opened`'s when given) keeps nothing. The commit
+        completes `opened.chain` (the API records it with the turn's messages)."""
 
     def yield_to(self, idle: threading.Event) -> None:
         """Background writes wait while `idle` is clear (a prefill runs). Once, at start."""
@@ -197,10 +208,12 @@ class SessionKVAdmin(Protocol):
         keep: int | None = None,
         kv_tokens: int = 0,
         last_token: int | None = None,
+        turn: OpenedTurn | None = None,
     ) -> None:
         """Append a turn's messages on top of `record.version`, keeping the first `keep` stored
-        messages (None: all); RecordConflict when the session changed meanwhile. `record`
-        becomes what was stored."""
+        messages (None: all), with the KV chain the turn's commit made (`turn`, as `open_turn`
+        gave it); RecordConflict when the session changed meanwhile. `record` becomes what was
+        stored."""
 
     def acquire_lease(self, tenant: str, session_id: str) -> SessionLease | None:
         """The session's lease for one turn or delete (shared by replicas); None when another
@@ -232,9 +245,17 @@ class SessionKVAdmin(Protocol):
         history after `head` tokens dropped, the last `tail` kept), the saved KV cut alike; a
         ValueError when it cannot fit. Records only: the prompt whole (nothing to cut with)."""
 
-    def fetch_remote(self, tenant: str, session_id: str, prompt_ids: Sequence[int] = ()) -> None:
+    def open_turn(
+        self, tenant: str, session_id: str, prompt_ids: Sequence[int] = ()
+    ) -> OpenedTurn | None:
         """Before a turn: what only SSD or the remote tier holds of the session's KV, or of
-        the stored chunks its prompt (`prompt_ids`) begins with, comes up to host memory."""
+        the stored chunks its prompt (`prompt_ids`) begins with, comes up to host memory and
+        stays pinned there until the engine has read it. The handle rides on the engine's
+        Request (`store_turn`) and ends with `end_turn`. None: records only, no KV."""
+
+    def end_turn(self, turn: OpenedTurn | None) -> None:
+        """The turn is over, whatever happened (the event loop: returns at once): its pins go,
+        and a chain its commit made that no append took is recorded by the store."""
 
     def hint(self, tenant: str, session_id: str) -> None:
         """The client is typing: the session's KV moves up. Returns at once."""
@@ -295,6 +316,8 @@ __all__ = [
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "TTL_MAX_S",
+    "BorrowedPrefix",
+    "ChainRecord",
     "ChunkBuilder",
     "ChunkCatalog",
     "ChunkDelta",
@@ -307,6 +330,7 @@ __all__ = [
     "KVSource",
     "KeyUnavailable",
     "Listener",
+    "OpenedTurn",
     "PooledRows",
     "RecordConflict",
     "RecordStoreError",
@@ -327,7 +351,7 @@ __all__ = [
     "StoreStats",
     "StoredSession",
     "TierStats",
-    "TurnHold",
+    "TurnChain",
     "TurnPlan",
     "WaitingQueue",
     "WaitingSession",

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chatstore.store.ports import ContextBudget, KVPlacement, TierStats
+from chatstore.store.ports import ContextBudget, KVPlacement, OpenedTurn, TierStats
 from chatstore.store.records import (
     RecordConflict,
     RecordStore,
@@ -32,6 +32,8 @@ from chatstore.store.tiers.base import StorageTier
 
 if TYPE_CHECKING:
     from chatstore.store.sealing.reseal import Resealer
+
+WAIT_SAVED_S = 30.0  # the longest an append waits for its turn's commit (the writer's queue)
 
 # Tenants starting with a NUL were the server's own namespaces (stored Responses, before they
 # had a namespace of their own): no configured tenant can hold a NUL, so users never see them.
@@ -97,18 +99,22 @@ class RecordsOnlyStore:
         keep: int | None = None,
         kv_tokens: int = 0,
         last_token: int | None = None,
+        turn: OpenedTurn | None = None,
     ) -> None:
-        self._wait_saved(record.tenant, record.session_id)  # token_ids of the turn just ended
         key = SessionKey(record.tenant, record.session_id)
-        chain = self._turn_chain(key)
+        chain = None
+        if turn is not None and turn.chain is not None:
+            chain = turn.chain.take(WAIT_SAVED_S)  # its commit: the KV chain to record
+        else:
+            self._wait_saved(record.tenant, record.session_id)  # a turn opened elsewhere
         saved = self.records.append_turn(
             key,
             record.version,
             new_messages,
             keep,
+            chain,
             kv_tokens=kv_tokens,
             last_token=last_token,
-            **chain,
         )
         for f in dataclasses.fields(SessionRecord):
             setattr(record, f.name, getattr(saved, f.name))
@@ -150,12 +156,13 @@ class RecordsOnlyStore:
     ) -> list[int]:
         return prompt  # nothing to cut with: the API refuses a prompt that does not fit
 
-    def fetch_remote(self, tenant: str, session_id: str, prompt_ids: Sequence[int] = ()) -> None:
-        pass  # no remote tier
+    def open_turn(
+        self, tenant: str, session_id: str, prompt_ids: Sequence[int] = ()
+    ) -> OpenedTurn | None:
+        return None  # no KV: the engine computes every prompt
 
-    def _turn_chain(self, key: SessionKey) -> dict[str, Any]:
-        """Record fields the turn's append writes with its messages (the KV store's chain)."""
-        return {}
+    def end_turn(self, turn: OpenedTurn | None) -> None:
+        pass  # nothing opened
 
     def hint(self, tenant: str, session_id: str) -> None:
         pass  # no KV to move up

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from chatstore.store.kv_admin import KVAdmin
-from chatstore.store.ports import KVPlacement, SessionKVAdmin, TierStats
+from chatstore.store.ports import KVPlacement, OpenedTurn, SessionKVAdmin, TierStats
 from chatstore.store.records import SessionLeases, SessionRecord
 from chatstore.store.records_only import RecordsOnlyStore
 from chatstore.store.retention import Retention
@@ -45,14 +45,16 @@ class SessionStore(RecordsOnlyStore):
     ) -> list[int]:
         return self.kv.fit_context(tenant, session_id, prompt, head, tail, reserve)
 
-    def fetch_remote(self, tenant: str, session_id: str, prompt_ids: Sequence[int] = ()) -> None:
+    def open_turn(
+        self, tenant: str, session_id: str, prompt_ids: Sequence[int] = ()
+    ) -> OpenedTurn | None:
         """Chunks only SSD or Redis holds come up to DRAM now (from the worker thread that
         opens the turn: the engine's own thread never waits on a disk or Redis). The turn's
         chain is recorded by append_turn, with its messages: one record write per turn."""
-        self.kv.fetch_remote(tenant, session_id, prompt_ids, records_turn=True)
+        return self.kv.open_turn(tenant, session_id, prompt_ids, records_turn=True)
 
-    def _turn_chain(self, key: SessionKey) -> dict[str, Any]:
-        return self.kv.take_unrecorded(key.tenant, key.session_id)
+    def end_turn(self, turn: OpenedTurn | None) -> None:
+        self.kv.end_turn(turn)
 
     def hint(self, tenant: str, session_id: str) -> None:
         """Returns at once: the store's prefetch thread moves the KV up to DRAM, its hint

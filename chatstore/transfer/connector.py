@@ -22,11 +22,13 @@ Load, three ways (CachedAttention §3.2.1):
 
 Chunks below DRAM (SSD, Redis): the admission read runs on the engine thread, so it reads host
 memory only (`store.foreground_reads()`: write buffer, held copies, DRAM), never a disk or the
-network. The API thread that opened the turn (`store.fetch_remote`) has brought them up and
-holds them (holds.py: pinned in DRAM, or kept beside it when DRAM cannot take them or there is
-no DRAM tier) until this read: the connector takes that hold when the request starts and
-releases it once the chunks are read (or the request ends). Where a chunk only SSD or Redis
-holds still cuts the reuse (no turn opened it, or its hold lapsed), the rest is recomputed and
+network. The API thread that opened the turn (`store.open_turn`) has brought them up and
+pinned them (pinned in DRAM, or kept beside it when DRAM cannot take them or there is no DRAM
+tier); its handle rides on the request (`Request.store_turn`, an `OpenedTurn`): the connector
+reads the stored history through it (`prepare_load`: each chunk's tier as the turn found it, a
+borrowed prompt prefix) and unpins it once the chunks are read (`complete_load`, or when the
+request ends). Where a chunk only SSD or Redis holds still cuts the reuse (no turn opened it),
+the rest is recomputed and
 the session is hinted to the store's prefetch thread, which brings its chunks to DRAM for the
 next turn (queued sessions' chunks come up ahead of their turn the same way); a staged session
 (read buffer) was read on the loader's lookup thread, from any tier.
@@ -60,7 +62,7 @@ from chatstore.engine.kv_connector import KVConnector, LoadStats
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store import kv_quant
-from chatstore.store.ports import KVSource, StoredSession, TurnHold, WaitingQueue
+from chatstore.store.ports import KVSource, OpenedTurn, StoredSession, WaitingQueue
 from chatstore.store.session_kv import SessionKey, common_prefix_len
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV
 from chatstore.transfer.copy_events import compute_mark, layer_events
@@ -81,7 +83,7 @@ class _Pending:
     reusable: int  # leading prompt tokens the stored chunks cover (LCP)
     staged: StagedKV | None = None  # read-buffer entry claimed for this request
     kv: ChunkedKV | None = None  # the chunks past the device hit, read at admission
-    hold: TurnHold | None = None  # the opened turn's chunks, kept readable until read
+    opened: OpenedTurn | None = None  # the API's handle: its pinned chunks, until read
 
 
 class StoreConnector(KVConnector):
@@ -188,8 +190,7 @@ class StoreConnector(KVConnector):
         assert stored is not None
         with self.store.foreground_reads():
             parts, reached = read_span(self.store, stored, start, pending.reusable)
-        self.store.release_hold(pending.hold)  # read: the parts own their rows now
-        pending.hold = None
+        self.store.complete_load(pending.opened)  # read: the parts own their rows now
         if reached < pending.reusable and self._stored_below(stored, reached):
             self.store.prefetch(stored.key.tenant, stored.key.session_id)
         pending.reusable = reached  # a chunk that is gone: reuse stops where it starts
@@ -210,11 +211,11 @@ class StoreConnector(KVConnector):
         return self.store.stored_below(stored.chunks[position // stored.chunk_tokens])
 
     def _start(self, request: Request) -> _Pending:
-        saved, staged = None, None
+        saved, staged, opened = None, None, OpenedTurn.of(request.store_turn)
         if request.session_id is not None:
             key = SessionKey(request.tenant, request.session_id)
             staged = self.read_buffer.claim(key, self._version(key))  # published ones only
-            saved = self.store.admit(key.tenant, key.session_id)  # with its chunks' origins
+            saved = self.store.prepare_load(key.tenant, key.session_id, opened)
         reusable = 0
         if saved is not None:
             # Keep at least one prompt token to compute: its logits give the first new token.
@@ -223,9 +224,7 @@ class StoreConnector(KVConnector):
         if staged is not None and (staged.saved is None or staged.saved.end < reusable):
             self.read_buffer.release(staged)
             staged = None
-        pending = _Pending(request, saved, reusable, staged)
-        if request.session_id is not None:
-            pending.hold = self.store.take_hold(request.tenant, request.session_id)
+        pending = _Pending(request, saved, reusable, staged, opened=opened)
         self._pending[request.request_id] = pending
         if request.session_id is not None:
             self.saver.track(request.request_id)
@@ -356,25 +355,32 @@ class StoreConnector(KVConnector):
         rows = self.saver.take(request.request_id)
         if self._step_ids is not None and request.request_id in self._step_ids:
             self._step_ids = None
+        opened = OpenedTurn.of(request.store_turn)
         if request.session_id is None or not token_ids:
             rows.release()
+            if opened is not None:
+                opened.nothing_saved()
             return
         try:
             self._save_turn(request, pending, rows, token_ids, block_table)
         except BaseException:
             rows.release()
+            if opened is not None:
+                opened.nothing_saved()  # the API's append waits for no commit
             raise
 
     def forget(self, request_id: str) -> None:
         """Drop what the connector holds for a request that will never finish normally."""
-        self._drop(request_id)
+        pending = self._drop(request_id)
         self.saver.drop(request_id)
+        opened = OpenedTurn.of(pending.request.store_turn) if pending is not None else None
+        if opened is not None:
+            opened.nothing_saved()
 
     def _drop(self, request_id: str) -> _Pending | None:
         pending = self._pending.pop(request_id, None)
         if pending is not None:
-            self.store.release_hold(pending.hold)
-            pending.hold = None
+            self.store.complete_load(pending.opened)
         if pending is not None and pending.staged is not None:
             self.read_buffer.release(pending.staged)
             pending.staged = None

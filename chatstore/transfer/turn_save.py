@@ -12,7 +12,7 @@ from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store import kv_quant
-from chatstore.store.ports import ChunkDelta, ChunkKey, KVSource, StoredSession
+from chatstore.store.ports import ChunkDelta, ChunkKey, KVSource, OpenedTurn, StoredSession
 from chatstore.store.session_kv import SessionKV
 from chatstore.transfer.layer_saver import TurnRows
 from chatstore.transfer.rerope import unrope
@@ -90,8 +90,9 @@ class TurnSaver:
         if not spans:
             rows.release()
         assert request.session_id is not None  # request_finished saves sessions only
+        opened = OpenedTurn.of(request.store_turn)
         store.save_turn(
-            request.tenant, request.session_id, plan, build, nbytes, request.arrival_time
+            request.tenant, request.session_id, plan, build, nbytes, request.arrival_time, opened
         )
 
     def _copy_from_device(self, positions: torch.Tensor, block_table: list[int]) -> torch.Tensor:

@@ -205,7 +205,7 @@ class Driver:
         req = Request(f"r{self._n}", list(prompt), tenant="acme", session_id=session)
         blocks = self.pool.allocate(-(-(len(prompt) + steps) // BLOCK))
         if conns:  # the API opens the turn first: SSD and Redis chunks come up to host memory
-            conns[0].store.fetch_remote("acme", session)  # type: ignore[attr-defined]
+            req.store_turn = conns[0].store.open_turn("acme", session)  # type: ignore[attr-defined]
         cached = [conn.num_external_tokens(req, 0) for conn in conns][:1] or [0]
         if cached[0]:
             conns[0].load(req, 0, cached[0], blocks)

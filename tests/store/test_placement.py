@@ -159,7 +159,7 @@ def test_queued_sessions_are_evicted_only_when_nothing_else_is_left(tmp_path, sa
 
 def prefetch(store: AttentionStore, sid: str) -> bool:
     """One prefetch of the session's chunks, as the prefetch thread does it."""
-    return store.remote_fetch.prefetch_session(key(sid), False) > 0
+    return store.opening.prefetch_session(key(sid), False) > 0
 
 
 def demoted(store: AttentionStore, sid: str, seed: int = 1) -> None:

@@ -125,9 +125,10 @@ def _store(tmp_path, server, **kw) -> tuple[AttentionStore, Runtime]:
     return store, runtime
 
 
-def _admit(conn: StoreConnector, sid: str, ids: list[int], rid: str) -> int:
-    """The engine thread's admission read of a session: the tokens it reuses."""
-    req = Request(rid, ids, greedy(1), tenant="t", session_id=sid)
+def _admit(conn: StoreConnector, sid: str, ids: list[int], rid: str, opened=None) -> int:
+    """The engine thread's admission read of a session (of a turn the API opened: `opened`,
+    its handle): the tokens it reuses."""
+    req = Request(rid, ids, greedy(1), tenant="t", session_id=sid, store_turn=opened)
     n = conn.num_external_tokens(req, 0)
     conn.forget(rid)
     return n
@@ -169,8 +170,8 @@ def test_engine_reads_do_not_wait_for_a_save_stuck_on_hung_redis(tmp_path, own_r
         assert _admit(conn, "dram", [*ids["dram"], 7], "r2") == 16
         assert saver.is_alive(), "the DRAM read returned only after the stuck save"
     saver.join(30)
-    store.fetch_remote("t", "ssd")  # the API opens its turn: SSD -> DRAM on that thread
-    assert _admit(conn, "ssd", [*ids["ssd"], 7], "r3") == 16
+    opened = store.open_turn("t", "ssd")  # the API opens its turn: SSD -> DRAM on that thread
+    assert _admit(conn, "ssd", [*ids["ssd"], 7], "r3", opened) == 16
     assert store.tiers.drain_background(5)
     assert store.tier_of("t", "dram") == "ssd"  # the evicted session landed below
     store.close()

@@ -2,7 +2,7 @@
 tier above Redis is (issue 21, the Redis-outage reuse failure).
 
 The engine's thread reads no remote tier: the API thread that opens a turn
-(`AttentionStore.fetch_remote`) brings the session's Redis-only chunks up first. With a DRAM
+(`AttentionStore.open_turn`) brings the session's Redis-only chunks up first. With a DRAM
 tier smaller than the session, or shared with another turn opened at the same time, each
 promotion used to evict the chunks promoted just before it (the session being opened ranked
 lowest, and its latest chunks go first), so the admission read found them back in Redis only
@@ -14,6 +14,8 @@ checked against a full recompute.
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import redis as redis_lib
@@ -27,7 +29,6 @@ from chatstore.engine.runner import ModelRunner
 from chatstore.model.spec import ModelSpec
 from chatstore.store import AttentionStore, StoreSettings
 from chatstore.store.session_kv import SessionKey
-from chatstore.store.sessions import holds as turn_hold
 from chatstore.transfer import StoreConnector
 from tests.support.tiny_models import tiny_hf_model
 
@@ -77,11 +78,13 @@ class Rig:
         self.pool.free(blocks)
         return out
 
-    def admit(self, sid: str, prompt: list[int]) -> tuple[Request, int]:
-        """The engine's admission: how many prompt tokens the store supplies (read here,
-        on the engine's side of the store: no remote tier)."""
+    def admit(self, sid: str, prompt: list[int], opened=None) -> tuple[Request, int]:
+        """The engine's admission of a turn (`opened`: the API's handle of it, on the
+        request): how many prompt tokens the store supplies (read here, on the engine's side
+        of the store: no remote tier)."""
         self._n += 1
         req = Request(f"r{self._n}", list(prompt), tenant=TENANT, session_id=sid)
+        req.store_turn = opened
         return req, self.conn.num_external_tokens(req, 0)
 
     def run(self, req: Request, cached: int) -> torch.Tensor:
@@ -142,8 +145,8 @@ def test_a_session_larger_than_dram_is_reused_whole_from_redis(tmp_path, redis):
         assert len(chunks) == 5
         before = rig.store.stats().counters.bytes_up
 
-        rig.store.fetch_remote(TENANT, "a")  # the API's worker thread opens the turn
-        req, cached = rig.admit("a", [*history, 7, 8, 9])
+        opened = rig.store.open_turn(TENANT, "a")  # the API's worker thread opens the turn
+        req, cached = rig.admit("a", [*history, 7, 8, 9], opened)
         assert_reused(rig, req, cached, history)
         assert rig.store.stats().counters.bytes_up - before >= 5 * CHUNK * 2 * 2 * 2 * 16 * 4
         # Once the engine has read it, the turn holds nothing: DRAM is the policy's again.
@@ -165,30 +168,32 @@ def test_turns_opened_together_do_not_evict_each_others_chunks(tmp_path, redis):
         for sid in histories:
             rig.only_in_redis(sid)
 
-        for sid in histories:
-            rig.store.fetch_remote(TENANT, sid)
+        opened = {sid: rig.store.open_turn(TENANT, sid) for sid in histories}
         for sid, history in histories.items():
-            req, cached = rig.admit(sid, [*history, 5, 6])
+            req, cached = rig.admit(sid, [*history, 5, 6], opened[sid])
             assert_reused(rig, req, cached, history)
         assert not rig.store.pins and rig.store.held_bytes == 0
     finally:
         rig.close()
 
 
-def test_an_opened_turn_that_never_runs_lets_go_of_its_chunks(tmp_path, redis, monkeypatch):
-    """A turn opened and never admitted (refused by the engine, client gone) holds its chunks
-    for HOLD_TTL_S at most; opening the session's next turn replaces its hold."""
+def test_an_opened_turn_that_never_runs_lets_go_of_its_chunks(tmp_path, redis):
+    """A turn opened and never admitted (refused by the engine, client gone) lets go of its
+    chunks when the API ends it (`end_turn`), or, dropped without an end, when its handle is
+    collected; two turns opened on one session pin its chunks until both let go."""
     rig = Rig(tmp_path, redis, dram_chunks=2)
     try:
         history = tokens(4 * CHUNK, seed=4)
         rig.turn("a", history)
         rig.only_in_redis("a")
-        rig.store.fetch_remote(TENANT, "a")
-        rig.store.fetch_remote(TENANT, "a")  # the same session opened again: one hold
+        first = rig.store.open_turn(TENANT, "a")
+        second = rig.store.open_turn(TENANT, "a")
         assert len(rig.store.pins) == 4 and rig.store.held_bytes > 0
 
-        monkeypatch.setattr(turn_hold, "HOLD_TTL_S", 0.0)
-        rig.store.fetch_remote(TENANT, "other")  # any opening sweeps the lapsed holds
+        rig.store.end_turn(first)  # the API ends a turn the engine refused
+        assert len(rig.store.pins) == 4, "the second turn's pins went with the first's"
+        del second  # a caller that never ends its turn
+        gc.collect()
         assert not rig.store.pins and rig.store.held_bytes == 0
         # Nothing was lost: the chunks are still in Redis, and DRAM is no longer reserved.
         assert rig.store.find(TENANT, "a").num_tokens == len(history)

@@ -30,8 +30,9 @@ LOGPROB_TOL = 1e-4  # fp32: what another summation order of the same attention m
 
 def turn(store, engine, rid: str, ids: list[int]):
     """One turn of session "s", opened as the API opens it; its outputs."""
-    store.fetch_remote("t", "s", ids)
+    opened = store.open_turn("t", "s", ids)
     req = Request(rid, list(ids), greedy(6, logprobs=5), tenant="t", session_id="s")
+    req.store_turn = opened
     engine.add_request(req)
     outs = run_all(engine)[rid]
     assert store.flush_persist(30)

@@ -3,7 +3,7 @@
 Chunk keys are content-addressed (tenant, model, every token before), so a system prompt that
 one session stored hashes to the same keys for every session of the tenant that sends it. A
 session with no chain of its own borrows those chunks when its turn opens
-(RemoteFetch._borrow): from this replica's tiers, or through the shared Redis from another
+(TurnOpening._borrow): from this replica's tiers, or through the shared Redis from another
 replica's. Real engines (the tiny model, no device prefix cache: the store's path alone), a
 real redis-server; every turn's greedy tokens are checked against a fresh run.
 """
@@ -68,9 +68,10 @@ class Server:
     def turn(self, tenant: str, sid: str, ids: list[int], flush: bool = True) -> int:
         """One turn opened as the API opens it (with its prompt); the cached tokens. Its
         greedy tokens must equal a fresh run's."""
-        self.store.fetch_remote(tenant, sid, ids)
+        opened = self.store.open_turn(tenant, sid, ids)
         self._n += 1
         req = Request(f"{sid}-{self._n}", list(ids), greedy(4), tenant=tenant, session_id=sid)
+        req.store_turn = opened
         self.engine.add_request(req)
         outs = run_all(self.engine)[req.request_id]
         assert self.store.flush_persist(30) if flush else self.store.flush_writes(30)

@@ -1,6 +1,7 @@
 """A conversation with the real default model driven through ModelRunner the way the server does
-(the API opens the turn: fetch_remote; then the engine: num_external_tokens -> load -> prefill
-with the connector as kv_sink -> decode -> request_finished), one request at a time, and the
+(the API opens the turn: open_turn, its handle on the request; then the engine:
+num_external_tokens -> load -> prefill with the connector as kv_sink -> decode ->
+request_finished), one request at a time, and the
 store it restores from: shared by the multi-turn restore tests (tests/transfer) and encryption
 at rest (tests/store)."""
 
@@ -60,7 +61,7 @@ class MiniEngine:
                 ForwardBatch.build([SequenceChunk(prompt[:on_device], 0, blocks)], BLOCK)
             )
         if conn and session is not None:  # the API opens the turn first (SSD, Redis -> host)
-            conn.store.fetch_remote("acme", session)  # type: ignore[attr-defined]
+            req.store_turn = conn.store.open_turn("acme", session)  # type: ignore[attr-defined]
         cached = conn.num_external_tokens(req, on_device) if conn else 0
         if cached:
             conn.load(req, on_device, cached, blocks)

@@ -128,9 +128,10 @@ class Replica:
     def turn(self, tenant: str, sid: str, ids: list[int]) -> Turn:
         """One acknowledged turn (saved before it returns), checked against a fresh run's
         greedy tokens: its tokens and cached token count."""
-        self.store.fetch_remote(tenant, sid)  # what the API does when it opens a turn
+        opened = self.store.open_turn(tenant, sid)  # what the API does when it opens a turn
         self._n += 1
         req = Request(f"{sid}-{self._n}", list(ids), greedy(4), tenant=tenant, session_id=sid)
+        req.store_turn = opened
         self.engine.add_request(req)
         outs = run_all(self.engine)[req.request_id]
         assert self.store.flush_persist(30)

@@ -3,9 +3,9 @@ above it (issue 23 item 4).
 
 The engine's admission read (StoreConnector.num_external_tokens) reads host memory only. A
 chunk that only SSD (LMDB) or Redis holds is read by the API thread that opens the turn
-(`fetch_remote`): promoted into DRAM, or kept beside it when there is no DRAM tier or it
-cannot take it. A turn nobody opened recomputes what only a slow tier holds rather than stall
-every running decode on a ~12 MB disk read.
+(`open_turn`, whose handle rides on the request): promoted into DRAM, or kept beside it when
+there is no DRAM tier or it cannot take it. A turn nobody opened recomputes what only a slow
+tier holds rather than stall every running decode on a ~12 MB disk read.
 
 Reads are counted by the name of the thread that made them: LMDB reads through the real tier's
 `get`, Redis commands on the real sockets (tests/support/redis_faults.py). A tiny random model
@@ -106,11 +106,13 @@ class Replica:
         self.pool.free(blocks)
         return out
 
-    def step(self, sid: str, prompt: list[int]) -> tuple[int, torch.Tensor]:
-        """The engine's part of a turn: admission (how many prompt tokens the store supplies,
-        read here), the load, the prefill of the rest, the save; (reused, last logits)."""
+    def step(self, sid: str, prompt: list[int], opened=None) -> tuple[int, torch.Tensor]:
+        """The engine's part of a turn (`opened`: the API's handle of it): admission (how many
+        prompt tokens the store supplies, read here), the load, the prefill of the rest, the
+        save; (reused, last logits)."""
         self._n += 1
         req = Request(f"r{self._n}", list(prompt), tenant=TENANT, session_id=sid)
+        req.store_turn = opened
         cached = self.conn.num_external_tokens(req, 0)
         blocks = self.pool.allocate(-(-(len(prompt) + 1) // BLOCK))
         if cached:
@@ -166,10 +168,10 @@ def test_no_lmdb_read_on_the_engine_thread(tmp_path, model, monkeypatch):
 
         monkeypatch.setattr(ssd, "get", counting_get)
 
-        on_thread(API, lambda: store.fetch_remote(TENANT, "opened"))
+        opened = on_thread(API, lambda: store.open_turn(TENANT, "opened"))
         assert reads[API] == 4
         prompt = [*histories["opened"], 7, 8, 9]
-        cached, logits = on_thread(ENGINE, lambda: replica.step("opened", prompt))
+        cached, logits = on_thread(ENGINE, lambda: replica.step("opened", prompt, opened))
         assert cached == len(histories["opened"])
         assert_same_answer(replica, logits, prompt)
 
@@ -217,8 +219,9 @@ def test_a_replica_without_local_tiers_reuses_a_session_begun_on_another(
         )
         prompt = [*history, 11, 12, 13]
         with redis_sends(monkeypatch) as sends:
-            assert on_thread(API, lambda: second.store.fetch_remote(TENANT, "s")) == 5
-            cached, logits = on_thread(ENGINE, lambda: second.step("s", prompt))
+            opened = on_thread(API, lambda: second.store.open_turn(TENANT, "s"))
+            assert opened.from_remote == 5
+            cached, logits = on_thread(ENGINE, lambda: second.step("s", prompt, opened))
         assert cached == len(history)
         assert_same_answer(second, logits, prompt)
         assert sends[API] > 0 and sends[ENGINE] == 0, dict(sends)

@@ -63,7 +63,7 @@ def test_interleaved_sessions_reuse_history(
         reqs = {}
         for sid, ids in history.items():
             req = Request(f"{sid}{turn}", ids, greedy(6), tenant="acme", session_id=sid)
-            store.fetch_remote("acme", sid)  # the API opens the turn: LMDB chunks come up
+            req.store_turn = store.open_turn("acme", sid)  # the API opens the turn: LMDB -> host
             engine.add_request(req)
             reqs[sid] = req
         outs = run_all(engine)

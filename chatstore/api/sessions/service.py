@@ -46,6 +46,7 @@ from chatstore.engine.request import (
     SamplingParams,
 )
 from chatstore.store.ports import (
+    OpenedTurn,
     RecordStoreError,
     SessionKVAdmin,
     SessionRecord,
@@ -74,6 +75,7 @@ class _Prepared:
     record: SessionRecord
     messages: list[Message]  # the conversation including the new user message
     prompt: list[int]
+    opened: OpenedTurn | None  # the store's handle of the turn (None: records only)
 
 
 def new_session_id() -> str:
@@ -184,14 +186,17 @@ class ChatService:
                 sampling=sampling,
                 tenant=spec.tenant,
                 session_id=prep.record.session_id,
+                store_turn=prep.opened,
             )
             stream = self._submit(request)
         except BaseException:
+            self.store.end_turn(prep.opened)
             self.reservations.release_turn(key)
             raise
         turn = Turn(
             request, stream, sampling.n, spec.started, self._finish, self._end, self.engine.abort
         )
+        turn.opened = prep.opened
         turn.record_messages = prep.messages
         turn.log.update(record=prep.record, api=spec.api)
         return turn
@@ -207,7 +212,11 @@ class ChatService:
                 self.reservations.release_turn(key)
                 raise
         prep = self._prepare(spec)
-        self.reservations.reserve_turn((spec.tenant, prep.record.session_id), self.settings)
+        try:
+            self.reservations.reserve_turn((spec.tenant, prep.record.session_id), self.settings)
+        except BaseException:
+            self.store.end_turn(prep.opened)
+            raise
         return prep
 
     def turns_in_flight(self, tenant: str) -> int:
@@ -240,8 +249,8 @@ class ChatService:
             record = SessionRecord(spec.tenant, sid, [], [], {}, now, now)
         tail = len(self.template.render(messages[-1:])) if messages else 0
         prompt = self._fit_context(record, messages, prompt, tail, spec.sampling)
-        self.store.fetch_remote(record.tenant, record.session_id, prompt)
-        return _Prepared(record, messages, prompt)
+        opened = self.store.open_turn(record.tenant, record.session_id, prompt)
+        return _Prepared(record, messages, prompt, opened)
 
     def _prepare_session_turn(self, spec: TurnSpec, new: Message) -> _Prepared:
         record = self.get_session(spec.tenant, spec.session_id or "")
@@ -264,8 +273,8 @@ class ChatService:
             prompt = self.template.render([*history, new])
             tail = len(self.template.render([new]))
         prompt = self._fit_context(record, [*history, new], prompt, tail, spec.sampling)
-        self.store.fetch_remote(record.tenant, record.session_id, prompt)
-        return _Prepared(record, [*history, new], prompt)
+        opened = self.store.open_turn(record.tenant, record.session_id, prompt)
+        return _Prepared(record, [*history, new], prompt, opened)
 
     def _continued(
         self, tenant: str, prompt: list[int], messages: list[Message]
@@ -352,6 +361,7 @@ class ChatService:
 
     def _end(self, turn: Turn) -> None:
         record: SessionRecord = turn.log["record"]
+        self.store.end_turn(turn.opened)  # unpins, and records a chain no append took
         self.reservations.release_turn((record.tenant, record.session_id))
         if self.on_turn_end is not None:
             self.on_turn_end(turn)
@@ -373,11 +383,10 @@ class ChatService:
         # replaces the stored one instead.
         stored, sent = plain(record.messages), turn.record_messages
         if sent[: len(stored)] == stored:
-            self.store.append_turn(
-                record, [*sent[len(stored) :], reply], None, kv_tokens, last_token
-            )
+            new, keep = [*sent[len(stored) :], reply], None
         else:
-            self.store.append_turn(record, [*sent, reply], 0, kv_tokens, last_token)
+            new, keep = [*sent, reply], 0
+        self.store.append_turn(record, new, keep, kv_tokens, last_token, turn.opened)
 
     # -- helpers ----------------------------------------------------------------------------
 

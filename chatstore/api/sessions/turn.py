@@ -18,6 +18,7 @@ from typing import Any
 
 from chatstore.api.common.errors import APIError
 from chatstore.engine.request import Request, RequestOutput, SampleDelta, TokenLogprob, Usage
+from chatstore.store.ports import OpenedTurn
 
 log = logging.getLogger("chatstore.api")
 
@@ -45,6 +46,7 @@ class Turn:
     on_end: Callable[[Turn], None]  # always, once: release the session, count the turn
     abort: Callable[[str], None]
     record_messages: list[dict[str, str]] = field(default_factory=list)
+    opened: OpenedTurn | None = None  # the store's handle (ChatService: append, end)
     result: TurnResult | None = None
     save_error: APIError | None = None  # the reply was made but its record was not kept
     log: dict[str, Any] = field(default_factory=dict)

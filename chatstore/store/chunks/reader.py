@@ -4,7 +4,7 @@ the copies held for opened turns, or the fastest tier (moved up to DRAM).
 Inside `foreground()` (the engine's thread) a read is served from host memory only: the write
 buffer, the held copies, DRAM (or a chunk on its way down from it). A chunk that only a slow
 tier holds (SSD or Redis) reads as None there: the engine's step never waits on a disk or the
-network. The turn's opening (remote_fetch.py, an API thread) brings such chunks up first; what
+network. The turn's opening (turn_opening.py, an API thread) brings such chunks up first; what
 it could not is recomputed and prefetched for the next turn.
 """
 
@@ -19,12 +19,13 @@ import torch
 
 from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.commit.turn_commit import Memo, TurnCommitter
+from chatstore.store.opened_turn import OpenedTurn
 from chatstore.store.placement.session_placement import SessionPlacement
-from chatstore.store.ports import ChunkDelta, StoredSession
+from chatstore.store.port_values import ChunkDelta, StoredSession
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.sessions.index import SessionChain
-from chatstore.store.sessions.remote_fetch import RemoteFetch
 from chatstore.store.sessions.retention_table import RetentionTable
+from chatstore.store.sessions.turn_opening import TurnOpening
 
 
 class ChunkReader:
@@ -33,7 +34,7 @@ class ChunkReader:
     def __init__(
         self,
         committer: TurnCommitter,
-        fetch: RemoteFetch,
+        fetch: TurnOpening,
         placement: SessionPlacement,
         retention: RetentionTable,
     ) -> None:
@@ -54,19 +55,16 @@ class ChunkReader:
         finally:
             self._local.foreground = before
 
-    def find(self, key: SessionKey) -> StoredSession | None:
+    def find(self, key: SessionKey, opened: OpenedTurn | None = None) -> StoredSession | None:
         """The session's leading tokens whose chunks are all available (stored in a tier or
         waiting in the write buffer). No KV is read. An expired session reads as absent (the
         purge timer deletes it: not here, on the engine thread). A session without a chain
-        finds the stored prefix its opened turn's prompt borrowed (remote_fetch.py)."""
-        return self._find(key, take=False)
-
-    def _find(self, key: SessionKey, take: bool) -> StoredSession | None:
+        finds the stored prefix its opened turn's prompt borrowed (`opened.borrowed`)."""
         self.fetch.ensure(key)  # a session the index restore has not reached yet
         with self.lock:
             chain = self.index.get(key)
-            if chain is None:
-                chain = self.fetch.borrowed(key, take=take)
+            if chain is None and opened is not None and opened.borrowed is not None:
+                chain = SessionChain(opened.borrowed.token_ids, opened.borrowed.chunks)
             if chain is None or self.expired(key, chain):
                 self.tiers.counters.misses += 1
                 return None
@@ -80,14 +78,14 @@ class ChunkReader:
         tokens = list(chain.token_ids[: min(len(chain.token_ids), n * C)])
         return StoredSession(key, tokens, chain.chunks[:n], C)
 
-    def admit(self, key: SessionKey) -> StoredSession | None:
-        """find, with the tier each chunk was in when the turn opened (origins.py), or is in
-        now for a turn the API did not open (a chunk gone by now: host memory, the read
-        buffer's)."""
-        stored = self._find(key, take=True)
+    def prepare_load(self, key: SessionKey, opened: OpenedTurn | None) -> StoredSession | None:
+        """find, with the tier each chunk was in when the turn opened (the handle's note), or
+        is in now for a chunk it did not note or a turn the API did not open (a chunk gone by
+        now: host memory, the read buffer's)."""
+        stored = self.find(key, opened)
         if stored is None:
             return None
-        noted = self.fetch.origins.take(key)
+        noted = opened.origins if opened is not None else {}
         origins = {c: noted.get(c) or self.fetch.chunk_tier(c) or "dram" for c in stored.chunks}
         return StoredSession(key, stored.token_ids, stored.chunks, stored.chunk_tokens, origins)
 

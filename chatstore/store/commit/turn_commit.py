@@ -8,12 +8,11 @@ Every change to which chunks exist runs on the writer thread or under `mutate`, 
 references when it runs: a chunk is stored only while some session holds it and deleted only
 when none does, so no interleaving of turns, deletes and truncations leaks or loses one.
 
-The record and the API's turn: a turn the API opened (`expect_record`) is recorded by the API
-itself, in the one write that appends its messages (`take_unrecorded`, after it waited for this
-commit): the chain is kept for it instead of written here, so a turn costs one record write and
+The record and the API's turn: a turn the API opened with a `TurnChain` on its handle
+(opened_turn.py) is recorded by the API itself, in the one write that appends its messages: the
+commit completes that future instead of writing the record, so a turn costs one record write and
 one fsync, not two. Any other commit (the engine used without the API, a truncation) writes the
-record here; a chain the API never took (its turn failed) is written by the next write of that
-session, or at close.
+record here, and so does a commit whose turn the API gave up (aborted, failed) before or after it.
 
 Locks: `lock` is the store's (the index, pending chunks); `mutate` (which chunks exist) is
 taken before `lock`, never while holding it.
@@ -26,14 +25,15 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.commit.persister import Persister
 from chatstore.store.commit.shared_warmth import SharedWarmth
 from chatstore.store.commit.write_buffer import WriteBuffer
-from chatstore.store.ports import ChunkBuilder, ChunkDelta, TurnPlan
-from chatstore.store.records import RecordStore
+from chatstore.store.opened_turn import TurnChain
+from chatstore.store.port_values import ChunkBuilder, ChunkDelta, TurnPlan
+from chatstore.store.records import ChainRecord, RecordStore
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.sessions.index import SessionChain, SessionIndex
 from chatstore.store.sessions.versions import SessionVersions
@@ -43,7 +43,6 @@ from chatstore.store.tiers.chunk_tiers import ChunkTiers
 log = logging.getLogger(__name__)
 
 ChunkValue = SessionKV | ChunkDelta
-API_TURN_S = 600.0  # an API turn opened longer ago than this no longer defers its record
 
 
 class Memo:
@@ -71,6 +70,17 @@ class TurnWrite:
     freed: list[ChunkKey]
     memo: Memo
     bases: list[ChunkKey] = field(default_factory=list)  # chunks its deltas build on
+    recorded_by: TurnChain | None = None  # the API records the chain with its turn
+
+
+@dataclass(frozen=True)
+class ChainWrite:
+    """A committed chain whose turn the API gave up after the commit: recorded by the writer
+    thread while it is still the session's."""
+
+    key: SessionKey
+    chain: ChainRecord
+    current: Callable[[], bool]
 
 
 class TurnCommitted(NamedTuple):
@@ -109,10 +119,6 @@ class TurnCommitter:
         self.deferred: list[ChunkKey] | None = None  # deletes waiting for the index's restore
         self._listeners: list[CommitListener] = []
         self.writer = WriteBuffer(self._commit_queued, settings.write_buffer_bytes)
-        # Turns the API opened and records itself (key -> when), and the chains committed for
-        # them that it has not taken yet (see the module's doc).
-        self._api_turns: dict[SessionKey, float] = {}
-        self._unrecorded: dict[SessionKey, SessionChain] = {}
         self.persister: Persister | None = None
         slow = any(t.name in ("ssd", "remote") for t in tiers.tiers)
         persisting = settings.persist != "off" and slow and tiers.top is not None
@@ -145,9 +151,11 @@ class TurnCommitter:
         nbytes: int,
         background: bool,
         opened_at: float | None = None,
+        recorded_by: TurnChain | None = None,
     ) -> None:
         """Index `chain` as key's history now (its new chunks readable from the write buffer)
-        and commit the turn: on the writer thread when `background`, else here."""
+        and commit the turn: on the writer thread when `background`, else here. recorded_by:
+        the turn's future the commit completes instead of writing the record."""
         memo = Memo(lambda: {k: self._in_storage_dtype(v) for k, v in build().items()})
         new = list(plan.new_chunks) if plan is not None else []
         bases = [base for base, _ in plan.bases.values()] if plan is not None else []
@@ -162,9 +170,11 @@ class TurnCommitter:
                 self._touch(key)
         if drop:
             log.info("dropped the save of a turn begun before %s was deleted", key)
+            if recorded_by is not None:
+                recorded_by.complete(None)
             build()  # it releases what the turn's rows hold (the layer saver's arena)
             return
-        write = TurnWrite(key, chain, new, freed, memo, bases)
+        write = TurnWrite(key, chain, new, freed, memo, bases, recorded_by)
         if background:
             self.writer.submit(key, lambda: write, nbytes)
         else:
@@ -177,9 +187,21 @@ class TurnCommitter:
             return ChunkDelta(value.base, value.keep, value.rows.to(dtype))
         return value.to(dtype)
 
-    def _commit_queued(self, key: Hashable, write: Any) -> None:
+    def _commit_queued(self, key: Hashable, write: object) -> None:
+        if isinstance(write, ChainWrite):
+            if write.current():
+                self.records.record_chain(write.key, write.chain)
+            return
         assert isinstance(write, TurnWrite)
         self.commit(write, background=True)
+
+    def record_given_up(
+        self, key: SessionKey, given_up: tuple[ChainRecord, Callable[[], bool]]
+    ) -> None:
+        """A chain committed for a turn the API then gave up: recorded on the writer thread
+        (the caller is the event loop; a record write may wait on a disk or Redis)."""
+        chain, current = given_up
+        self.writer.submit(key, lambda: ChainWrite(key, chain, current), 0)
 
     def commit(self, write: TurnWrite, background: bool) -> None:
         t0, written = time.thread_time(), self.bytes_written
@@ -190,6 +212,8 @@ class TurnCommitter:
             new = set(write.new_chunks)
             self.warmth.reused([c for c in write.chain.chunks if c not in new])
         finally:
+            if write.recorded_by is not None:
+                write.recorded_by.complete(None)  # failed before its record: nothing to take
             done = TurnCommitted(
                 write.key, time.thread_time() - t0, self.bytes_written - written, background
             )
@@ -210,53 +234,24 @@ class TurnCommitter:
             finally:
                 self._unpend(write)
             if self.index.get(write.key) is write.chain:  # the record after its chunks
-                if self._recorded_by_api(write.key):
-                    with self.lock:
-                        self._unrecorded[write.key] = write.chain
-                else:
-                    self.records.upsert(write.key, **self.chain_fields(write.chain))
+                self._record(write)
             self.delete_unneeded(write.freed)
 
-    # -- the API records its turns' chains (see the module's doc) --------------------------------
+    # -- the record (see the module's doc) ------------------------------------------------------
 
-    def expect_record(self, key: SessionKey) -> None:
-        """The API opened a turn of key: it records the chain with the turn's messages."""
-        with self.lock:
-            self._api_turns[key] = time.monotonic()
+    def chain_record(self, chain: SessionChain) -> ChainRecord:
+        return ChainRecord(
+            list(chain.token_ids), [c.digest for c in chain.chunks], self.fingerprint
+        )
 
-    def _recorded_by_api(self, key: SessionKey) -> bool:
-        with self.lock:
-            opened = self._api_turns.pop(key, None)
-        # An opening whose turn never came (refused, failed) does not defer a later commit.
-        return opened is not None and time.monotonic() - opened < API_TURN_S
-
-    def chain_fields(self, chain: SessionChain) -> dict[str, Any]:
-        return {
-            "token_ids": list(chain.token_ids),
-            "chunks": [c.digest for c in chain.chunks],
-            "fingerprint": self.fingerprint,
-        }
-
-    def take_unrecorded(self, key: SessionKey) -> dict[str, Any]:
-        """The record fields of key's committed chain the API has to write with its turn ({}:
-        none, or one a later change of the session made stale)."""
-        with self.lock:
-            self._api_turns.pop(key, None)  # the turn ends here, whether or not it committed
-            chain = self._unrecorded.pop(key, None)
-            if chain is None or self.index.get(key) is not chain:
-                return {}
-        return self.chain_fields(chain)
-
-    def record_unrecorded(self) -> None:
-        """Write every chain the API did not take (close)."""
-        with self.lock:
-            left, self._unrecorded = self._unrecorded, {}
-        for key, chain in left.items():
-            if self.index.get(key) is chain:
-                try:
-                    self.records.upsert(key, **self.chain_fields(chain))
-                except Exception as exc:  # the KV is recomputed on its next turn
-                    log.warning("could not record %s's chain at close: %s", key, exc)
+    def _record(self, write: TurnWrite) -> None:
+        """The turn's chain into its session's record: by the API with the turn's messages
+        when it records the turn and has not given it up, else here."""
+        record = self.chain_record(write.chain)
+        key, chain = write.key, write.chain
+        api = write.recorded_by
+        if api is None or not api.complete(record, lambda: self.index.get(key) is chain):
+            self.records.record_chain(write.key, record)
 
     def _store(self, chunk: ChunkKey, value: ChunkValue) -> None:
         if isinstance(value, ChunkDelta):

@@ -27,6 +27,7 @@ from chatstore.store.records.leases import (
 from chatstore.store.records.lmdb import LmdbRecordStore
 from chatstore.store.records.prefix_index import PrefixMatch
 from chatstore.store.records.record import (
+    ChainRecord,
     RecordConflict,
     RecordStoreError,
     RecordStoreFull,
@@ -37,6 +38,7 @@ from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.records.responses import ResponseExists, ResponseRecord, ResponseRecords
 
 __all__ = [
+    "ChainRecord",
     "LmdbRecordStore",
     "LocalLeases",
     "PrefixMatch",

@@ -31,10 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from chatstore.store.records.prefix_index import PrefixMatch
-from chatstore.store.records.record import (
-    RecordConflict,
-    SessionRecord,
-)
+from chatstore.store.records.record import ChainRecord, RecordConflict, SessionRecord
 from chatstore.store.records.responses import ResponseRecords
 from chatstore.store.sealing import RECORD_PURPOSE, OpenError, Sealer
 from chatstore.store.sealing.legacy_v1 import HOW_TO_MIGRATE, LegacyOpener, is_legacy_sealed
@@ -197,6 +194,12 @@ class RecordStore(ABC):
         kept); `updated_at` moves to now."""
         return self._done(self._update(key, lambda r: self._changed(key, r, changes)))
 
+    def record_chain(self, key: SessionKey, chain: ChainRecord) -> SessionRecord:
+        """The session's KV chain, recorded alone (a commit the API does not record itself)."""
+        return self.upsert(
+            key, token_ids=chain.token_ids, chunks=chain.chunks, fingerprint=chain.fingerprint
+        )
+
     def _changed(
         self, key: SessionKey, record: SessionRecord | None, changes: dict[str, Any]
     ) -> SessionRecord:
@@ -243,12 +246,14 @@ class RecordStore(ABC):
         base_version: int,
         new_messages: list[dict[str, Any]],
         keep: int | None = None,
+        chain: ChainRecord | None = None,
         **changes: Any,
     ) -> SessionRecord:
         """Append a turn's messages if the record is still at `base_version` (an absent one is
         at 0), atomically; RecordConflict otherwise. `keep`: the stored messages kept before the
-        new ones (a client that resent an edited history); None keeps them all. `changes`: other
-        fields set with it (kv_tokens, last_token)."""
+        new ones (a client that resent an edited history); None keeps them all. `chain`: the
+        turn's KV chain, recorded with them. `changes`: other fields set with it (kv_tokens,
+        last_token)."""
 
         def appended(current: SessionRecord | None) -> SessionRecord:
             if current is not None and self.expired(current):
@@ -261,6 +266,8 @@ class RecordStore(ABC):
             record = current or SessionRecord(key.tenant, key.session_id)
             kept = record.messages if keep is None else record.messages[:keep]
             record.messages = [*kept, *new_messages]
+            if chain is not None:
+                chain.apply(record)
             for name, value in changes.items():
                 setattr(record, name, value)
             record.version = found + 1

@@ -14,6 +14,20 @@ from typing import Any
 from chatstore.store.session_kv import SessionKey
 
 
+@dataclass(frozen=True)
+class ChainRecord:
+    """What a session's record keeps of its stored KV chain: the tokens it covers, its chunks'
+    digests in order, and the model that computed them."""
+
+    token_ids: list[int]
+    chunks: list[str]
+    fingerprint: str
+
+    def apply(self, record: SessionRecord) -> None:
+        record.token_ids, record.chunks = list(self.token_ids), list(self.chunks)
+        record.fingerprint = self.fingerprint
+
+
 @dataclass
 class SessionRecord:
     tenant: str

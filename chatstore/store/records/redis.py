@@ -34,7 +34,7 @@ from chatstore.store.records.base import (
     Change,
 )
 from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch
-from chatstore.store.records.record import RecordStoreUnavailable, SessionRecord
+from chatstore.store.records.record import ChainRecord, RecordStoreUnavailable, SessionRecord
 from chatstore.store.records.redis_facts import RedisFacts, as_text, tagged_tenant
 from chatstore.store.records.redis_responses import RedisResponses
 from chatstore.store.sealing import Sealer
@@ -166,9 +166,11 @@ class RedisRecordStore(RedisFacts):
         base_version: int,
         new_messages: list[dict[str, Any]],
         keep: int | None = None,
+        chain: ChainRecord | None = None,
         **changes: Any,
     ) -> SessionRecord:
-        return self._call(super().append_turn, key, base_version, new_messages, keep, **changes)
+        append = super().append_turn
+        return self._call(append, key, base_version, new_messages, keep, chain, **changes)
 
     def list_sessions(self, tenant: str | None = None) -> list[SessionRecord]:
         return self._call(super().list_sessions, tenant)

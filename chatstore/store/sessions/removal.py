@@ -10,7 +10,6 @@ from chatstore.store.commit.turn_commit import TurnCommitter
 from chatstore.store.placement.session_placement import SessionPlacement
 from chatstore.store.sealing import Sealer
 from chatstore.store.session_kv import SessionKey
-from chatstore.store.sessions.remote_fetch import RemoteFetch
 from chatstore.store.sessions.retention_table import RetentionTable
 
 WAIT_SAVED_S = 30.0  # the longest a reader waits for a session's pending write
@@ -22,32 +21,29 @@ class SessionRemoval:
         committer: TurnCommitter,
         placement: SessionPlacement,
         retention: RetentionTable,
-        fetch: RemoteFetch,
         sealer: Sealer | None,
         wait_restored: Callable[[float | None], bool] = lambda timeout: True,
     ) -> None:
         """wait_restored: until the index restore is done (restore.py): a shred or a flush
         must see every session, not those restored so far."""
         self.committer, self.placement, self.retention = committer, placement, retention
-        self.fetch, self.sealer = fetch, sealer
+        self.sealer = sealer
         self.index, self.tiers, self.records = committer.index, committer.tiers, committer.records
         self.writer, self.versions = committer.writer, committer.versions
         self.wait_restored = wait_restored
 
     def _forget(self, key: SessionKey) -> list[ChunkKey]:
-        """Under the store's lock: the session leaves the index, the policy, retention and
-        the origin notes, and is tombstoned; the chunks it alone held (the caller frees them)."""
+        """Under the store's lock: the session leaves the index, the policy and retention, and
+        is tombstoned; the chunks it alone held (the caller frees them)."""
         self.versions.tombstone(key)
         freed = self.index.remove(key)
         self.placement.tell("forget", key)
         self.retention.drop(key)
-        self.fetch.origins.drop(key)
         self.placement.tell("set_priority", key, 0)
         return freed
 
     def delete_session(self, key: SessionKey) -> bool:
         """Remove the session's record and the chunks no other session holds."""
-        self.fetch.release(self.fetch.take(key))  # its opened turn's, if any
         self.writer.wait(key, WAIT_SAVED_S)
         committer = self.committer
         # Under mutate, so a turn the writer is committing cannot re-create the record

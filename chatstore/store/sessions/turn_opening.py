@@ -1,47 +1,52 @@
-"""Opening a turn: the session's chunks made readable by the engine's thread, which reads host
-memory only (no SSD, no Redis), and kept so until it has read them (holds.py); where each chunk
-was noted first (origins.py). With records in Redis, a chain another replica saved after us is
-adopted first, whether or not this replica has a DRAM or SSD tier of its own.
+"""Opening a turn (`OpenedTurn`, opened_turn.py): the session's chunks made readable by the
+engine's thread, which reads host memory only (no SSD, no Redis), and kept so until it has read
+them; where each chunk was, noted on the handle. With records in Redis, a chain another replica
+saved after us is adopted first, whether or not this replica has a DRAM or SSD tier of its own.
 
 A session with no stored chain here (new, or begun on a replica that shares no records with us)
 borrows the stored chunks its prompt begins with: chunk keys are content-addressed (tenant,
 model, every token before), so the leading full chunks of the prompt hash to the keys of any
 session of the tenant that stored the same tokens (a shared system prompt), on this replica or,
-through Redis, on another. They are held like a chain's, and `find` serves them as the
-session's stored history until the engine admits the turn; its commit then references them as
-its own (plan.py keeps stored chunks by key).
+through Redis, on another. They are pinned like a chain's and ride on the handle
+(`OpenedTurn.borrowed`), which the engine's read serves as the session's stored history; the
+turn's commit then references them as its own (plan.py keeps stored chunks by key).
 
     chunk in DRAM / write buffer / held      pinned, nothing to read
     chunk only SSD or Redis holds            read here (this API thread), promoted into DRAM,
                                              or kept beside it (held) when there is no DRAM
                                              tier or it cannot take it; bounded by
                                              write_buffer_bytes, past it the rest is recomputed
+
+Between the opening and the engine's read nothing may push the pinned chunks back down: with a
+DRAM tier smaller than the session, or shared with other turns opened meanwhile, each promotion
+would otherwise evict the chunks promoted just before it (KV moved up for nothing, then
+recomputed). The connector unpins them once read (`complete_load`), the API at the turn's end
+whatever happened (`end_turn`), a collected handle by itself.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Hashable, Sequence
 
 from chatstore.store.chunks.keys import ChunkHasher, ChunkKey
 from chatstore.store.commit.turn_commit import TurnCommitter
+from chatstore.store.opened_turn import BorrowedPrefix, OpenedTurn, TurnChain
 from chatstore.store.placement.session_placement import SessionPlacement
 from chatstore.store.records import RecordStore, SessionRecord
 from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.sessions.holds import HOLD_TTL_S, ChunkPins, TurnHold, TurnHolds
+from chatstore.store.sessions.holds import ChunkPins
 from chatstore.store.sessions.index import SessionChain
-from chatstore.store.sessions.origins import TurnOrigins
 from chatstore.store.sessions.versions import SessionVersions
 from chatstore.store.tiers.chunk_tiers import ChunkTiers
 
 log = logging.getLogger(__name__)
 
 
-class RemoteFetch:
-    """Pins, holds, held copies and origin notes of opened turns. Thread-safe: the API's
-    worker threads open turns, the engine thread takes and releases their holds."""
+class TurnOpening:
+    """Opens turns: pins, held copies, origins and borrowed prefixes, all on the handle.
+    Thread-safe: the API's worker threads open turns, the engine thread reads and unpins them."""
 
     def __init__(
         self,
@@ -60,52 +65,56 @@ class RemoteFetch:
         self.tiers: ChunkTiers = committer.tiers
         self.index, self.lock = committer.index, committer.lock
         self.hasher, self.versions, self._retain = hasher, versions, retain
-        self.origins = TurnOrigins()  # chunk tiers as each queued turn found them
         self.pins = pins  # chunks opened turns hold: never a DRAM victim (holds.py)
-        self.holds = TurnHolds()  # opened turns' holds, until the connector takes them
         self.held: dict[ChunkKey, SessionKV] = {}  # pinned chunks DRAM could not take
         self.held_bytes = 0
         self.remote = next((t for t in self.tiers.tiers if t.name == "remote"), None)
-        # Sessions without a chain, the stored prefix of their opened turn's prompt (and when
-        # it was opened): served by `borrowed` until the engine admits the turn.
-        self._borrowed: dict[SessionKey, tuple[SessionChain, float]] = {}
-        self._borrow_lock = threading.Lock()
+        self._unpin_lock = threading.Lock()
         self.ensure = ensure
 
-    def fetch(self, key: SessionKey, prompt_ids: Sequence[int] = ()) -> int:
+    def open(
+        self, key: SessionKey, prompt_ids: Sequence[int] = (), records_turn: bool = False
+    ) -> OpenedTurn:
         """In chain order, stopping at the first chunk that is gone or cannot be held (the
         rest is recomputed): every chunk is pinned (no DRAM eviction picks it), and one only
         SSD or Redis holds is promoted to DRAM, or kept beside it when DRAM cannot take it
-        (or there is none). The connector takes the hold at admission and releases it once
-        read; one never taken lapses after HOLD_TTL_S. How many came up from the remote tier.
-        A session without a chain borrows its prompt's stored prefix (see the module's doc)."""
+        (or there is none). A session without a chain borrows its prompt's stored prefix (see
+        the module's doc). records_turn: the caller records the turn's chain (the handle's
+        TurnChain), the commit does not."""
         self.ensure(key)
         if self.remote is not None:
             self._adopt(key)
         chain = self.index.get(key)
+        borrowed = None
         if chain is None and prompt_ids:
             chain = self._borrow(key, prompt_ids)
-        if chain is not None:  # this turn's cached tokens count where it found them
-            self.origins.note(key, {c: w for c in chain.chunks if (w := self.chunk_tier(c))})
-        else:
-            self.origins.drop(key)
+            if chain is not None:
+                borrowed = BorrowedPrefix(list(chain.token_ids), list(chain.chunks))
+        chunks = chain.chunks if chain is not None else []
+        # This turn's cached tokens count where it found them, whatever moves them up now.
+        origins = {c: w for c in chunks if (w := self.chunk_tier(c))}
+        opened = OpenedTurn(
+            key, origins, borrowed, [], TurnChain() if records_turn else None, _unpin=self.unpin
+        )
         if not self.tiers.slow:
-            return 0  # every chunk is in DRAM (or gone): the engine reads it there
-        hold = TurnHold(key)
+            return opened  # every chunk is in DRAM (or gone): the engine reads it there
         moved = 0
         try:
-            for chunk in chain.chunks if chain is not None else []:
+            for chunk in chunks:
                 self.pins.add(chunk)  # first: from now on no eviction takes it from DRAM
-                hold.chunks.append(chunk)
+                opened.pinned.append(chunk)
                 came_up = self._hold_chunk(chunk)
                 if came_up is None:
-                    self.release(TurnHold(key, [hold.chunks.pop()]))
+                    self.unpin([opened.pinned.pop()])
                     break
                 moved += came_up
-        finally:
-            for lapsed in self.holds.put(hold):
-                self.release(lapsed)
-        return moved
+        except BaseException:
+            self.unpin(opened.pinned)
+            raise
+        opened.from_remote = moved
+        if opened.pinned:  # a handle dropped without its end still lets them go
+            opened.unpin_when_collected()
+        return opened
 
     def _hold_chunk(self, chunk: ChunkKey) -> int | None:
         """Make a pinned chunk readable from host memory: 1 when it came up from the remote
@@ -147,7 +156,6 @@ class RemoteFetch:
         tier holds (Redis asked once, pipelined, for those our tier does not know yet)."""
         C = self.hasher.chunk_tokens
         full = len(prompt_ids) // C
-        self._lapse()
         if full == 0:
             return None
         ids = list(prompt_ids[: full * C])
@@ -162,36 +170,15 @@ class RemoteFetch:
             n += 1
         if n == 0:
             return None
-        chain = SessionChain(ids[: n * C], keys[:n])
-        with self._borrow_lock:
-            self._borrowed[key] = (chain, time.monotonic())
-        return chain
+        return SessionChain(ids[: n * C], keys[:n])
 
-    def borrowed(self, key: SessionKey, take: bool = False) -> SessionChain | None:
-        """The session's borrowed prefix (find; admission takes it)."""
-        with self._borrow_lock:
-            found = self._borrowed.pop(key, None) if take else self._borrowed.get(key)
-        return found[0] if found is not None else None
-
-    def _lapse(self) -> None:
-        """Borrowed prefixes of turns never admitted go after HOLD_TTL_S."""
-        now = time.monotonic()
-        with self._borrow_lock:
-            for key in [k for k, (_, at) in self._borrowed.items() if now - at > HOLD_TTL_S]:
-                del self._borrowed[key]
-
-    def take(self, key: SessionKey) -> TurnHold | None:
-        hold, lapsed = self.holds.take(key)
-        for old in lapsed:
-            self.release(old)
-        return hold
-
-    def release(self, hold: TurnHold | None) -> None:
-        """Unpin the hold's chunks; a held copy goes with its last pin."""
-        if hold is None:
-            return
-        chunks, hold.chunks = hold.chunks, []  # released once, whoever asks again
-        for chunk in chunks:
+    def unpin(self, chunks: list[ChunkKey]) -> None:
+        """Unpin an opened turn's chunks (its `pinned` list, emptied: released once, whoever
+        asks again); a held copy goes with its last pin."""
+        with self._unpin_lock:
+            taken = list(chunks)
+            chunks.clear()
+        for chunk in taken:
             if self.pins.remove(chunk):
                 with self.lock:
                     value = self.held.pop(chunk, None)
