@@ -5,6 +5,10 @@ counted in the bytes a value occupies in that tier (`footprint`); ChunkTiers mak
 `put`, so `used_bytes() <= capacity` always holds. `get` raises CorruptValueError for a value that
 fails its checksum (the tier has already dropped it) and returns None for a plain miss.
 
+A tier that can (DRAM, LMDB, Redis) tells watchers which keys it comes to hold and lets go
+(`watch`), so the placement keeps its eviction order as the tier changes instead of reading
+every key at each eviction.
+
 `in_memory` tiers (DRAM) are only touched under ChunkTiers' lock: their operations are memory
 copies. The others (LMDB, Redis) are slow: ChunkTiers writes and deletes there outside that lock,
 from one thread at a time, while other threads may read. Such a tier keeps `contains`, `keys`,
@@ -19,10 +23,15 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.session_kv import SessionKV
+
+# Told (key, True) when a tier comes to hold key, (key, False) when it lets go; on the thread
+# that changed the tier, outside the tier's own locks. It must not block.
+MembershipListener = Callable[[ChunkKey, bool], None]
 
 
 class TierFull(RuntimeError):
@@ -63,6 +72,14 @@ class FootprintIndex:
         self._sizes: dict[ChunkKey, int] = {}
         self._total = 0
         self._lock = threading.Lock()
+        self._watchers: list[MembershipListener] = []
+
+    def watch(self, listener: MembershipListener) -> None:
+        self._watchers.append(listener)
+
+    def _tell(self, key: ChunkKey, held: bool) -> None:
+        for watcher in self._watchers:  # after the lock: a watcher may take others
+            watcher(key, held)
 
     @property
     def total(self) -> int:
@@ -70,8 +87,11 @@ class FootprintIndex:
 
     def set(self, key: ChunkKey, footprint: int) -> None:
         with self._lock:
+            new = key not in self._sizes
             self._total += footprint - self._sizes.get(key, 0)
             self._sizes[key] = footprint
+        if new:
+            self._tell(key, True)
 
     def pop(self, key: ChunkKey) -> bool:
         """Forget key; whether it was there."""
@@ -79,15 +99,20 @@ class FootprintIndex:
             size = self._sizes.pop(key, None)
             if size is not None:
                 self._total -= size
-            return size is not None
+        if size is not None:
+            self._tell(key, False)
+        return size is not None
 
     def size_of(self, key: ChunkKey) -> int:
         return self._sizes.get(key, 0)
 
     def clear(self) -> None:
         with self._lock:
+            gone = list(self._sizes)
             self._sizes.clear()
             self._total = 0
+        for key in gone:
+            self._tell(key, False)
 
     def keys(self) -> list[ChunkKey]:
         with self._lock:
@@ -133,6 +158,11 @@ class StorageTier(ABC):
     def size_of(self, key: ChunkKey) -> int:
         """Bytes key occupies here (0 when absent)."""
         return 0
+
+    def watch(self, listener: MembershipListener) -> bool:
+        """From now on, listener is told each key this tier comes to hold or lets go; False
+        when this tier cannot tell (eviction then reads `keys()` each time)."""
+        return False
 
     def check_fits(self, key: ChunkKey, value: SessionKV) -> int:
         """Bytes `value` needs here in place of key's current value; TierFull if over capacity."""
@@ -189,3 +219,7 @@ class IndexedTier(StorageTier):
 
     def size_of(self, key: ChunkKey) -> int:
         return self._index.size_of(key)
+
+    def watch(self, listener: MembershipListener) -> bool:
+        self._index.watch(listener)
+        return True

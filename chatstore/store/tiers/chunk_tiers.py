@@ -80,6 +80,9 @@ class ChunkTiers(SharedTierOps, DramAdmission):
         self._transit: dict[ChunkKey, SessionKV] = {}
         self._local = threading.local()  # .foreground: this thread must not wait on slow I/O
         self._background = BackgroundIO()
+        bind = getattr(self.placement, "bind_tiers", None)
+        if bind is not None:  # the placement follows the tiers' changes (chunk_placement.py)
+            bind(tiers, self._lock)
 
     @contextmanager
     def foreground(self) -> Iterator[None]:

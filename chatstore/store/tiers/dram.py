@@ -32,7 +32,7 @@ import torch
 from chatstore.store import kv_quant
 from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.session_kv import SessionKV
-from chatstore.store.tiers.base import StorageTier, TierFull
+from chatstore.store.tiers.base import MembershipListener, StorageTier, TierFull
 from chatstore.store.tiers.dram_rows import PooledRows
 
 
@@ -93,6 +93,15 @@ class DramTier(StorageTier):
         self._leases: Counter[int] = Counter()  # block -> PooledRows reading it
         self._parked: set[int] = set()  # deleted while leased: freed when the last lease ends
         self._lease_lock = threading.Lock()
+        self._watchers: list[MembershipListener] = []
+
+    def watch(self, listener: MembershipListener) -> bool:
+        self._watchers.append(listener)
+        return True
+
+    def _tell(self, key: ChunkKey, held: bool) -> None:
+        for watcher in self._watchers:
+            watcher(key, held)
 
     @property
     def capacity(self) -> int:
@@ -122,6 +131,7 @@ class DramTier(StorageTier):
         if keep % B and self._leases[entry.blocks[keep // B]]:
             return False  # rows past `keep` in that block are being read in place
         del self._entries[base]
+        self._tell(base, False)
         self._give_back(entry.blocks[kept_blocks:])
         blocks = entry.blocks[:kept_blocks] + [self._free.popleft() for _ in range(extra)]
         kv = kv_quant.convert(rows.kv, self.layout.dtype)
@@ -132,6 +142,7 @@ class DramTier(StorageTier):
         if rows.num_tokens > head:
             self._write_blocks(blocks[kept_blocks:], kv[:, :, head:])
         self._entries[key] = _Entry(blocks, entry.token_ids[:keep] + list(rows.token_ids))
+        self._tell(key, True)
         return True
 
     def put(self, key: ChunkKey, value: SessionKV) -> None:
@@ -143,6 +154,7 @@ class DramTier(StorageTier):
         blocks = [self._free.popleft() for _ in range(n)]
         self._write_blocks(blocks, kv_quant.convert(value.kv, self.layout.dtype))
         self._entries[key] = _Entry(blocks, list(value.token_ids))
+        self._tell(key, True)
 
     def _write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
         """kv [L, 2, T, H, W] into the pool's blocks: one strided copy of the full blocks, the
@@ -246,6 +258,7 @@ class DramTier(StorageTier):
         if entry is None:
             return False
         self._give_back(entry.blocks)
+        self._tell(key, False)
         return True
 
     def contains(self, key: ChunkKey) -> bool:

@@ -137,8 +137,7 @@ class DramAdmission(SlowTierWrites):
         if need > top.capacity:
             return False
         while top.used_bytes() + need > top.capacity:
-            candidates = [k for k in top.keys() if k not in keep]  # noqa: SIM118
-            victim = self.placement.choose_victim(top.name, candidates)
+            victim = self.pick_victim(top, keep)
             if victim is None:
                 return False
             if incoming is not None and not self._may_displace(incoming, victim):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.events import EventKind, EventLog, StoreCounters, StoreEvent
@@ -33,6 +33,18 @@ class SlowTierWrites:
     _lock: threading.RLock
     _io_lock: threading.Lock
     _transit: dict[ChunkKey, SessionKV]
+
+    def pick_victim(self, tier: StorageTier, exclude: Collection[ChunkKey]) -> ChunkKey | None:
+        """The chunk the placement gives up first in tier, never one in exclude (under
+        `_lock`): what every eviction asks, once per chunk it evicts. A placement with
+        `victim` keeps its order as the tiers change; any other VictimChooser ranks the
+        tier's keys each time."""
+        victim = getattr(self.placement, "victim", None)
+        if victim is not None:
+            chosen: ChunkKey | None = victim(tier, exclude)
+            return chosen
+        candidates = [k for k in tier.keys() if k not in exclude]  # noqa: SIM118
+        return self.placement.choose_victim(tier.name, candidates)
 
     def _read_slow(self, tier: StorageTier, key: ChunkKey) -> SessionKV | None:
         if not tier.contains(key):
@@ -124,8 +136,7 @@ class SlowTierWrites:
         below = self.slow[self.slow.index(tier) + 1 :]
         while tier.used_bytes() + need > tier.capacity:
             with self._lock:
-                candidates = [k for k in tier.keys() if k != key]  # noqa: SIM118
-                victim = self.placement.choose_victim(tier.name, candidates)
+                victim = self.pick_victim(tier, (key,))
                 if victim is None:
                     return False
                 self.counters.tier(tier.name).evictions += 1
