@@ -13,14 +13,25 @@ the tiers' own `touch` / `forget` of chunks carry no session information and are
 Pinned chunks (sessions/holds.py: held by a turn opened and not yet read by the engine) are never a
 victim in the DRAM tier, whatever their sessions rank: with only pinned chunks left there is no
 victim, and what wanted the room goes elsewhere.
+
+The tiers ask through `victim(tier, exclude)`. Once the placement knows the tiers (`bind_tiers`,
+from ChunkTiers) and the index (`follow`, from SessionPlacement), and the session chooser keeps
+its ranks incrementally (aware, LRU, FIFO), the answer comes from ranks kept as they change
+(chunk_ranks.py): O(log n) a victim, whatever the number of sessions holding a chunk. Otherwise
+(another chooser, a tier that cannot tell its changes) `choose_victim` walks the ranked owners of
+every chunk in the tier, as it always did; both give the same victim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Hashable
+import threading
+from collections.abc import Callable, Collection, Container, Hashable
 from typing import Any
 
 from chatstore.store.chunks import ChunkKey
+from chatstore.store.placement.chunk_ranks import ChunkRanks
+from chatstore.store.sessions.index import SessionIndex
+from chatstore.store.tiers.base import StorageTier
 
 
 class ChunkPlacement:
@@ -37,12 +48,46 @@ class ChunkPlacement:
         self._position = position
         self._pinned = pinned  # chunks no eviction from tier `pinned_in` may pick
         self._pinned_in = pinned_in
+        self._tiers: list[StorageTier] = []
+        self._lock: threading.RLock | None = None
+        self._index: SessionIndex | None = None
+        self.ranks: ChunkRanks | None = None  # kept ranks, once tiers and index are known
+
+    def bind_tiers(self, tiers: list[StorageTier], lock: threading.RLock) -> None:
+        """The tiers this placement evicts from, and the lock their decisions run under."""
+        self._tiers, self._lock = tiers, lock
+        self._start_ranks()
+
+    def follow(self, index: SessionIndex) -> None:
+        """The index whose owners `owners` / `position` read: its changes are followed."""
+        self._index = index
+        self._start_ranks()
+
+    def _start_ranks(self) -> None:
+        index, lock = self._index, self._lock
+        if self.ranks is not None or index is None or lock is None:
+            return
+        if not getattr(self.sessions, "ranks_incrementally", False):
+            return  # a chooser whose ranks move untold: the walk below, each time
+        self.ranks = ChunkRanks(self.sessions, index, lock)
+        for tier in self._tiers:
+            if not tier.remote:  # the shared tier is Redis's to evict: never asked
+                self.ranks.track(tier)
 
     def touch(self, key: Hashable) -> None:
         return None
 
     def forget(self, key: Hashable) -> None:
         return None
+
+    def victim(self, tier: StorageTier, exclude: Collection[ChunkKey]) -> ChunkKey | None:
+        """The chunk `tier` gives up first, never one in `exclude` (under the tiers' lock)."""
+        ranks = self.ranks
+        if ranks is not None and ranks.tracks(tier.name):
+            pinned = self._pinned if tier.name == self._pinned_in else None
+            return ranks.victim(tier.name, exclude, pinned)
+        candidates = [k for k in tier.keys() if k not in exclude]  # noqa: SIM118
+        return self.choose_victim(tier.name, candidates)
 
     def choose_victim(self, tier: str, candidates: list[ChunkKey]) -> ChunkKey | None:
         if tier == self._pinned_in:

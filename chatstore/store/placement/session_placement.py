@@ -23,8 +23,21 @@ class SessionPlacement:
     def __init__(self, index: SessionIndex) -> None:
         self.index = index
         self.chooser: Any = None
-        self.tiers: ChunkTiers | None = None
+        self._tiers: ChunkTiers | None = None
         self._queue: WaitingQueue | Callable[[], Iterable[SessionKey]] | None = None
+
+    @property
+    def tiers(self) -> ChunkTiers | None:
+        return self._tiers
+
+    @tiers.setter
+    def tiers(self, tiers: ChunkTiers | None) -> None:
+        """Once the tiers exist, their chunk placement follows this index's owners (so an
+        eviction need not rank every owner of a chunk: chunk_placement.py)."""
+        self._tiers = tiers
+        follow = getattr(tiers.placement, "follow", None) if tiers is not None else None
+        if follow is not None:
+            follow(self.index)
 
     def set_queue(self, queue: WaitingQueue | Callable[[], Iterable[SessionKey]]) -> None:
         """The engine's WaitingQueue; or, where no engine runs (tests, a trace replay), a

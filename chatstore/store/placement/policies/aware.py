@@ -32,6 +32,9 @@ class AwarePolicy(LRUPolicy):
     """Look-ahead window first, LRU outside it."""
 
     name = "aware"
+    # Unqueued: LRU's value. Queued inside the window: (1, -pos), above every (0, last use) of
+    # the same priority; so the queue only raises the sessions it holds.
+    queue_local = True
 
     def __init__(self, capacities: Sequence[int] = ()) -> None:
         if not capacities:

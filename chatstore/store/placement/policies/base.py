@@ -38,6 +38,11 @@ class EvictionPolicy(ABC):
     """Base: residency bookkeeping shared by all policies, plus the victim-selection loop."""
 
     name: ClassVar[str]
+    # True when (a) without the look-ahead a session's value changes only through on_access,
+    # on_forget and set_priority, and (b) the look-ahead changes only queued sessions' values
+    # and only raises them. Eviction then keeps each chunk's rank as those calls come
+    # (placement/chunk_ranks.py) instead of ranking every owner of every chunk each time.
+    queue_local: ClassVar[bool] = False
 
     def __init__(self, capacities: Sequence[int] = ()) -> None:
         """`capacities`: bytes per tier, top first (used by look-ahead policies for windows)."""

@@ -21,6 +21,7 @@ class BeladyPolicy(AwarePolicy):
     """Furthest next use first, by the future given to `bind`."""
 
     name = "belady"
+    queue_local = False  # every value moves with the bound future, untold
 
     def __init__(self, capacities: Sequence[int] = ()) -> None:
         super().__init__(capacities)

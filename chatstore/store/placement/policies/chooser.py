@@ -14,6 +14,11 @@ queue at each call, and S_kv (which sizes the windows) asked of the hierarchy:
 
 Sessions the adapter has never seen touched (found on disk at start-up) go first, as in
 `LruChooser`, but only inside their priority: every ranking is by (priority, touched, value).
+
+For eviction over chunks without ranking every owner each time (placement/chunk_ranks.py), a
+chooser whose policy is `queue_local` also answers a session's rank without the queue
+(`rank_key`), the queued sessions whose rank the queue changes (`queued_rank_keys`), and tells
+its watchers each session whose rank may have changed (`watch`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from typing import Any
 
 from chatstore.store.placement.policies.base import EvictionPolicy
 from chatstore.store.placement.policies.lookahead import Lookahead, QueueLookahead
+
+RankKey = tuple[int, bool, Any]  # (priority, touched, the policy's value): lower goes first
+_NO_QUEUE = QueueLookahead()
 
 
 class PolicyChooser:
@@ -39,6 +47,7 @@ class PolicyChooser:
         self._queue = queue
         self._seen: set[Hashable] = set()
         self._mean_kv_bytes = mean_kv_bytes
+        self._watchers: list[Callable[[Hashable], None]] = []
         if mean_kv_bytes is not None:
             policy.kv_bytes_source = mean_kv_bytes
 
@@ -56,18 +65,49 @@ class PolicyChooser:
         finally:
             self.policy.kv_bytes_source = source
 
+    def watch(self, watcher: Callable[[Hashable], None]) -> None:
+        """watcher is told each session whose rank may have changed (after the change)."""
+        self._watchers.append(watcher)
+
+    def _changed(self, key: Hashable) -> None:
+        for watcher in self._watchers:
+            watcher(key)
+
     def touch(self, key: Hashable) -> None:
         self._seen.add(key)
         self.policy.on_access(key)
+        self._changed(key)
 
     def forget(self, key: Hashable) -> None:
         self._seen.discard(key)
         self.policy.on_forget(key)
+        self._changed(key)
 
     def set_priority(self, key: Hashable, priority: int) -> None:
         self.policy.set_priority(key, priority)
+        self._changed(key)
 
-    def _rank_key(self, key: Hashable, lk: Lookahead) -> tuple[int, bool, Any]:
+    @property
+    def ranks_incrementally(self) -> bool:
+        """Whether `rank_key` changes only when a watcher is told, and the queue only raises
+        the sessions it holds (the policy is queue_local)."""
+        return self.policy.queue_local
+
+    def rank_key(self, key: Hashable) -> RankKey:
+        """key's rank with nothing queued (lower goes first)."""
+        return self._rank_key(key, _NO_QUEUE)
+
+    def queued_rank_keys(self) -> dict[Hashable, RankKey]:
+        """The queued sessions the queue ranks otherwise than `rank_key`, with the rank it
+        gives them (one decision's: the queue is read once)."""
+        lk = QueueLookahead(self._queue())
+        if not len(lk):
+            return {}
+        with self._pinned():
+            ranked = {key: self._rank_key(key, lk) for key in lk}
+        return {key: rank for key, rank in ranked.items() if rank != self._rank_key(key, _NO_QUEUE)}
+
+    def _rank_key(self, key: Hashable, lk: Lookahead) -> RankKey:
         """Lower goes first: priority, then never-touched keys, then the policy's value."""
         seen = key in self._seen
         return self.policy.priority(key), seen, self.policy.value(key, lk) if seen else ()

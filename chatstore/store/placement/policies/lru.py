@@ -13,6 +13,7 @@ class LRUPolicy(EvictionPolicy):
     """Least recently used first. A demoted or promoted session keeps its last-use stamp."""
 
     name = "lru"
+    queue_local = True  # blind to the queue; a value changes on on_access / on_forget only
 
     def __init__(self, capacities: Sequence[int] = ()) -> None:
         super().__init__(capacities)
