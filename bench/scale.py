@@ -39,6 +39,21 @@ else beside it); the CPU and the dtypes are named in the output.
                 rss_mb_per_1k_sessions  (server RSS, largest - smallest, per 1,000 sessions)
                 writer_cpu_ratio_turn40 (the largest size's conversation runs --turns turns:
                                          writer CPU of turns 38-40 over turns 4-6, means)
+  evicting    the smallest and the largest size again (issue 37 item 4), the store alone (its
+              own process, model loaded for its fingerprint) over a copy of the populated dir
+              with DRAM for --evict-dram-chunks chunks and SSD exactly as large as the
+              population's chunks, so both are full: --evict-turns turns, each a new session
+              with the shared system chunk (held by every stored session) and one chunk of its
+              own, run as the server runs one: the stored prefix read (promoted to DRAM), the
+              turn saved, its commit and its write-back to LMDB waited for. Every turn evicts
+              from DRAM (its new chunk's room) and from SSD (the write-back's room). After
+              --evict-dram-chunks + 2 warm-up turns:
+                evict_us             mean wall time of ChunkTiers.pick_victim (the call every
+                                     eviction makes, once per victim; per tier beside it), timed
+                                     around the real call in that process
+                turn_overhead_ms_evicting   median wall time of one such turn
+              headline: evict_us_100, evict_us_100k (smallest, largest size), their ratio
+              evict_us_ratio_100k, and turn_overhead_ratio_100k_evicting (largest / smallest)
   replicas    two servers (replica ids a and b, DRAM 256 MiB each) over one local KV Redis with
               maxmemory = its empty baseline + --redis-chunks chunks' bytes (10: room for A's
               sessions, about 8 chunks once the allocator rounds each up, not for the two
@@ -59,6 +74,8 @@ else beside it); the CPU and the dtypes are named in the output.
 
     python bench/scale.py [--sizes 100,10000,100000] [--quick] [--turns 40] [--pool 128]
                           [--cache DIR] [--repopulate] [--skip-replicas] [--no-progress]
+                          [--evict-turns 40] [--evict-dram-chunks 4] [--skip-evicting]
+                          [--evicting-only]
 
 A cached dir made by an older record layout is migrated by the store when it opens: run once
 with --repopulate after such a change, or the first start measures the migration.
@@ -116,6 +133,8 @@ GOALS = {
     "writer_cpu_ratio_turn40": "<= 1.2",
     "cross_replica_deletes": "= 0",
     "shared_prompt_reuse_share": ">= 0.95",
+    "evict_us_ratio_100k": "<= 2",
+    "turn_overhead_ratio_100k_evicting": "<= 1.1",
 }
 # Every server and store here: local mode, a small device pool and DRAM tier, sessions that
 # outlive a cached population (30 days), room for 100,000 sessions (records' map, quota).
@@ -291,6 +310,90 @@ def probe(args: argparse.Namespace) -> dict:
         "model_dtype": str(model.dtype).removeprefix("torch."),
         "storage_dtype": str(kv.storage_dtype).removeprefix("torch."),
     }
+
+
+def time_victims(tiers: Any) -> dict[str, list[float]]:
+    """Seconds of each victim choice, by tier: the tiers' own pick_victim, wrapped on this
+    instance (a store from before it: the placement's choose_victim, what it called then)."""
+    times: dict[str, list[float]] = {}
+    owner, name = (
+        (tiers, "pick_victim")
+        if hasattr(tiers, "pick_victim")
+        else (tiers.placement, "choose_victim")
+    )
+    real = getattr(owner, name)
+
+    def timed(tier: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real(tier, *args)
+        finally:
+            spent = time.perf_counter() - t0
+            times.setdefault(getattr(tier, "name", tier), []).append(spent)
+
+    setattr(owner, name, timed)
+    return times
+
+
+def evicting(args: argparse.Namespace) -> dict:
+    """The evicting case (module doc): the store alone over a populated copy whose DRAM and
+    SSD are full; every turn evicts from both."""
+    import torch
+
+    from chatstore.config import load_config
+    from chatstore.engine.runtime import create_runtime
+    from chatstore.store import create_store, kv_quant
+    from chatstore.store.ports import SessionKV
+
+    config = load_config(env=os.environ)
+    model = create_runtime(config).model
+    kv = create_store(config, model.spec, model.fingerprint)
+    assert kv is not None
+    kv.restore.wait()
+    times = time_victims(kv.tiers)
+    layout, vocab, C = kv.layout, model.spec.vocab_size, CHUNK
+    shape = (layout.num_layers, 2, C, layout.num_kv_heads, layout.head_dim)
+    rows = kv_quant.convert(torch.randn(shape, generator=torch.Generator().manual_seed(0)),
+                            kv.storage_dtype)  # fmt: skip
+    system, warmup = pool_ids(vocab, -1), args.evict_dram_chunks + 2
+    turn_ms: list[float] = []
+    counted = {name: 0 for name in ("dram", "ssd")}
+    for t in progress.track(range(warmup + args.evict_turns), f"evicting {args.sessions}"):
+        if t == warmup:  # steady state from here: both tiers full
+            times.clear()
+            counted = {n: kv.tiers.counters.tier(n).evictions for n in counted}
+        ids = system + pool_ids(vocab, 100_000 + t)  # the system chunk + one of its own
+        t0 = time.perf_counter()
+        plan = kv.plan_turn(TENANT, ids, None, 0)
+        new = set(plan.new_chunks)
+        for chunk in plan.chain:
+            if chunk not in new:
+                kv.tiers.get(chunk)  # the turn's load of its stored prefix: up to DRAM
+
+        def build(plan: Any = plan) -> dict:
+            return {key: SessionKV(plan.token_ids[a:b], rows[:, :, : b - a])
+                    for _, key, a, b in plan.new_spans()}  # fmt: skip
+
+        kv.save_turn(TENANT, f"evicting{t:05d}", plan, build, len(ids) * kv.bytes_per_token)
+        kv.flush_writes(120)  # its commit: the new chunk into DRAM, a DRAM victim out
+        kv.flush_persist(120)  # its write-back: into LMDB, an SSD victim out
+        if t >= warmup:
+            turn_ms.append(1000 * (time.perf_counter() - t0))
+    out: dict[str, Any] = {
+        "turn_overhead_ms_evicting": statistics.median(turn_ms),
+        "evicting_turn_ms_by_turn": turn_ms,
+        "evict_path": "pick_victim" if hasattr(kv.tiers, "pick_victim") else "choose_victim",
+    }
+    every = [x for spent in times.values() for x in spent]
+    out["evict_us"] = 1e6 * statistics.mean(every) if every else float("nan")
+    for name in counted:
+        spent = times.get(name, [])
+        out[f"evict_us_{name}"] = 1e6 * statistics.mean(spent) if spent else float("nan")
+        out[f"victims_{name}"] = len(spent)
+        out[f"evictions_{name}"] = kv.tiers.counters.tier(name).evictions - counted[name]
+    out["evicting_turns"] = len(turn_ms)
+    kv.close()
+    return out
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -490,16 +593,47 @@ def du_mb(path: Path) -> float:
     return sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-def measure_size(args: argparse.Namespace, size: int, turns: int) -> dict:
+def populated(args: argparse.Namespace, size: int) -> tuple[Path, dict]:
+    """The cached population of `size` sessions (made now if missing, or once per run with
+    --repopulate) and its populated.json."""
     data_dir = Path(args.cache) / f"scale-{size}-pool{args.pool}"
     done = data_dir / "populated.json"
-    if args.repopulate or not done.exists():
+    made_now: set[int] = args.__dict__.setdefault("populated_now", set())
+    if (args.repopulate and size not in made_now) or not done.exists():
         shutil.rmtree(data_dir, ignore_errors=True)
         say(f"  populating {size} sessions in {data_dir}")
         made = run_child("populate", data_dir, "--sessions", str(size), "--pool", str(args.pool))
         made["disk_mb"] = du_mb(data_dir)
         done.write_text(json.dumps(made))
-    out: dict[str, Any] = json.loads(done.read_text())
+        made_now.add(size)
+    return data_dir, json.loads(done.read_text())
+
+
+def measure_evicting(args: argparse.Namespace, size: int) -> dict:
+    """The evicting case on a copy of the population (its evictions delete population chunks
+    from LMDB: the cached dir stays as it was)."""
+    source, made = populated(args, size)
+    work = Path(args.cache) / f"evicting-{size}-pool{args.pool}"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(source, work)
+    chunk = round(made["chunk_mb"] * 2**20)  # one chunk's KV bytes: its DRAM footprint
+    lmdb_chunk = chunk + 4 * CHUNK + 512  # and in LMDB (tiers/base.py: encoded_footprint)
+    env = {
+        "CHATSTORE_DRAM_BYTES": str(args.evict_dram_chunks * chunk),
+        "CHATSTORE_SSD_BYTES": str(made["pool_chunks"] * lmdb_chunk),  # full as it opens
+    }
+    extra = ["--sessions", str(size), "--pool", str(args.pool)]
+    extra += ["--evict-turns", str(args.evict_turns)]
+    extra += ["--evict-dram-chunks", str(args.evict_dram_chunks)]
+    try:
+        return run_child("evicting", work, *extra, env=env)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure_size(args: argparse.Namespace, size: int, turns: int) -> dict:
+    data_dir, made = populated(args, size)
+    out: dict[str, Any] = dict(made)
     out |= run_child("probe", data_dir, "--sessions", str(size), "--pool", str(args.pool))
     # The server runs on the cached dir itself: the live session is deleted at the end, so the
     # next run finds the population as it was.
@@ -646,6 +780,18 @@ def headline(per_size: dict[int, dict], turns: int) -> dict:
     }
 
 
+def evicting_headline(per_size: dict[int, dict]) -> dict:
+    lo, hi = per_size[min(per_size)], per_size[max(per_size)]
+    return {
+        "evict_us_100": lo["evict_us"],
+        "evict_us_100k": hi["evict_us"],
+        "evict_us_ratio_100k": hi["evict_us"] / lo["evict_us"],
+        "turn_overhead_ratio_100k_evicting": (
+            hi["turn_overhead_ms_evicting"] / lo["turn_overhead_ms_evicting"]
+        ),
+    }
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="100,10000,100000", help="stored sessions per run")
@@ -663,8 +809,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--redis-chunks", type=int, default=10, help="Redis maxmemory above its baseline, in chunks"
     )
     p.add_argument("--redis-policy", default="allkeys-lru")
+    p.add_argument("--evict-turns", type=int, default=40, help="the evicting case's turns")
     p.add_argument(
-        "--child", choices=["populate", "probe", "serve", "prefix-len"], help=argparse.SUPPRESS
+        "--evict-dram-chunks", type=int, default=4, help="the evicting case's DRAM, in chunks"
+    )
+    p.add_argument("--skip-evicting", action="store_true", help="no evicting case")
+    p.add_argument(
+        "--evicting-only", action="store_true", help="only the evicting case (and populations)"
+    )
+    p.add_argument(
+        "--child",
+        choices=["populate", "probe", "serve", "prefix-len", "evicting"],
+        help=argparse.SUPPRESS,
     )
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
     p.add_argument("--sessions", type=int, default=0, help=argparse.SUPPRESS)
@@ -686,15 +842,21 @@ def main(argv: list[str] | None = None) -> None:
         if args.child == "serve":
             serve(args)
             return
-        children = {"populate": populate, "probe": probe, "prefix-len": prefix_len}
+        children = {
+            "populate": populate,
+            "probe": probe,
+            "prefix-len": prefix_len,
+            "evicting": evicting,
+        }
         print(json.dumps(children[args.child](args)), flush=True)
         return
     # A SIGTERM unwinds like ^C: the servers and the Redis this run started stop with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = sorted({int(s) for s in args.sizes.split(",")})
     say(f"CPU: {cpu_model()} ({os.cpu_count()} cores); cache {args.cache}")
+    result: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count()}
     per_size: dict[int, dict] = {}
-    for size in sizes:
+    for size in [] if args.evicting_only else sizes:
         turns = args.turns if size == sizes[-1] else args.small_turns
         r = measure_size(args, size, turns)
         per_size[size] = r
@@ -708,11 +870,23 @@ def main(argv: list[str] | None = None) -> None:
             f", RSS {r['rss_mb']:.0f} MB, disk {r['disk_mb']:.0f} MB"
             f" (populated in {r['population_s']:.0f} s, dtype {r['storage_dtype']})"
         )
-    result: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count()}
-    result["model_dtype"] = per_size[sizes[-1]]["model_dtype"]
-    result["storage_dtype"] = per_size[sizes[-1]]["storage_dtype"]
-    result |= headline(per_size, args.turns)
-    if not args.skip_replicas:
+    if per_size:
+        result["model_dtype"] = per_size[sizes[-1]]["model_dtype"]
+        result["storage_dtype"] = per_size[sizes[-1]]["storage_dtype"]
+        result |= headline(per_size, args.turns)
+    if not args.skip_evicting or args.evicting_only:
+        evict: dict[int, dict] = {}
+        for size in sorted({sizes[0], sizes[-1]}):
+            r = evict[size] = measure_evicting(args, size)
+            per_size.setdefault(size, {}).update(r)
+            say(
+                f"{label(size):>6} sessions, evicting: victim chosen in {r['evict_us']:.1f} us"
+                f" (DRAM {r['evict_us_dram']:.1f}, SSD {r['evict_us_ssd']:.1f}; victims"
+                f" {r['victims_dram']} / {r['victims_ssd']} over {r['evicting_turns']} turns)"
+                f", turn {r['turn_overhead_ms_evicting']:.1f} ms ({r['evict_path']})"
+            )
+        result |= evicting_headline(evict)
+    if not args.skip_replicas and not args.evicting_only:
         with tempfile.TemporaryDirectory(prefix="scale-replicas-") as work:
             rep = replicas(args, Path(work))
         say(
