@@ -100,8 +100,9 @@ from chatstore.engine.runner import ModelRunner  # noqa: E402
 from chatstore.engine.runtime import Runtime  # noqa: E402
 from chatstore.model import LoadedModel  # noqa: E402
 from chatstore.model.spec import ModelSpec  # noqa: E402
-from chatstore.store import AttentionStore, StoreSettings  # noqa: E402
+from chatstore.store.attention_store import AttentionStore  # noqa: E402
 from chatstore.store.session_kv import SessionKV  # noqa: E402
+from chatstore.store.settings import StoreSettings  # noqa: E402
 from chatstore.transfer import StoreConnector  # noqa: E402
 
 SHAPES = {

@@ -44,7 +44,7 @@ from chatstore.engine.async_engine import AsyncEngine  # noqa: E402
 from chatstore.engine.engine_config import EngineConfig  # noqa: E402
 from chatstore.engine.request import Request, SamplingParams  # noqa: E402
 from chatstore.engine.runtime import create_runtime  # noqa: E402
-from chatstore.store import create_store  # noqa: E402
+from chatstore.store.attention_store import create_store  # noqa: E402
 from chatstore.transfer import create_connector  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "declaration_and_lincoln.txt"

@@ -48,7 +48,7 @@ from chatstore.config import load_config  # noqa: E402
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from chatstore.engine.request import Request, SamplingParams  # noqa: E402
 from chatstore.engine.runtime import create_runtime  # noqa: E402
-from chatstore.store import create_store  # noqa: E402
+from chatstore.store.attention_store import create_store  # noqa: E402
 from chatstore.store.session_kv import SessionKV  # noqa: E402
 from chatstore.transfer import StoreConnector  # noqa: E402
 

@@ -52,7 +52,8 @@ from chatstore.config import Config, load_config  # noqa: E402
 from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from chatstore.engine.request import Request  # noqa: E402
 from chatstore.engine.runtime import Runtime, create_runtime  # noqa: E402
-from chatstore.store import AttentionStore, StoreSettings  # noqa: E402
+from chatstore.store.attention_store import AttentionStore  # noqa: E402
+from chatstore.store.settings import StoreSettings  # noqa: E402
 from chatstore.transfer import StoreConnector  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "declaration_and_lincoln.txt"

@@ -43,8 +43,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from chatstore.redis_security import RedisSecurity  # noqa: E402
-from chatstore.store.chunks import ChunkKey  # noqa: E402
-from chatstore.store.session_kv import SessionKV  # noqa: E402
+from chatstore.store.session_kv import (  # noqa: E402
+    ChunkKey,
+    SessionKV,
+)
 from chatstore.store.tiers import codec  # noqa: E402
 from chatstore.store.tiers.redis import RedisTier, connect_redis  # noqa: E402
 from tests.support.redis_server import start_local_redis  # noqa: E402

@@ -43,7 +43,7 @@ from chatstore.engine.engine_config import EngineConfig  # noqa: E402
 from chatstore.engine.llm_engine import LLMEngine  # noqa: E402
 from chatstore.engine.request import Request, SamplingParams  # noqa: E402
 from chatstore.engine.runtime import Runtime, create_runtime  # noqa: E402
-from chatstore.store import create_store  # noqa: E402
+from chatstore.store.attention_store import create_store  # noqa: E402
 from chatstore.transfer import StoreConnector  # noqa: E402
 
 DECODE_STEPS = 20

@@ -215,7 +215,7 @@ def populate(args: argparse.Namespace) -> dict:
 
     from chatstore.store import kv_quant
     from chatstore.store.ports import SessionKV
-    from chatstore.store.records import SessionRecord
+    from chatstore.store.records.record import SessionRecord
 
     t0 = time.perf_counter()
     serving = child_serving()
@@ -271,7 +271,7 @@ def probe(args: argparse.Namespace) -> dict:
     """The store alone over the populated dir: its start, RSS, prefix match, purge cycle."""
     from chatstore.config import load_config
     from chatstore.engine.runtime import create_runtime
-    from chatstore.store import create_store
+    from chatstore.store.attention_store import create_store
     from chatstore.store.session_store import SessionStore
 
     config = load_config(env=os.environ)
@@ -342,7 +342,8 @@ def evicting(args: argparse.Namespace) -> dict:
 
     from chatstore.config import load_config
     from chatstore.engine.runtime import create_runtime
-    from chatstore.store import create_store, kv_quant
+    from chatstore.store import kv_quant
+    from chatstore.store.attention_store import create_store
     from chatstore.store.ports import SessionKV
 
     config = load_config(env=os.environ)
@@ -673,7 +674,7 @@ def redis_chunk_digests(client: Any) -> set[str]:
 def replicas(args: argparse.Namespace, work: Path) -> dict:
     import redis as redis_lib
 
-    from chatstore.store.records import RedisRecordStore
+    from chatstore.store.records.redis import RedisRecordStore
     from chatstore.store.sealing import Keyring, Sealer
     from chatstore.store.sealing.key_store_redis import RedisKeyStore
     from chatstore.store.sealing.master_key import new_secret_line, parse_secrets

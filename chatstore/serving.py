@@ -31,10 +31,11 @@ from chatstore.kv_events import EngineSource, KVEventPublisher, StoreSource
 from chatstore.kv_events.topic import pod_name, resolve_topic
 from chatstore.model.default_model import DEFAULT_MODEL_NAME
 from chatstore.model.loader import DEFAULT_MODEL_ALIASES
-from chatstore.store import AttentionStore, StoreSettings, create_store
+from chatstore.store.attention_store import AttentionStore, create_store
 from chatstore.store.ports import ContextBudget, SessionKVAdmin
 from chatstore.store.records_only import RecordsOnlyStore
 from chatstore.store.session_store import SessionStore
+from chatstore.store.settings import StoreSettings
 from chatstore.store.store_parts import build_records_only
 from chatstore.transfer import create_connector
 

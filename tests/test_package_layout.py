@@ -18,14 +18,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatstore"
 
-# What transfer/ and api/ may import from chatstore.store: the ports, and value modules (keys,
-# the KV container and its int8 format, records' value types and errors) that are data, not parts.
+# What transfer/ and api/ may import from chatstore.store: the ports, and value modules that are
+# data, not parts (the values crossing the ports, keys, the KV container and its int8 format,
+# records' value types and errors, retention's limits, encryption's errors, DRAM rows read in
+# place).
 STORE_SEAMS = (
     "chatstore.store.ports",
+    "chatstore.store.port_values",
+    "chatstore.store.opened_turn",
     "chatstore.store.session_kv",
     "chatstore.store.kv_quant",
-    "chatstore.store.records",
+    "chatstore.store.records.record",
+    "chatstore.store.records.responses",
+    "chatstore.store.retention",
+    "chatstore.store.sealing.errors",
+    "chatstore.store.tiers.dram_rows",
 )
+# The contract is a leaf (issue 37): importing it loads at most this many of chatstore's modules
+# with code (package __init__ files that import nothing are not counted; they load nothing).
+PORTS_CLOSURE_MAX = 6
 
 
 def module_name(path: Path) -> str:
@@ -146,6 +157,30 @@ def test_transfer_and_api_see_the_store_through_its_ports() -> None:
                 if not any(name == s or name.startswith(s + ".") for s in STORE_SEAMS):
                     crossings.append(f"{path.relative_to(ROOT)} imports {name}")
     assert crossings == []
+
+
+def import_closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen - {start}
+
+
+def test_the_stores_contract_is_a_leaf() -> None:
+    """Importing store/ports.py loads its value modules only, not the store (it loaded 87
+    modules, 11k lines, through store/__init__ and the records package before)."""
+    graph, mods = import_graph(), modules()
+    closure = import_closure(graph, "chatstore.store.ports")
+    known = set(mods)
+    empty = {
+        m for m in closure if mods[m].name == "__init__.py" and not imports_of(m, mods[m], known)
+    }
+    with_code = sorted(closure - empty)
+    assert len(with_code) <= PORTS_CLOSURE_MAX, with_code
 
 
 def test_pyproject_lists_every_package() -> None:

@@ -34,9 +34,9 @@ from typing import Any
 from chatstore.engine.block_manager import hash_block
 from chatstore.kv_events.publisher import KVEventPublisher
 from chatstore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
-from chatstore.store.chunks.keys import ChunkKey
-from chatstore.store.events import StoreEvent
+from chatstore.store.port_values import StoreEvent
 from chatstore.store.ports import ChunkCatalog, ChunkText
+from chatstore.store.session_kv import ChunkKey
 
 MEDIUM_GPU = "GPU"
 TIER_MEDIA = {"dram": "CPU", "ssd": "DISK", "remote": "REMOTE"}

@@ -26,15 +26,16 @@ import torch
 
 from chatstore.config import Config
 from chatstore.model.spec import ModelSpec
-from chatstore.store.chunks.keys import ChunkHasher, ChunkKey, tokens_by_tier
+from chatstore.store.chunks.keys import ChunkHasher
 from chatstore.store.chunks.plan import new_chunks_of, plan_chain
 from chatstore.store.chunks.reader import ChunkReader
 from chatstore.store.commit.turn_commit import CommitListener, TurnCommitter
-from chatstore.store.events import EventLog, Listener
+from chatstore.store.events import EventLog, StoreStats
 from chatstore.store.kv_admin import KVAdmin
 from chatstore.store.placement import ChunkPlacement, Prefetcher
 from chatstore.store.placement.policies import PolicyChooser, make_policy
 from chatstore.store.placement.session_placement import SessionPlacement
+from chatstore.store.port_values import Listener, tokens_by_tier
 from chatstore.store.ports import (
     ChunkBuilder,
     ChunkCatalog,
@@ -45,13 +46,12 @@ from chatstore.store.ports import (
     KVSource,
     OpenedTurn,
     StoredSession,
-    StoreStats,
     TurnPlan,
     WaitingQueue,
 )
-from chatstore.store.records import RecordStore
+from chatstore.store.records.base import RecordStore
 from chatstore.store.retention import Retention
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 from chatstore.store.sessions.holds import ChunkPins
 from chatstore.store.sessions.index import SessionChain, SessionIndex
 from chatstore.store.sessions.removal import WAIT_SAVED_S, SessionRemoval

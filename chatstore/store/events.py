@@ -7,29 +7,12 @@ else reaches into the tiers.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
-from chatstore.store.chunks.keys import ChunkKey
+from chatstore.store.port_values import Listener, StoreEvent
 from chatstore.store.tiers.base import TierOccupancy
 from chatstore.store.tiers.breaker import BreakerHealth
-
-EventKind = Literal[
-    "stored", "hit", "miss", "promoted", "demoted", "evicted", "dropped", "prefetched", "corrupt",
-    "deleted",
-]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class StoreEvent:
-    kind: EventKind
-    key: ChunkKey  # the chunk it happened to
-    tier: str | None = None  # where it happened (for moves: the destination)
-    nbytes: int = 0
-    time: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -94,9 +77,6 @@ class StoreStats:
         if self.remote is not None:
             out["remote"] = dataclasses.asdict(self.remote)
         return out
-
-
-Listener = Callable[[StoreEvent], None]
 
 
 class EventLog:

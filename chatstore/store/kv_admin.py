@@ -10,7 +10,7 @@ from typing import Protocol
 
 from chatstore.store.events import StoreStats
 from chatstore.store.ports import ContextBudget, KVPlacement, OpenedTurn, WaitingQueue
-from chatstore.store.records import RecordStore
+from chatstore.store.records.base import RecordStore
 from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.tiers.base import StorageTier

@@ -25,9 +25,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.records.record import ChainRecord
-from chatstore.store.session_kv import SessionKey
+from chatstore.store.session_kv import ChunkKey, SessionKey
 
 
 class TurnChain:

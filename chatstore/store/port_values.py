@@ -1,15 +1,16 @@
 """The values that cross the store's ports (ports.py): a session found in the store, a turn's
-plan and the chunks it changes, where a session's KV is, one tier's numbers, the context budget
-and a stored chunk's text. Plain data, no store part behind them."""
+plan and the chunks it changes, where a session's KV is, one tier's numbers, the context budget,
+a stored chunk's text and the events the store tells its listeners. Plain data, no store part
+behind them: this module imports only session_kv (the keys and the KV container)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
-from chatstore.store.chunks.keys import ChunkKey, chunk_span, tokens_by_tier
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 
 
 @dataclass(frozen=True)
@@ -147,3 +148,52 @@ class ChunkText(NamedTuple):
 
     token_ids: list[int]
     parent: ChunkKey | None
+
+
+# -- what the store tells its listeners (ChunkCatalog) -----------------------------------------
+
+EventKind = Literal[
+    "stored", "hit", "miss", "promoted", "demoted", "evicted", "dropped", "prefetched", "corrupt",
+    "deleted",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StoreEvent:
+    kind: EventKind
+    key: ChunkKey  # the chunk it happened to
+    tier: str | None = None  # where it happened (for moves: the destination)
+    nbytes: int = 0
+    time: float = field(default_factory=time.time)
+
+
+Listener = Callable[[StoreEvent], None]
+
+
+# -- chunk arithmetic the values use -------------------------------------------------------------
+
+
+def chunk_span(index: int, chunk_tokens: int, num_tokens: int) -> tuple[int, int]:
+    """Token positions [start, end) of chunk `index` in a history of num_tokens."""
+    start = index * chunk_tokens
+    return start, min(start + chunk_tokens, num_tokens)
+
+
+def tokens_by_tier(
+    chunks: list[ChunkKey],
+    chunk_tokens: int,
+    start: int,
+    end: int,
+    tier_of: Callable[[ChunkKey], str | None],
+) -> dict[str, int]:
+    """Tokens [start, end) of a chain of `chunk_tokens`-token chunks, counted by their chunk's
+    tier; the counts sum to end - start when `chunks` covers them and every chunk there has a
+    tier (a chunk whose tier is None, or past the end of `chunks`, is not counted)."""
+    out: dict[str, int] = {}
+    C = chunk_tokens
+    for i in range(start // C, min(len(chunks), -(-end // C))):
+        n = min(end, (i + 1) * C) - max(start, i * C)
+        tier = tier_of(chunks[i]) if n > 0 else None
+        if tier is not None:
+            out[tier] = out.get(tier, 0) + n
+    return out

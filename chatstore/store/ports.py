@@ -13,8 +13,10 @@ open_turn, prepare_load / complete_load, save_turn, append_turn, end_turn.
 
 `SessionKVAdmin` has two implementations (session_store.py): records only (kv_store = "off")
 and records over the KV store, which reaches the facade through `KVAdmin` (kv_admin.py). The API and
-transfer import from chatstore.store only this module (the records' value types and errors
-are re-exported here).
+transfer import from chatstore.store this module and plain value modules (the records' value
+types and errors are re-exported here; retention's limits, encryption's errors and DRAM rows
+read in place are in their own leaf modules). Importing this module loads only its values
+(tests/test_package_layout.py pins how few).
 
 Threads. Every method is thread-safe unless its docstring names a thread. The engine thread
 never waits on the network, a disk or a pending write: it reads inside `foreground_reads()`
@@ -33,8 +35,6 @@ from typing import Any, Protocol
 
 import torch
 
-from chatstore.store.chunks.keys import ChunkKey
-from chatstore.store.events import EventKind, Listener, StoreEvent, StoreStats
 from chatstore.store.opened_turn import BorrowedPrefix, OpenedTurn, TurnChain
 from chatstore.store.port_values import (
     DEVICE_TIER,
@@ -42,35 +42,26 @@ from chatstore.store.port_values import (
     ChunkDelta,
     ChunkText,
     ContextBudget,
+    EventKind,
     KVPlacement,
+    Listener,
     StoredSession,
+    StoreEvent,
     TierStats,
     TurnPlan,
     store_hits,
 )
-from chatstore.store.records import (
+from chatstore.store.records.record import (
     ChainRecord,
     RecordConflict,
     RecordStoreError,
     RecordStoreFull,
     RecordStoreUnavailable,
-    ResponseExists,
-    ResponseRecord,
-    ResponseRecords,
     SessionLease,
     SessionRecord,
 )
-from chatstore.store.retention import (
-    PRIORITY_MAX,
-    PRIORITY_MIN,
-    TTL_MAX_S,
-    Retention,
-    RetentionError,
-    check_retention,
-)
-from chatstore.store.sealing.keyring import KeyUnavailable, ShredFailed
-from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.tiers.dram_rows import PooledRows  # rows read in place, as a port value
+from chatstore.store.records.responses import ResponseExists, ResponseRecord, ResponseRecords
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 
 HintListener = Callable[[str, str], object]  # (tenant, session_id)
 
@@ -313,9 +304,6 @@ class ChunkCatalog(Protocol):
 
 __all__ = [
     "DEVICE_TIER",
-    "PRIORITY_MAX",
-    "PRIORITY_MIN",
-    "TTL_MAX_S",
     "BorrowedPrefix",
     "ChainRecord",
     "ChunkBuilder",
@@ -328,10 +316,8 @@ __all__ = [
     "HintListener",
     "KVPlacement",
     "KVSource",
-    "KeyUnavailable",
     "Listener",
     "OpenedTurn",
-    "PooledRows",
     "RecordConflict",
     "RecordStoreError",
     "RecordStoreFull",
@@ -339,22 +325,17 @@ __all__ = [
     "ResponseExists",
     "ResponseRecord",
     "ResponseRecords",
-    "Retention",
-    "RetentionError",
     "SessionKV",
     "SessionKVAdmin",
     "SessionKey",
     "SessionLease",
     "SessionRecord",
-    "ShredFailed",
     "StoreEvent",
-    "StoreStats",
     "StoredSession",
     "TierStats",
     "TurnChain",
     "TurnPlan",
     "WaitingQueue",
     "WaitingSession",
-    "check_retention",
     "store_hits",
 ]

@@ -18,15 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatstore.store.ports import ContextBudget, KVPlacement, OpenedTurn, TierStats
-from chatstore.store.records import (
-    RecordConflict,
-    RecordStore,
-    ResponseRecords,
-    SessionLease,
-    SessionLeases,
-    SessionRecord,
-    session_leases,
-)
+from chatstore.store.records.base import RecordStore
+from chatstore.store.records.leases import SessionLeases, session_leases
+from chatstore.store.records.record import RecordConflict, SessionLease, SessionRecord
+from chatstore.store.records.responses import ResponseRecords
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.tiers.base import StorageTier
 

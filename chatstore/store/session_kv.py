@@ -25,6 +25,15 @@ class SessionKey:
         return f"{self.tenant}/{self.session_id}"
 
 
+@dataclass(frozen=True)
+class ChunkKey:
+    tenant: str
+    digest: str  # 32 hex chars
+
+    def __str__(self) -> str:
+        return f"{self.tenant}/{self.digest[:12]}"
+
+
 @dataclass
 class SessionKV:
     token_ids: list[int]

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from chatstore.store.kv_admin import KVAdmin
 from chatstore.store.ports import KVPlacement, OpenedTurn, SessionKVAdmin, TierStats
-from chatstore.store.records import SessionLeases, SessionRecord
+from chatstore.store.records.leases import SessionLeases
+from chatstore.store.records.record import SessionRecord
 from chatstore.store.records_only import RecordsOnlyStore
 from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey

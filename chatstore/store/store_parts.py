@@ -8,7 +8,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from chatstore.store.events import StoreStats
-from chatstore.store.records import LmdbRecordStore, RecordStore, RedisRecordStore
+from chatstore.store.records.base import RecordStore
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.sealing import KeyStore, Sealer, sealer_for
 from chatstore.store.sealing.key_store_lmdb import FILE_NAME as KEYS_FILE
 from chatstore.store.sealing.key_store_lmdb import LmdbKeyStore

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from chatstore.store import kv_quant
-from chatstore.store.ports import PooledRows
 from chatstore.store.session_kv import SessionKV
+from chatstore.store.tiers.dram_rows import PooledRows
 from chatstore.transfer.chunked_kv import ChunkedKV
 from chatstore.transfer.copy_events import CopyFence, KeptUntilDone, fence_after_copy
 from chatstore.transfer.pinned_staging import StagingRing, StagingSlot

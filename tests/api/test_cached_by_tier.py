@@ -13,7 +13,7 @@ from websockets.sync.client import connect
 
 from chatstore.api.common.settings import ServerSettings
 from chatstore.server.launcher import local_server
-from chatstore.store import AttentionStore
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.session_kv import SessionKey
 from tests.api.test_sessions import sse_events
 

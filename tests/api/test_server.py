@@ -82,7 +82,7 @@ def test_serve_process_with_keys_logs_and_exits_cleanly(tmp_path):
 
 def test_graceful_shutdown_drains_and_flushes(default_model, tmp_path):
     from chatstore.config import load_config
-    from chatstore.store import create_store
+    from chatstore.store.attention_store import create_store
 
     srv = local_server(tmp_path, default_model, kv_cache_bytes=32 << 20, dram_bytes=128 << 20)
     srv.start()

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.commit.write_buffer import WriteBuffer
 from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.settings import StoreSettings
 from tests.store.test_attention_store import SPEC, TOKEN_BYTES, save_later, value
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +118,8 @@ CHILD = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
-    from chatstore.store import AttentionStore, StoreSettings
+    from chatstore.store.attention_store import AttentionStore
+    from chatstore.store.settings import StoreSettings
     from tests.store.test_attention_store import SPEC, save_later
     from tests.store.test_async_save import versions
 

@@ -14,9 +14,12 @@ import torch
 
 from chatstore.config import load_config
 from chatstore.engine.kv_connector import NullConnector
-from chatstore.store import AttentionStore, StoreSettings, create_store
-from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
+from chatstore.store.attention_store import AttentionStore, create_store
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.record import SessionRecord
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.settings import StoreSettings
 from chatstore.transfer import create_connector
 from tests.support.store import TINY_SPEC
 
@@ -211,7 +214,8 @@ def test_config_switches_and_data_dir(tmp_path):
 
 
 def test_session_metadata_survives_reopen(tmp_path) -> None:
-    from chatstore.store.records import LmdbRecordStore, SessionRecord
+    from chatstore.store.records.lmdb import LmdbRecordStore
+    from chatstore.store.records.record import SessionRecord
     from chatstore.store.session_kv import SessionKey
 
     key = SessionKey("t1", "s1")

@@ -19,10 +19,10 @@ import threading
 import pytest
 import torch
 
-from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.chunks import ChunkKey
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 from chatstore.store.sessions import restore as restore_module
+from chatstore.store.settings import StoreSettings
 from tests.support.store import TINY_SPEC
 
 SPEC = TINY_SPEC

@@ -18,10 +18,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.chunks import ChunkHasher
 from chatstore.store.ports import ChunkDelta
 from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.settings import StoreSettings
 from tests.store.test_attention_store import SPEC, TOKEN_BYTES
 from tests.support.store import push_down
 

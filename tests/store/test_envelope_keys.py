@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.chunks import ChunkKey
-from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.record import SessionRecord
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.sealing import Keyring, KeyringError, OpenError, Sealer, load_master_secrets
 from chatstore.store.sealing import reseal as reseal_module
 from chatstore.store.sealing.key_store_lmdb import LmdbKeyStore
@@ -31,7 +32,8 @@ from chatstore.store.sealing.key_store_redis import RedisKeyStore
 from chatstore.store.sealing.master_key import Secret, new_secret_line
 from chatstore.store.sealing.reseal import Resealer
 from chatstore.store.sealing.sealer import is_sealed, read_header
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
+from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier

@@ -11,10 +11,9 @@ from collections.abc import Hashable
 
 import pytest
 
-from chatstore.store.chunks import ChunkKey
 from chatstore.store.placement.chunk_placement import ChunkPlacement
 from chatstore.store.placement.policies import PolicyChooser, SortedLookahead, make_policy
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 from chatstore.store.sessions.index import SessionChain, SessionIndex
 from chatstore.store.tiers.base import IndexedTier
 from tests.support.eviction_reference import reference_victim

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.chunks import ChunkHasher
 from chatstore.store.records.prefix_index import registration
 from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.settings import StoreSettings
 from tests.support.store import TINY_SPEC
 
 pytestmark = pytest.mark.timeout(120)

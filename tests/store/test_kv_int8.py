@@ -27,9 +27,11 @@ from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.request import Request
 from chatstore.engine.runner import ModelRunner
-from chatstore.store import AttentionStore, StoreSettings, kv_quant
-from chatstore.store.chunks import ChunkHasher, ChunkKey
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store import kv_quant
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.chunks import ChunkHasher
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
+from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.dram import DramTier, KVLayout
 from chatstore.store.tiers.lmdb import LmdbTier

@@ -28,9 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import chatstore.store.store_parts as store_parts
 import chatstore.store.tiers.lmdb as lmdb_tier
 from chatstore.server.launcher import local_server
-from chatstore.store import AttentionStore
-from chatstore.store.chunks import ChunkKey
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.commit.persister import Persister
+from chatstore.store.session_kv import ChunkKey
 from chatstore.store.tiers.lmdb import LmdbTier
 from tests.store.test_attention_store import TOKEN_BYTES
 from tests.store.test_chunks import CHUNK, kv_of, make, turn

@@ -22,8 +22,11 @@ import pytest
 
 from chatstore.private_file import write_private
 from chatstore.store.keys import key_digest
-from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord, redis_log
+from chatstore.store.records import redis_log
+from chatstore.store.records.lmdb import LmdbRecordStore
 from chatstore.store.records.lmdb_log import header_json
+from chatstore.store.records.record import SessionRecord
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.records.responses import ResponseRecord
 from chatstore.store.sealing import (
     RECORD_PURPOSE,

@@ -17,12 +17,13 @@ import time
 
 import torch
 
-from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.opened_turn import TurnChain
 from chatstore.store.ports import ChainRecord, OpenedTurn
-from chatstore.store.records import SessionRecord
+from chatstore.store.records.record import SessionRecord
 from chatstore.store.session_kv import SessionKey, SessionKV
 from chatstore.store.session_store import SessionStore
+from chatstore.store.settings import StoreSettings
 from tests.support.store import TINY_SPEC
 
 TOKEN_BYTES = 2 * 2 * 2 * 4 * 4  # fp32 bytes of one token's K and V over all layers

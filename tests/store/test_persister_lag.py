@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from chatstore.store.chunks import ChunkKey
 from chatstore.store.commit.persister import Persister
+from chatstore.store.session_kv import ChunkKey
 
 # A liveness bound, far above the lag and far below what per-chunk deferral took before
 # (10 chunks x max_defer_s 0.5 s, after the lag).

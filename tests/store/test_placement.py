@@ -11,10 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatstore.config import load_config
-from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.events import StoreEvent
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.placement.policies import PolicyChooser
+from chatstore.store.port_values import StoreEvent
 from chatstore.store.session_kv import SessionKey
+from chatstore.store.settings import StoreSettings
 from tests.store.test_attention_store import SPEC, TOKEN_BYTES, value
 from tests.support.store import push_down
 

@@ -10,12 +10,9 @@ import time
 import pytest
 
 from chatstore.api.common.errors import store_error
-from chatstore.store.records import (
-    LmdbRecordStore,
-    RecordConflict,
-    RedisRecordStore,
-    SessionRecord,
-)
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.record import RecordConflict, SessionRecord
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.session_kv import SessionKey
 
 KEY = SessionKey("t", "s")

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
-from chatstore.store.records.record import RecordConflict
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.record import RecordConflict, SessionRecord
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.session_kv import SessionKey
 
 

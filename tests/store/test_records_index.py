@@ -9,16 +9,11 @@ import time
 
 import pytest
 
-from chatstore.store.records import (
-    LmdbRecordStore,
-    RedisRecordStore,
-    ResponseExists,
-    ResponseRecord,
-    SessionRecord,
-)
-from chatstore.store.records.lmdb import INDEX
+from chatstore.store.records.lmdb import INDEX, LmdbRecordStore
 from chatstore.store.records.prefix_index import PREFIX_STEP
-from chatstore.store.records.responses import LEGACY_NAMESPACE
+from chatstore.store.records.record import SessionRecord
+from chatstore.store.records.redis import RedisRecordStore
+from chatstore.store.records.responses import LEGACY_NAMESPACE, ResponseExists, ResponseRecord
 from chatstore.store.session_kv import SessionKey
 
 FP = "model-a"

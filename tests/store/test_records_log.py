@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from chatstore.store.records import LmdbRecordStore, SessionRecord, lmdb_log
+from chatstore.store.records import lmdb_log
+from chatstore.store.records.lmdb import LmdbRecordStore
 from chatstore.store.records.lmdb_facts import key_range
+from chatstore.store.records.record import SessionRecord
 from chatstore.store.session_kv import SessionKey
 from tests.support.records import server_turn
 

@@ -12,14 +12,10 @@ from typing import Any
 
 import pytest
 
-from chatstore.store.records import (
-    LmdbRecordStore,
-    RecordConflict,
-    RedisRecordStore,
-    SessionRecord,
-    lmdb_log,
-    redis_log,
-)
+from chatstore.store.records import lmdb_log, redis_log
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.record import RecordConflict, SessionRecord
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.sealing import Keyring, Sealer
 from chatstore.store.sealing.key_store_redis import RedisKeyStore
 from chatstore.store.sealing.master_key import Secret

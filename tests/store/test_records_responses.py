@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from chatstore.store.records import LmdbRecordStore, RedisRecordStore, ResponseRecord
-from chatstore.store.records.responses import CHAIN_BASE
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.redis import RedisRecordStore
+from chatstore.store.records.responses import CHAIN_BASE, ResponseRecord
 
 
 @pytest.fixture(params=["lmdb", "redis"])

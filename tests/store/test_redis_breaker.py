@@ -15,9 +15,9 @@ from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
 from chatstore.engine.runtime import Runtime
-from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.chunks import ChunkKey
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
+from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.chunk_tiers import ChunkTiers

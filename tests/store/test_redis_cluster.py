@@ -10,7 +10,8 @@ import pytest
 import redis as redis_lib
 from redis.cluster import RedisCluster
 
-from chatstore.store.records import RedisRecordStore, SessionRecord
+from chatstore.store.records.record import SessionRecord
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker

@@ -16,9 +16,10 @@ import redis as redis_lib
 from chatstore.config import load_config
 from chatstore.redis_security import RedisSecurity
 from chatstore.server.launcher import local_server
-from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.chunks import ChunkKey
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.records.leases import session_leases
+from chatstore.store.session_kv import ChunkKey
+from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.redis import RedisTier, connect_redis

@@ -9,10 +9,12 @@ import time
 
 import pytest
 
-from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.records import LmdbRecordStore, RecordStoreFull, SessionRecord
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.record import RecordStoreFull, SessionRecord
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.session_store import SessionStore
+from chatstore.store.settings import StoreSettings
 from tests.store.test_attention_store import SPEC
 from tests.store.test_chunks import CHUNK, make, turn
 

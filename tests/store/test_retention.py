@@ -11,11 +11,14 @@ import pytest
 
 from chatstore.api.common.settings import ServerSettings
 from chatstore.server.launcher import local_server
-from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.records import LmdbRecordStore, RedisRecordStore, SessionRecord
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.record import SessionRecord
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.session_store import SessionStore
+from chatstore.store.settings import StoreSettings
 from tests.store.test_attention_store import SPEC, value
 from tests.store.test_placement import BLOCK, evictions
 

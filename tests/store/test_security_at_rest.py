@@ -29,14 +29,14 @@ import torch
 
 from chatstore.api.common.settings import ServerSettings
 from chatstore.server.launcher import local_server
-from chatstore.store import AttentionStore
-from chatstore.store.chunks import ChunkKey
-from chatstore.store.records import LmdbRecordStore, SessionRecord
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.record import SessionRecord
 from chatstore.store.sealing import Keyring, OpenError, Sealer, load_master_secrets
 from chatstore.store.sealing.key_store_lmdb import LmdbKeyStore
 from chatstore.store.sealing.master_key import Secret, new_secret_line, parse_secrets
 from chatstore.store.sealing.sealer import read_header
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.transfer import StoreConnector
 from tests.support.multiturn import CHUNK, MiniEngine, make_store

@@ -11,7 +11,6 @@ import time
 import httpx
 import pytest
 
-from chatstore.store.records import LmdbRecordStore, RecordStoreUnavailable, RedisRecordStore
 from chatstore.store.records.leases import (
     LocalLeases,
     RedisLeases,
@@ -19,6 +18,9 @@ from chatstore.store.records.leases import (
     session_leases,
     session_tag,
 )
+from chatstore.store.records.lmdb import LmdbRecordStore
+from chatstore.store.records.record import RecordStoreUnavailable
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.sealing import Keyring, Sealer
 from chatstore.store.sealing.key_store_redis import RedisKeyStore
 from chatstore.store.sealing.master_key import new_secret_line, parse_secrets

@@ -18,9 +18,10 @@ import redis as redis_lib
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
-from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.sealing.master_key import new_secret_line
 from chatstore.store.session_kv import SessionKey
+from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector
 from tests.support.engine import greedy, run_all, run_alone, tiny_runtime, tokens_of
 from tests.support.redis_server import redis_server_binary, start_local_redis

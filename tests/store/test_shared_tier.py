@@ -18,11 +18,11 @@ import pytest
 import redis as redis_lib
 
 from chatstore.config import Config
-from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.chunks import ChunkKey
-from chatstore.store.records import RedisRecordStore
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.sealing.master_key import new_secret_line
-from chatstore.store.session_kv import SessionKey
+from chatstore.store.session_kv import ChunkKey, SessionKey
+from chatstore.store.settings import StoreSettings
 from tests.support.engine import prompt, tiny_runtime
 from tests.support.replicas import CHUNK, Replica, kv_redis, records_redis
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chatstore.store.chunks import ChunkKey
-from chatstore.store.session_kv import SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import TierFull, encoded_footprint
 from chatstore.store.tiers.dram import DramTier, KVLayout

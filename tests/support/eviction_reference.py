@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Hashable, Iterable
 
-from chatstore.store.chunks import ChunkKey
+from chatstore.store.session_kv import ChunkKey
 
 
 def reference_victim(

@@ -34,10 +34,10 @@ import torch
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
-from chatstore.store import AttentionStore, StoreSettings
-from chatstore.store.chunks import ChunkKey
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.sealing.master_key import new_secret_line
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
+from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector
 from tests.chaos.harness import (
     RedisProcess,

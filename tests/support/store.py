@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from chatstore.model.spec import ModelSpec
-from chatstore.store import AttentionStore
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.session_kv import SessionKey
 
 # A two-layer model's shapes, for stores tested without a model (KV of random values).

@@ -11,7 +11,8 @@ from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.request import Request
 from chatstore.engine.runner import ModelRunner
 from chatstore.model.spec import ModelSpec
-from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector
 from tests.support.tiny_models import tiny_hf_model
 

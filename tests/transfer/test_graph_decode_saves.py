@@ -9,7 +9,8 @@ import pytest
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
-from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector
 from tests.support.engine import greedy, prompt, run_all, run_alone, tiny_runtime, tokens_of
 

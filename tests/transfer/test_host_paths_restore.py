@@ -14,7 +14,8 @@ import torch
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
-from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers.dram import DramTier
 from chatstore.transfer import StoreConnector
 from chatstore.transfer.host_copies import HostCopies

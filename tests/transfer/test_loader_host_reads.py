@@ -16,8 +16,7 @@ import torch
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
 from chatstore.store import kv_quant
-from chatstore.store.chunks.keys import ChunkKey
-from chatstore.store.session_kv import SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers.base import TierFull
 from chatstore.store.tiers.dram import DramTier, KVLayout
 from chatstore.store.tiers.dram_rows import PooledRows

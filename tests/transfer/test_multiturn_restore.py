@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import redis as redis_lib
 
-from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.attention_store import AttentionStore
+from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector
 from tests.support.multiturn import CHUNK, MiniEngine, make_store
 

@@ -17,8 +17,9 @@ import torch
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.llm_engine import LLMEngine
 from chatstore.engine.request import Request
-from chatstore.store import AttentionStore, StoreSettings
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector, layer_copy
 from chatstore.transfer.chunked_kv import ChunkedKV
 from chatstore.transfer.read_buffer import ReadBuffer

@@ -43,13 +43,8 @@ from chatstore.api.common.auth import Principal, admin_principal
 from chatstore.api.common.errors import APIError, store_error
 from chatstore.api.sessions.bodies import session_info
 from chatstore.api.sessions.service import ChatService
-from chatstore.store.ports import (
-    KeyUnavailable,
-    RecordStoreError,
-    SessionRecord,
-    ShredFailed,
-    store_hits,
-)
+from chatstore.store.ports import RecordStoreError, SessionRecord, store_hits
+from chatstore.store.sealing.errors import KeyUnavailable, ShredFailed
 
 CACHE_SESSIONS_SHOWN = 50  # rows of the session table inlined in /admin/cache
 # The pagination of every admin listing.

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from chatstore.api.common.errors import bad_param
-from chatstore.store.ports import RetentionError, check_retention
+from chatstore.store.retention import RetentionError, check_retention
 
 
 def check_text(param: str, text: str, max_chars: int) -> str:

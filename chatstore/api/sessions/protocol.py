@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from chatstore.api.common.protocol import Choice, SamplingFields, SessionId, UsageBody
-from chatstore.store.ports import PRIORITY_MAX, PRIORITY_MIN, TTL_MAX_S
+from chatstore.store.retention import PRIORITY_MAX, PRIORITY_MIN, TTL_MAX_S
 
 Priority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True)]
 TtlSeconds = Annotated[int, Field(ge=0, le=TTL_MAX_S, strict=True)]  # 0: the server's TTL

@@ -20,20 +20,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from chatstore.store.session_kv import ChunkKey
+
 _DOMAIN = b"chatstore-chunk-v1"
-
-
-@dataclass(frozen=True)
-class ChunkKey:
-    tenant: str
-    digest: str  # 32 hex chars
-
-    def __str__(self) -> str:
-        return f"{self.tenant}/{self.digest[:12]}"
 
 
 class ChunkHasher:
@@ -76,29 +68,3 @@ class ChunkHasher:
 
     def num_chunks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.chunk_tokens)
-
-
-def chunk_span(index: int, chunk_tokens: int, num_tokens: int) -> tuple[int, int]:
-    """Token positions [start, end) of chunk `index` in a history of num_tokens."""
-    start = index * chunk_tokens
-    return start, min(start + chunk_tokens, num_tokens)
-
-
-def tokens_by_tier(
-    chunks: list[ChunkKey],
-    chunk_tokens: int,
-    start: int,
-    end: int,
-    tier_of: Callable[[ChunkKey], str | None],
-) -> dict[str, int]:
-    """Tokens [start, end) of a chain of `chunk_tokens`-token chunks, counted by their chunk's
-    tier; the counts sum to end - start when `chunks` covers them and every chunk there has a
-    tier (a chunk whose tier is None, or past the end of `chunks`, is not counted)."""
-    out: dict[str, int] = {}
-    C = chunk_tokens
-    for i in range(start // C, min(len(chunks), -(-end // C))):
-        n = min(end, (i + 1) * C) - max(start, i * C)
-        tier = tier_of(chunks[i]) if n > 0 else None
-        if tier is not None:
-            out[tier] = out.get(tier, 0) + n
-    return out

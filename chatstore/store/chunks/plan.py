@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from chatstore.store.chunks.keys import ChunkHasher, ChunkKey
+from chatstore.store.chunks.keys import ChunkHasher
 from chatstore.store.ports import StoredSession, TurnPlan
-from chatstore.store.session_kv import SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKV
 
 
 def plan_chain(

@@ -17,12 +17,11 @@ from contextlib import contextmanager
 
 import torch
 
-from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.commit.turn_commit import Memo, TurnCommitter
 from chatstore.store.opened_turn import OpenedTurn
 from chatstore.store.placement.session_placement import SessionPlacement
 from chatstore.store.port_values import ChunkDelta, StoredSession
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 from chatstore.store.sessions.index import SessionChain
 from chatstore.store.sessions.retention_table import RetentionTable
 from chatstore.store.sessions.turn_opening import TurnOpening

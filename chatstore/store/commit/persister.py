@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 
 from chatstore.cpu_threads import lower_thread_priority, own_intra_op_threads
-from chatstore.store.chunks import ChunkKey
+from chatstore.store.session_kv import ChunkKey
 
 log = logging.getLogger(__name__)
 

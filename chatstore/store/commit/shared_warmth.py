@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 
-from chatstore.store.chunks.keys import ChunkKey
+from chatstore.store.session_kv import ChunkKey
 from chatstore.store.sessions.index import SessionIndex
 from chatstore.store.tiers.chunk_tiers import ChunkTiers
 

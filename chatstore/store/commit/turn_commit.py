@@ -27,14 +27,14 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.commit.persister import Persister
 from chatstore.store.commit.shared_warmth import SharedWarmth
 from chatstore.store.commit.write_buffer import WriteBuffer
 from chatstore.store.opened_turn import TurnChain
 from chatstore.store.port_values import ChunkBuilder, ChunkDelta, TurnPlan
-from chatstore.store.records import ChainRecord, RecordStore
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.records.base import RecordStore
+from chatstore.store.records.record import ChainRecord
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 from chatstore.store.sessions.index import SessionChain, SessionIndex
 from chatstore.store.sessions.versions import SessionVersions
 from chatstore.store.settings import StoreSettings

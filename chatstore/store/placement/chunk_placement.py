@@ -28,8 +28,8 @@ import threading
 from collections.abc import Callable, Collection, Container, Hashable
 from typing import Any
 
-from chatstore.store.chunks import ChunkKey
 from chatstore.store.placement.chunk_ranks import ChunkRanks
+from chatstore.store.session_kv import ChunkKey
 from chatstore.store.sessions.index import SessionIndex
 from chatstore.store.tiers.base import StorageTier
 

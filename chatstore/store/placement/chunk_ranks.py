@@ -37,8 +37,7 @@ from collections import deque
 from collections.abc import Collection, Container
 from typing import Any, Protocol
 
-from chatstore.store.chunks.keys import ChunkKey
-from chatstore.store.session_kv import SessionKey
+from chatstore.store.session_kv import ChunkKey, SessionKey
 from chatstore.store.sessions.index import SessionIndex
 from chatstore.store.tiers.base import StorageTier
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from chatstore.store.chunks.keys import ChunkKey
+from chatstore.store.session_kv import ChunkKey
 
 
 class VictimChooser(Protocol):

@@ -1,6 +1,6 @@
 """Durable session records, their prefix index, stored Responses and the turns' leases.
 
-record.py        SessionRecord and the errors (values)
+record.py        SessionRecord, ChainRecord, SessionLease and the errors (values)
 base.py          RecordStore (the contract every backend keeps)
 lmdb.py          LmdbRecordStore: one LMDB environment, synchronous commits (the default)
 lmdb_log.py      its records: a small header and an append-only log of turns (O(new) a turn)
@@ -13,49 +13,3 @@ prefix_index.py  which session a client that resends its history continues (O(1)
 responses.py     stored Responses: their own record type and namespace
 leases.py        a turn's lease on its session, so replicas run one turn at a time
 """
-
-from chatstore.store.records.base import RecordStore
-from chatstore.store.records.leases import (
-    LocalLeases,
-    RedisLeases,
-    SessionLease,
-    SessionLeases,
-    lease_name,
-    session_leases,
-    session_tag,
-)
-from chatstore.store.records.lmdb import LmdbRecordStore
-from chatstore.store.records.prefix_index import PrefixMatch
-from chatstore.store.records.record import (
-    ChainRecord,
-    RecordConflict,
-    RecordStoreError,
-    RecordStoreFull,
-    RecordStoreUnavailable,
-    SessionRecord,
-)
-from chatstore.store.records.redis import RedisRecordStore
-from chatstore.store.records.responses import ResponseExists, ResponseRecord, ResponseRecords
-
-__all__ = [
-    "ChainRecord",
-    "LmdbRecordStore",
-    "LocalLeases",
-    "PrefixMatch",
-    "RecordConflict",
-    "RecordStore",
-    "RecordStoreError",
-    "RecordStoreFull",
-    "RecordStoreUnavailable",
-    "RedisLeases",
-    "RedisRecordStore",
-    "ResponseExists",
-    "ResponseRecord",
-    "ResponseRecords",
-    "SessionLease",
-    "SessionLeases",
-    "SessionRecord",
-    "lease_name",
-    "session_leases",
-    "session_tag",
-]

@@ -25,14 +25,14 @@ import os
 import socket
 import threading
 import uuid
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import quote
 
 from redis.exceptions import LockError
 
 from chatstore.store.keys import key_digest
 from chatstore.store.records.base import RecordStore
+from chatstore.store.records.record import SessionLease
 from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.session_kv import SessionKey
 
@@ -57,15 +57,6 @@ def session_tag(key: SessionKey) -> str:
 
 def lease_name(key: SessionKey) -> str:
     return f"{LEASE_PREFIX}{{{session_tag(key)}}}"
-
-
-@dataclass(eq=False)
-class SessionLease:
-    key: SessionKey
-    name: str = ""
-    token: str = ""
-    lost: bool = False  # a renewal found another token (or none): the lease expired
-    lock: Any = None  # the redis-py Lock holding it (None: a local lease)
 
 
 class SessionLeases(Protocol):

@@ -92,6 +92,18 @@ class SessionRecord:
             self.kv_tokens, self.last_token = int(last["kv_tokens"]), int(last["last_token"])
 
 
+@dataclass(eq=False)
+class SessionLease:
+    """A turn's (or a delete's) lease on its session, shared by replicas (leases.py takes,
+    renews and gives it back)."""
+
+    key: SessionKey
+    name: str = ""
+    token: str = ""
+    lost: bool = False  # a renewal found another token (or none): the lease expired
+    lock: Any = None  # the redis-py Lock holding it (None: a local lease)
+
+
 class RecordStoreError(Exception):
     """A record could not be written durably (or read); the caller must not acknowledge."""
 

@@ -19,9 +19,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from chatstore.store.sealing.errors import KeyringError, KeyUnavailable, ShredFailed
 from chatstore.store.sealing.key_store import KeyStore
-from chatstore.store.sealing.keyring import Keyring, KeyUnavailable, ShredFailed
-from chatstore.store.sealing.master_key import KeyringError, load_master_secrets
+from chatstore.store.sealing.keyring import Keyring
+from chatstore.store.sealing.master_key import load_master_secrets
 from chatstore.store.sealing.sealer import OpenError, Sealer
 
 log = logging.getLogger(__name__)

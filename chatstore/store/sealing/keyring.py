@@ -33,24 +33,15 @@ from dataclasses import dataclass, field
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from chatstore.store.sealing.errors import KeyringError, KeyUnavailable, ShredFailed
 from chatstore.store.sealing.key_store import KeyStore, MemoryKeyStore, TenantKeys, WrappedKey
-from chatstore.store.sealing.master_key import KeyringError, Secret
+from chatstore.store.sealing.master_key import Secret
 
 log = logging.getLogger(__name__)
 
 DEK_BYTES = 32
 NONCE_BYTES = 12
 WRAP_DOMAIN = b"chatstore-dek-v1"
-
-
-class KeyUnavailable(KeyringError):
-    """A tenant's data key exists but this server cannot unwrap it (another master key, or one
-    it lacks): it must not seal that tenant's values (the key store is never overwritten)."""
-
-
-class ShredFailed(RuntimeError):
-    """The key store did not take a shred (Redis out of reach): nothing was destroyed or
-    purged; retry once it is back."""
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from chatstore.store.sealing.master_key import (
-    KeyringError,
-    Secret,
-    parse_secrets,
-    read_key_file,
-    refuse_inside,
-)
+from chatstore.store.sealing.errors import KeyringError
+from chatstore.store.sealing.master_key import Secret, parse_secrets, read_key_file, refuse_inside
 from chatstore.store.sealing.sealer import OpenError, associated_data, owner_tenant
 
 log = logging.getLogger(__name__)

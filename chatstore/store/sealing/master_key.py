@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatstore.private_file import write_private
+from chatstore.store.sealing.errors import KeyringError
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,6 @@ LEGACY_HINT = (
     "`chatstore admin migrate-v1` re-seals them; give it to that migration, once moved, as "
     "CHATSTORE_LEGACY_SECRET_FILE (docs/security.md)"
 )
-
-
-class KeyringError(ValueError):
-    """The secrets given cannot be used (bad format, short, a key file others can read, a key
-    file inside the data directory, a generated key where replicas need a shared one)."""
 
 
 @dataclass(frozen=True)

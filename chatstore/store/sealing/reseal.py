@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from chatstore.private_file import write_private
-from chatstore.store.chunks import ChunkKey
 from chatstore.store.sealing import legacy_v1
 from chatstore.store.sealing.keyring import Keyring
 from chatstore.store.sealing.legacy_v1 import LegacyOpener
+from chatstore.store.session_kv import ChunkKey
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from chatstore.store.chunks import ChunkKey
+from chatstore.store.session_kv import ChunkKey
 
 
 class ChunkPins:

@@ -22,10 +22,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from chatstore.store.chunks import ChunkKey
 from chatstore.store.chunks.keys import ChunkHasher
-from chatstore.store.records import SessionRecord
-from chatstore.store.session_kv import SessionKey
+from chatstore.store.records.record import SessionRecord
+from chatstore.store.session_kv import ChunkKey, SessionKey
 
 _NOBODY: frozenset[SessionKey] = frozenset()
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.commit.turn_commit import TurnCommitter
 from chatstore.store.placement.session_placement import SessionPlacement
 from chatstore.store.sealing import Sealer
-from chatstore.store.session_kv import SessionKey
+from chatstore.store.session_kv import ChunkKey, SessionKey
 from chatstore.store.sessions.retention_table import RetentionTable
 
 WAIT_SAVED_S = 30.0  # the longest a reader waits for a session's pending write

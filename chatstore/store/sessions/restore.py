@@ -26,10 +26,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from chatstore.store.chunks.keys import ChunkHasher, ChunkKey
+from chatstore.store.chunks.keys import ChunkHasher
 from chatstore.store.commit.turn_commit import TurnCommitter
-from chatstore.store.records import RecordStore, RecordStoreUnavailable, SessionRecord
-from chatstore.store.session_kv import SessionKey
+from chatstore.store.records.base import RecordStore
+from chatstore.store.records.record import RecordStoreUnavailable, SessionRecord
+from chatstore.store.session_kv import ChunkKey, SessionKey
 from chatstore.store.sessions.index import SessionChain
 from chatstore.store.sessions.versions import SessionVersions
 from chatstore.store.tiers.base import StorageTier

@@ -11,7 +11,7 @@ from chatstore.store.session_kv import SessionKey
 
 if TYPE_CHECKING:
     from chatstore.store.placement.session_placement import SessionPlacement
-    from chatstore.store.records import SessionRecord
+    from chatstore.store.records.record import SessionRecord
 
 
 class RetentionTable:

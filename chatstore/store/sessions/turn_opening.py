@@ -30,12 +30,13 @@ import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
-from chatstore.store.chunks.keys import ChunkHasher, ChunkKey
+from chatstore.store.chunks.keys import ChunkHasher
 from chatstore.store.commit.turn_commit import TurnCommitter
 from chatstore.store.opened_turn import BorrowedPrefix, OpenedTurn, TurnChain
 from chatstore.store.placement.session_placement import SessionPlacement
-from chatstore.store.records import RecordStore, SessionRecord
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.records.base import RecordStore
+from chatstore.store.records.record import SessionRecord
+from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 from chatstore.store.sessions.holds import ChunkPins
 from chatstore.store.sessions.index import SessionChain
 from chatstore.store.sessions.versions import SessionVersions

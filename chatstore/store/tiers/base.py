@@ -26,8 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chatstore.store.chunks.keys import ChunkKey
-from chatstore.store.session_kv import SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKV
 
 # Told (key, True) when a tier comes to hold key, (key, False) when it lets go; on the thread
 # that changed the tier, outside the tier's own locks. It must not block.

@@ -40,10 +40,9 @@ from contextlib import contextmanager
 
 import torch
 
-from chatstore.store.chunks import ChunkKey
 from chatstore.store.events import EventLog, StoreCounters
 from chatstore.store.placement.victims import LruChooser, VictimChooser
-from chatstore.store.session_kv import SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers.background import BackgroundIO
 from chatstore.store.tiers.base import (
     StorageTier,

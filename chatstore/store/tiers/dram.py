@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from chatstore.store import kv_quant
-from chatstore.store.chunks.keys import ChunkKey
-from chatstore.store.session_kv import SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers.base import MembershipListener, StorageTier, TierFull
 from chatstore.store.tiers.dram_rows import PooledRows
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from chatstore.store.chunks.keys import ChunkKey
-from chatstore.store.events import EventKind
-from chatstore.store.session_kv import SessionKV
+from chatstore.store.port_values import EventKind
+from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers.background import BackgroundIO
 from chatstore.store.tiers.base import TierFull
 from chatstore.store.tiers.dram import DramTier

@@ -49,10 +49,9 @@ from typing import Any
 
 import lmdb
 
-from chatstore.store.chunks import ChunkKey
 from chatstore.store.sealing import KV_PURPOSE, OpenError, Sealer
 from chatstore.store.sealing.sealer import is_sealed
-from chatstore.store.session_kv import SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import IndexedTier, StorageFull
 

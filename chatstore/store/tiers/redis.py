@@ -49,10 +49,9 @@ from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 from chatstore.redis_security import RedisSecurity
-from chatstore.store.chunks import ChunkKey
 from chatstore.store.sealing import KV_PURPOSE, Sealer
 from chatstore.store.sealing.sealer import is_sealed
-from chatstore.store.session_kv import SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import IndexedTier, TierFull, TierUnavailable
 from chatstore.store.tiers.breaker import BreakerHealth, CircuitBreaker

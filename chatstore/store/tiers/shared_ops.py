@@ -12,8 +12,8 @@ import logging
 import threading
 from collections.abc import Collection
 
-from chatstore.store.chunks.keys import ChunkKey
 from chatstore.store.events import StoreCounters
+from chatstore.store.session_kv import ChunkKey
 from chatstore.store.tiers.base import StorageTier
 
 log = logging.getLogger(__name__)

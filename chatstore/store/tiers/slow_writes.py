@@ -11,11 +11,11 @@ import logging
 import threading
 from collections.abc import Collection, Iterable
 
-from chatstore.store.chunks.keys import ChunkKey
-from chatstore.store.events import EventKind, EventLog, StoreCounters, StoreEvent
+from chatstore.store.events import EventLog, StoreCounters
 from chatstore.store.placement.victims import VictimChooser
+from chatstore.store.port_values import EventKind, StoreEvent
 from chatstore.store.sealing import OpenError
-from chatstore.store.session_kv import SessionKV
+from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers.base import StorageFull, StorageTier, TierFull, TierUnavailable
 from chatstore.store.tiers.codec import CorruptValueError
 
