@@ -52,7 +52,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -62,28 +61,18 @@ from chatstore.engine.kv_connector import KVConnector, LoadStats
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store import kv_quant
-from chatstore.store.ports import KVSource, OpenedTurn, StoredSession, WaitingQueue
-from chatstore.store.session_kv import SessionKey, common_prefix_len
+from chatstore.store.ports import KVSource, OpenedTurn, WaitingQueue
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV
 from chatstore.transfer.copy_events import compute_mark, layer_events
 from chatstore.transfer.layer_loader import LayerLoader, LoadJob
 from chatstore.transfer.layer_saver import LayerSaver, TurnRows
-from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
+from chatstore.transfer.read_buffer import ReadBuffer
 from chatstore.transfer.session_staging import SessionStaging
-from chatstore.transfer.stored_reads import fetch_session, fetch_span, read_span
+from chatstore.transfer.stored_reads import fetch_session, fetch_span
+from chatstore.transfer.turn_admission import PendingTurn, TurnAdmission
 from chatstore.transfer.turn_save import TurnSaver, block_slots
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Pending:
-    request: Request
-    saved: StoredSession | None
-    reusable: int  # leading prompt tokens the stored chunks cover (LCP)
-    staged: StagedKV | None = None  # read-buffer entry claimed for this request
-    kv: ChunkedKV | None = None  # the chunks past the device hit, read at admission
-    opened: OpenedTurn | None = None  # the API's handle: its pinned chunks, until read
 
 
 class StoreConnector(KVConnector):
@@ -104,9 +93,10 @@ class StoreConnector(KVConnector):
         self.store = store
         self.kv_cache = kv_cache
         self.rope = rope
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, PendingTurn] = {}
         self._step_ids: list[str] | None = None
         self.read_buffer = ReadBuffer(read_buffer_layers, read_buffer_bytes)
+        self.admission = TurnAdmission(store, self.read_buffer)
         # Staging queued sessions while another job computes pays off when the copy has an
         # engine of its own (a GPU's); on a CPU host it shares the forward's cores and measured
         # a net loss (bench/preload.py, job sequence), so by default only hints stage there.
@@ -179,24 +169,8 @@ class StoreConnector(KVConnector):
         if pending.reusable - num_computed < self.min_load_tokens:
             return 0
         if pending.staged is None and (pending.kv is None or pending.kv.start > num_computed):
-            pending.kv = self._read_available(pending, num_computed)
+            pending.kv = self.admission.read_available(pending, num_computed)
         return max(0, pending.reusable - num_computed)
-
-    def _read_available(self, pending: _Pending, start: int) -> ChunkedKV | None:
-        """The engine thread's read: host memory only (`foreground`), so a chunk only SSD or
-        Redis holds ends the reuse here (recomputed) and is prefetched to DRAM for the next
-        turn, rather than make the step wait on a disk or the network."""
-        stored = pending.saved
-        assert stored is not None
-        with self.store.foreground_reads():
-            parts, reached = read_span(self.store, stored, start, pending.reusable)
-        self.store.complete_load(pending.opened)  # read: the parts own their rows now
-        if reached < pending.reusable and self._stored_below(stored, reached):
-            self.store.prefetch(stored.key.tenant, stored.key.session_id)
-        pending.reusable = reached  # a chunk that is gone: reuse stops where it starts
-        if reached <= start:
-            return None
-        return ChunkedKV(parts, start, reached, stored.token_ids)
 
     def cached_tiers(self, request: Request, start: int, num_tokens: int) -> dict[str, int]:
         """The loaded tokens [start, start + num_tokens) by the tier their chunk was in when
@@ -206,32 +180,12 @@ class StoreConnector(KVConnector):
             return {}
         return pending.saved.tokens_by_origin(start, start + num_tokens)
 
-    def _stored_below(self, stored: StoredSession, position: int) -> bool:
-        """The chunk at position is still stored, below host memory (SSD or Redis)."""
-        return self.store.stored_below(stored.chunks[position // stored.chunk_tokens])
-
-    def _start(self, request: Request) -> _Pending:
-        saved, staged, opened = None, None, OpenedTurn.of(request.store_turn)
-        if request.session_id is not None:
-            key = SessionKey(request.tenant, request.session_id)
-            staged = self.read_buffer.claim(key, self._version(key))  # published ones only
-            saved = self.store.prepare_load(key.tenant, key.session_id, opened)
-        reusable = 0
-        if saved is not None:
-            # Keep at least one prompt token to compute: its logits give the first new token.
-            lcp = common_prefix_len(saved.token_ids, request.prompt_token_ids)
-            reusable = min(lcp, len(request.prompt_token_ids) - 1)
-        if staged is not None and (staged.saved is None or staged.saved.end < reusable):
-            self.read_buffer.release(staged)
-            staged = None
-        pending = _Pending(request, saved, reusable, staged, opened=opened)
+    def _start(self, request: Request) -> PendingTurn:
+        pending = self.admission.start(request)
         self._pending[request.request_id] = pending
         if request.session_id is not None:
             self.saver.track(request.request_id)
         return pending
-
-    def _version(self, key: SessionKey) -> int:
-        return self.store.version(key.tenant, key.session_id)
 
     def load(self, request: Request, start: int, num_tokens: int, block_table: list[int]) -> None:
         """Synchronous: every layer's history KV is in the pool when this returns."""
@@ -377,7 +331,7 @@ class StoreConnector(KVConnector):
         if opened is not None:
             opened.nothing_saved()
 
-    def _drop(self, request_id: str) -> _Pending | None:
+    def _drop(self, request_id: str) -> PendingTurn | None:
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             self.store.complete_load(pending.opened)
@@ -389,7 +343,7 @@ class StoreConnector(KVConnector):
     def _save_turn(
         self,
         request: Request,
-        pending: _Pending | None,
+        pending: PendingTurn | None,
         rows: TurnRows,
         token_ids: list[int],
         block_table: list[int],

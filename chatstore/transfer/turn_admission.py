@@ -1,0 +1,83 @@
+"""A request's admission read: how much of its prompt the store's history covers, and that
+history past the device prefix-cache hit, read on the engine thread from host memory only.
+
+    request (Request.store_turn: the API's OpenedTurn, or None)
+      │  read buffer: a staged copy of the session, claimed if it is the current version
+      │  store.prepare_load: the stored history (no KV read), each chunk's tier as the turn
+      │                      found it, a prompt prefix the opening borrowed
+      ▼
+    PendingTurn  reusable = the history's common prefix with the prompt, less one token (its
+                 logits give the first new token)
+      │  read_available(start): the chunks past `start`, from host memory (`foreground_reads`);
+      │                         the turn's pins go once read (`complete_load`)
+      ▼
+    ChunkedKV    what the load rotates into the pool; a chunk only SSD or Redis holds ends the
+                 reuse there (recomputed) and is prefetched to DRAM for the next turn, rather
+                 than make the step wait on a disk or the network
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chatstore.engine.request import Request
+from chatstore.store.ports import KVSource, OpenedTurn, StoredSession
+from chatstore.store.session_kv import SessionKey, common_prefix_len
+from chatstore.transfer.chunked_kv import ChunkedKV
+from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
+from chatstore.transfer.stored_reads import read_span
+
+
+@dataclass
+class PendingTurn:
+    """What the connector keeps of an admitted request until it ends."""
+
+    request: Request
+    saved: StoredSession | None
+    reusable: int  # leading prompt tokens the stored chunks cover (LCP)
+    staged: StagedKV | None = None  # read-buffer entry claimed for this request
+    kv: ChunkedKV | None = None  # the chunks past the device hit, read at admission
+    opened: OpenedTurn | None = None  # the API's handle: its pinned chunks, until read
+
+
+class TurnAdmission:
+    """The engine thread's side of a turn's history (see the module's doc)."""
+
+    def __init__(self, store: KVSource, read_buffer: ReadBuffer) -> None:
+        self.store, self.read_buffer = store, read_buffer
+
+    def start(self, request: Request) -> PendingTurn:
+        saved, staged, opened = None, None, OpenedTurn.of(request.store_turn)
+        if request.session_id is not None:
+            key = SessionKey(request.tenant, request.session_id)
+            version = self.store.version(key.tenant, key.session_id)
+            staged = self.read_buffer.claim(key, version)  # published ones only
+            saved = self.store.prepare_load(key.tenant, key.session_id, opened)
+        reusable = 0
+        if saved is not None:
+            # Keep at least one prompt token to compute: its logits give the first new token.
+            lcp = common_prefix_len(saved.token_ids, request.prompt_token_ids)
+            reusable = min(lcp, len(request.prompt_token_ids) - 1)
+        if staged is not None and (staged.saved is None or staged.saved.end < reusable):
+            self.read_buffer.release(staged)
+            staged = None
+        return PendingTurn(request, saved, reusable, staged, opened=opened)
+
+    def read_available(self, pending: PendingTurn, start: int) -> ChunkedKV | None:
+        """The history [start, reusable) from host memory; `pending.reusable` shrinks to where
+        a chunk is missing (gone, corrupt, or only below host memory)."""
+        stored = pending.saved
+        assert stored is not None
+        with self.store.foreground_reads():
+            parts, reached = read_span(self.store, stored, start, pending.reusable)
+        self.store.complete_load(pending.opened)  # read: the parts own their rows now
+        if reached < pending.reusable and self._stored_below(stored, reached):
+            self.store.prefetch(stored.key.tenant, stored.key.session_id)
+        pending.reusable = reached  # a chunk that is gone: reuse stops where it starts
+        if reached <= start:
+            return None
+        return ChunkedKV(parts, start, reached, stored.token_ids)
+
+    def _stored_below(self, stored: StoredSession, position: int) -> bool:
+        """The chunk at position is still stored, below host memory (SSD or Redis)."""
+        return self.store.stored_below(stored.chunks[position // stored.chunk_tokens])
