@@ -16,14 +16,16 @@ from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 @dataclass(frozen=True)
 class StoredSession:
     """What the store holds of a session: its leading tokens whose chunks are all stored.
-    `origins`: the tier each chunk was in when the turn opened (`prepare_load` only; else
-    empty)."""
+    `prepare_load` only: `origins`, the tier each chunk was in when the turn opened (else
+    empty), and `version`, the session's KV version read before it was found (the read
+    buffer's claim of a staged copy compares it; else None)."""
 
     key: SessionKey
     token_ids: list[int]
     chunks: list[ChunkKey]
     chunk_tokens: int
     origins: Mapping[ChunkKey, str] = field(default_factory=dict)
+    version: int | None = None
 
     @property
     def num_tokens(self) -> int:

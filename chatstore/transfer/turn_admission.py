@@ -2,9 +2,9 @@
 history past the device prefix-cache hit, read on the engine thread from host memory only.
 
     request (Request.store_turn: the API's OpenedTurn, or None)
-      │  read buffer: a staged copy of the session, claimed if it is the current version
       │  store.prepare_load: the stored history (no KV read), each chunk's tier as the turn
-      │                      found it, a prompt prefix the opening borrowed
+      │                      found it, a prompt prefix the opening borrowed, its version
+      │  read buffer: a staged copy of the session, claimed if it is that version
       ▼
     PendingTurn  reusable = the history's common prefix with the prompt, less one token (its
                  logits give the first new token)
@@ -50,9 +50,9 @@ class TurnAdmission:
         saved, staged, opened = None, None, OpenedTurn.of(request.store_turn)
         if request.session_id is not None:
             key = SessionKey(request.tenant, request.session_id)
-            version = self.store.version(key.tenant, key.session_id)
-            staged = self.read_buffer.claim(key, version)  # published ones only
             saved = self.store.prepare_load(key.tenant, key.session_id, opened)
+            if saved is not None and saved.version is not None:  # published copies only
+                staged = self.read_buffer.claim(key, saved.version)
         reusable = 0
         if saved is not None:
             # Keep at least one prompt token to compute: its logits give the first new token.

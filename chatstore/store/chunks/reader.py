@@ -80,13 +80,15 @@ class ChunkReader:
     def prepare_load(self, key: SessionKey, opened: OpenedTurn | None) -> StoredSession | None:
         """find, with the tier each chunk was in when the turn opened (the handle's note), or
         is in now for a chunk it did not note or a turn the API did not open (a chunk gone by
-        now: host memory, the read buffer's)."""
+        now: host memory, the read buffer's), and the session's version read before it."""
+        version = self.committer.versions.get(key)
         stored = self.find(key, opened)
         if stored is None:
             return None
         noted = opened.origins if opened is not None else {}
         origins = {c: noted.get(c) or self.fetch.chunk_tier(c) or "dram" for c in stored.chunks}
-        return StoredSession(key, stored.token_ids, stored.chunks, stored.chunk_tokens, origins)
+        C = stored.chunk_tokens
+        return StoredSession(key, stored.token_ids, stored.chunks, C, origins, version)
 
     def expired(self, key: SessionKey, chain: SessionChain) -> bool:
         ttl = self.retention.get(key).ttl(self.settings.session_ttl_s)
