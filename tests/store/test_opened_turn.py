@@ -191,3 +191,17 @@ def test_an_engine_that_saved_nothing_lets_the_append_go(tmp_path) -> None:
         assert len(record.messages) == 1 and record.chunks == []
     finally:
         sessions.close()
+
+
+def test_a_turn_ended_after_the_store_closed_does_not_raise(tmp_path) -> None:
+    """A server shutting down: the event loop ends a turn whose chain no append took after the
+    writer stopped; the record keeps its previous chain (the KV is a cache), nothing raises."""
+    store, sessions = make(tmp_path)
+    new_session(sessions, "s")
+    ids = list(range(40))
+    opened = sessions.open_turn("t", "s", ids)
+    engine_saves(store, opened, ids)
+    assert store.flush_writes(30)
+    store.writer.close()
+    sessions.end_turn(opened)
+    sessions.close()

@@ -201,7 +201,10 @@ class TurnCommitter:
         """A chain committed for a turn the API then gave up: recorded on the writer thread
         (the caller is the event loop; a record write may wait on a disk or Redis)."""
         chain, current = given_up
-        self.writer.submit(key, lambda: ChainWrite(key, chain, current), 0)
+        try:
+            self.writer.submit(key, lambda: ChainWrite(key, chain, current), 0)
+        except RuntimeError:  # closing: the record keeps its previous chain (a cache)
+            log.info("the store is closing: %s's last chain is not recorded", key)
 
     def commit(self, write: TurnWrite, background: bool) -> None:
         t0, written = time.thread_time(), self.bytes_written

@@ -98,11 +98,12 @@ class WriteBuffer:
             return self._bytes
 
     def submit(self, key: Hashable, build: Callable[[], object], nbytes: int) -> None:
-        """Queue one write; blocks while the buffer is full (see module doc)."""
+        """Queue one write; blocks while the buffer is full (see module doc), unless it adds no
+        bytes (a record write: the event loop may queue one)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("write buffer is closed")
-            if self._bytes and self._bytes + nbytes > self.capacity_bytes:
+            if nbytes and self._bytes and self._bytes + nbytes > self.capacity_bytes:
                 self.stalls += 1
                 self._cond.wait_for(
                     lambda: not self._bytes or self._bytes + nbytes <= self.capacity_bytes
