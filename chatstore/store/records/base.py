@@ -13,7 +13,8 @@ turn instead of answering 200 for a record it does not have.
 Encryption at rest: with a `sealer` every record is stored sealed under its tenant's key, its
 storage name the associated data (sealing/sealer.py). A record that fails to open (a wrong or
 shredded key, a changed byte, a value moved under another name) reads as absent and is counted
-in `open_failures`: it is never served, and it never turns into an error.
+in `open_failures`: it is never served, and it never turns into an error. The store's
+`RecordSealing` (record_sealing.py) does both, and re-seals values for key rotation.
 
 Besides the sessions a backend keeps two more namespaces: the prefix index (prefix_index.py:
 which session a client that resends its history continues) and the stored Responses
@@ -22,8 +23,6 @@ which session a client that resends its history continues) and the stored Respon
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import time
 from abc import ABC, abstractmethod
@@ -32,13 +31,11 @@ from typing import Any
 
 from chatstore.store.records.prefix_index import PrefixMatch
 from chatstore.store.records.record import ChainRecord, RecordConflict, SessionRecord
+from chatstore.store.records.record_sealing import RecordSealing
 from chatstore.store.records.responses import ResponseRecords
-from chatstore.store.sealing import RECORD_PURPOSE, OpenError, Sealer
-from chatstore.store.sealing.legacy_v1 import HOW_TO_MIGRATE, LegacyOpener, is_legacy_sealed
-from chatstore.store.sealing.sealer import is_sealed, owner_tenant
+from chatstore.store.sealing import Sealer
+from chatstore.store.sealing.legacy_v1 import LegacyOpener
 from chatstore.store.session_kv import SessionKey
-
-log = logging.getLogger(__name__)
 
 
 class _Absent(Exception):
@@ -57,57 +54,44 @@ class RecordStore(ABC):
 
     def __init__(self, ttl_s: int = 0, sealer: Sealer | None = None) -> None:
         self.ttl_s = ttl_s  # the server's session TTL; a record's own ttl_s overrides it
-        self.sealer = sealer
-        self.open_failures = 0  # records that failed to open (read as absent)
-        self._told_legacy = False  # the version-1 migration hint is logged once
+        self.sealing = RecordSealing(sealer)
 
-    # -- sealing ----------------------------------------------------------------------------
+    # -- sealing (record_sealing.py) --------------------------------------------------------
+
+    @property
+    def sealer(self) -> Sealer | None:
+        return self.sealing.sealer
+
+    @sealer.setter
+    def sealer(self, sealer: Sealer | None) -> None:
+        self.sealing.sealer = sealer
+
+    @property
+    def open_failures(self) -> int:
+        """Records that failed to open (read as absent)."""
+        return self.sealing.open_failures
+
+    @open_failures.setter
+    def open_failures(self, count: int) -> None:
+        self.sealing.open_failures = count
 
     def seal(self, tenant: str, name: bytes, raw: bytes) -> bytes:
-        if self.sealer is None:
-            return raw
-        return bytes(self.sealer.seal(RECORD_PURPOSE, tenant, name, raw))
+        return self.sealing.seal(tenant, name, raw)
 
     def unseal(self, tenant: str, name: bytes, raw: bytes | None) -> bytes | None:
         """raw opened (None when absent or when it fails to open: counted, read as absent)."""
-        if raw is None or self.sealer is None:
-            return raw
-        try:
-            return self.sealer.open(RECORD_PURPOSE, tenant, name, raw)
-        except OpenError as exc:
-            self.open_failures += 1
-            log.warning("record %r failed to open (%s): read as absent", name, exc)
-            if not self._told_legacy and is_legacy_sealed(raw):
-                self._told_legacy = True
-                log.warning("records sealed by version 1 read as absent: %s", HOW_TO_MIGRATE)
-            return None
+        return self.sealing.unseal(tenant, name, raw)
 
     def digest_key(self, tenant: str) -> bytes:
-        """The key of tenant's prefix index hashes (prefix_index.py): its digest key when
-        sealing, b"" (unkeyed) in the clear."""
-        if self.sealer is None:
-            return b""
-        return self.sealer.keyring.digest_key(owner_tenant(tenant))
+        """The key of tenant's prefix index hashes (RecordSealing.digest_key)."""
+        return self.sealing.digest_key(tenant)
 
     def index_mark(self) -> bytes:
-        """What a backend's "prefix index built" marker holds: an index built keyed (or not)
-        is built again when that changes, or when it was built before keyed hashes."""
-        return b"2:keyed" if self.sealer is not None else b"2:plain"
+        """What a backend's "prefix index built" marker holds (RecordSealing.index_mark)."""
+        return self.sealing.index_mark()
 
     def _encode(self, tenant: str, name: bytes, record: SessionRecord) -> bytes:
         return self.seal(tenant, name, record.to_json())
-
-    def _decode(self, tenant: str, name: bytes, raw: bytes | None) -> SessionRecord | None:
-        """The record stored as raw under name (None when absent or when it fails to open)."""
-        plain = self.unseal(tenant, name, raw)
-        if plain is None:
-            return None
-        try:
-            return SessionRecord.from_json(plain)
-        except (ValueError, TypeError) as exc:
-            self.open_failures += 1
-            log.warning("session record %r failed to open (%s): read as absent", name, exc)
-            return None
 
     def reseal(
         self,
@@ -117,45 +101,9 @@ class RecordStore(ABC):
         adopt_clear: bool = False,
         legacy: LegacyOpener | None = None,
     ) -> bytes | None:
-        """raw re-sealed under its tenant's sealing data key when it is under an older one
-        (data-key rotation); None when it needs nothing or does not open (counted, left as
-        it is). A value in the clear is never accepted here, except by `adopt_clear`
-        (encrypt-existing: the operator's explicit conversion of data written with
-        encrypt_at_rest = false), which seals clear JSON and leaves sealed values alone.
-        `legacy` (migrate-v1): only version-1 values, opened under the legacy secret, are
-        sealed again (as version 2); every other value is left alone. Any record kind (a
-        session, a stored Response): the JSON is checked, not its fields."""
-        sealer = self.sealer
-        if sealer is None:
-            return None
-        if legacy is not None:
-            plain = self._open_legacy(legacy, tenant, name, raw)
-        elif is_sealed(raw):
-            if adopt_clear or not sealer.needs_reseal(tenant, raw):
-                return None
-            plain = self.unseal(tenant, name, raw)  # counted when it does not open
-        else:
-            plain = raw if adopt_clear and raw.startswith(b"{") else None
-        if plain is None:
-            return None
-        try:
-            json.loads(plain)
-        except ValueError:
-            return None
-        return bytes(sealer.seal(RECORD_PURPOSE, tenant, name, plain))
-
-    def _open_legacy(
-        self, legacy: LegacyOpener, tenant: str, name: bytes, raw: bytes
-    ) -> bytes | None:
-        """A version-1 value's plaintext (None: not one, or it does not open: counted)."""
-        if not is_legacy_sealed(raw):
-            return None  # version 2, or clear: never adopted by the migration
-        try:
-            return legacy.open(RECORD_PURPOSE, tenant, name, raw)
-        except OpenError as exc:
-            self.open_failures += 1
-            log.warning("version-1 record %r not migrated (%s): left as it is", name, exc)
-            return None
+        """raw re-sealed under its tenant's current sealing key, or None: it needs nothing or
+        does not open (RecordSealing.reseal: rotation, adopt_clear, legacy)."""
+        return self.sealing.reseal(tenant, name, raw, adopt_clear, legacy)
 
     # -- expiry -----------------------------------------------------------------------------
 
