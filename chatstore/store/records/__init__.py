@@ -2,9 +2,14 @@
 
 record.py        SessionRecord, ChainRecord, SessionLease and the errors (values)
 base.py          RecordStore (the contract every backend keeps)
+record_sealing.py  RecordSealing: a store's records sealed under their tenant's key, values
+                 that fail to open counted, re-sealing (rotation, encrypt-existing, migrate-v1)
 lmdb.py          LmdbRecordStore: one LMDB environment, synchronous commits (the default)
-lmdb_log.py      its records: a small header and an append-only log of turns (O(new) a turn)
+lmdb_log.py      its records: a small header and an append-only log of turns (O(new) a turn),
+                 written and opened in the store's transaction
 lmdb_facts.py    its per-tenant session counts and expiry index (same txn as the record)
+lmdb_index.py    LmdbPrefixIndex: its prefix index entries (same txn as the record)
+lmdb_migrations.py  its one-time migrations at start, and re-sealing in place
 lmdb_responses.py, redis_responses.py   each backend's Responses namespace
 redis.py         RedisRecordStore: records shared by replicas through one Redis
 redis_facts.py   its breaker-guarded calls; counts and expiry (a sorted set per tenant), the

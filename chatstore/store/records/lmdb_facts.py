@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote
+
+from chatstore.store.records.record import SessionRecord
+
+if TYPE_CHECKING:
+    from lmdb import Transaction
 
 COUNTS, EXPIRY = b"c:", b"x:"
 EXPIRY_TTL = b"m:expiry-ttl"
@@ -33,7 +38,7 @@ State = tuple[Deadline | bool, bool | None]
 RESTORE = b"k:"
 
 
-def restored(record: Any) -> bool:
+def restored(record: SessionRecord) -> bool:
     """Whether the start reads this record: it lists KV chunks, or a retention of its own."""
     return bool(record.chunks or record.priority or record.ttl_s)
 
@@ -51,12 +56,12 @@ def entry_name(tenant: str, deadline: Deadline, digest: str) -> bytes:
     return EXPIRY + _tenant_part(tenant) + b"/" + stamp(deadline) + b"/" + digest.encode()
 
 
-def count_of(txn: Any, tenant: str) -> int:
+def count_of(txn: Transaction[bytes], tenant: str) -> int:
     raw = txn.get(COUNTS + _tenant_part(tenant))
     return int(bytes(raw)) if raw is not None else 0
 
 
-def add_count(txn: Any, tenant: str, delta: int) -> None:
+def add_count(txn: Transaction[bytes], tenant: str, delta: int) -> None:
     name = COUNTS + _tenant_part(tenant)
     value = count_of(txn, tenant) + delta
     if value > 0:
@@ -65,7 +70,9 @@ def add_count(txn: Any, tenant: str, delta: int) -> None:
         txn.delete(name)
 
 
-def moved(txn: Any, tenant: str, session_id: str, digest: str, old: State, new: State) -> None:
+def moved(
+    txn: Transaction[bytes], tenant: str, session_id: str, digest: str, old: State, new: State
+) -> None:
     """The session's facts from `old` to `new` (State). A record stored but failed to open
     (True): its old expiry entry is unknown, and the purge drops it when it comes due (it
     checks the record)."""
@@ -86,12 +93,12 @@ def moved(txn: Any, tenant: str, session_id: str, digest: str, old: State, new: 
         txn.put(entry_name(tenant, now, digest), b"")
 
 
-def restore_entries(txn: Any) -> list[tuple[str, bytes]]:
+def restore_entries(txn: Transaction[bytes]) -> list[tuple[str, bytes]]:
     """(tenant, digest) of every session the start needs."""
     return [(tenant_of(name), name.rsplit(b"/", 1)[1]) for name, _ in key_range(txn, RESTORE)]
 
 
-def tenants(txn: Any) -> list[str]:
+def tenants(txn: Transaction[bytes]) -> list[str]:
     """Every tenant with a stored session (one counter each)."""
     found = []
     cursor = txn.cursor()
@@ -103,7 +110,7 @@ def tenants(txn: Any) -> list[str]:
     return found
 
 
-def due(txn: Any, tenant: str, now: float) -> Iterator[tuple[bytes, str]]:
+def due(txn: Transaction[bytes], tenant: str, now: float) -> Iterator[tuple[bytes, str]]:
     """The tenant's entries due before now: (entry name, record name digest), soonest first;
     reads nothing past the first entry not due."""
     base = EXPIRY + _tenant_part(tenant) + b"/"
@@ -118,11 +125,11 @@ def due(txn: Any, tenant: str, now: float) -> Iterator[tuple[bytes, str]]:
         yield name, name.rsplit(b"/", 1)[1].decode()
 
 
-def due_count(txn: Any, tenant: str, now: float) -> int:
+def due_count(txn: Transaction[bytes], tenant: str, now: float) -> int:
     return sum(1 for _ in due(txn, tenant, now))
 
 
-def drop_tenant(txn: Any, tenant: str) -> None:
+def drop_tenant(txn: Transaction[bytes], tenant: str) -> None:
     txn.delete(COUNTS + _tenant_part(tenant))
     for name, _ in key_range(txn, RESTORE + _tenant_part(tenant) + b"/"):
         txn.delete(name)
@@ -138,16 +145,16 @@ def drop_tenant(txn: Any, tenant: str) -> None:
         txn.delete(name)
 
 
-def ttl_marker(txn: Any) -> int | None:
+def ttl_marker(txn: Transaction[bytes]) -> int | None:
     raw = txn.get(EXPIRY_TTL)
     return None if raw is None else int(struct.unpack(">q", bytes(raw))[0])
 
 
-def set_ttl_marker(txn: Any, ttl_s: int) -> None:
+def set_ttl_marker(txn: Transaction[bytes], ttl_s: int) -> None:
     txn.put(EXPIRY_TTL, struct.pack(">q", ttl_s))
 
 
-def key_range(txn: Any, prefix: bytes) -> list[tuple[bytes, bytes]]:
+def key_range(txn: Transaction[bytes], prefix: bytes) -> list[tuple[bytes, bytes]]:
     """Every (name, value) whose name starts with prefix, in order."""
     cursor = txn.cursor()
     found: list[tuple[bytes, bytes]] = []
@@ -157,6 +164,12 @@ def key_range(txn: Any, prefix: bytes) -> list[tuple[bytes, bytes]]:
                 break
             found.append((bytes(name), bytes(raw)))
     return found
+
+
+def tenant_prefix(tenant: str, space: bytes) -> bytes:
+    """The names of tenant's values in one namespace (`t:`, `p:`, `r:`, `u:`): `<space><tenant>/`,
+    the tenant quoted."""
+    return space + _tenant_part(tenant) + b"/"
 
 
 def tenant_of(name: bytes) -> str:

@@ -15,6 +15,9 @@ entries, or over a record in the layout before this one (one JSON value holding 
 read as is, and rewritten as a base by its first write, so no start-up pass), the next write
 starts a new log with a base entry holding the lists whole. Every value is sealed under the
 tenant's key, its own name the associated data.
+
+`write` and `open_record` are the store's write and read of one record in a transaction (the
+store, lmdb.py, keeps the transaction, the index and the facts that follow the record).
 """
 
 from __future__ import annotations
@@ -22,16 +25,27 @@ from __future__ import annotations
 import array
 import base64
 import json
+import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from chatstore.store.records.lmdb_facts import key_range
 from chatstore.store.records.record import SessionRecord
+from chatstore.store.records.record_sealing import RecordSealing
 
-LOG = b"u:"
+if TYPE_CHECKING:
+    from lmdb import Transaction
+
+log = logging.getLogger(__name__)
+
+SESSIONS, LOG = b"t:", b"u:"  # the headers, the logs
 MAX_ENTRIES = 256  # a read assembles at most this many entries; then a new base
 LISTS = ("messages", "token_ids", "chunks")
+
+Opened = tuple[SessionRecord | None, int | None]  # the record, its entry count (None: whole)
 
 
 def entry_prefix(header_name: bytes) -> bytes:
@@ -166,3 +180,75 @@ class LogCache:
                 self._items.clear()
             else:
                 self._items.pop(name, None)
+
+
+def write(
+    sealing: RecordSealing,
+    txn: Transaction[bytes],
+    name: bytes,
+    record: SessionRecord,
+    lists: dict[str, list[Any]] | None,
+    entries: int | None,
+    check_room: Callable[[int], None],
+) -> tuple[int, bytes, int]:
+    """The header, and one log entry of what the change added (lists: the record's lists
+    before it; None, or a full log: a new base, the old entries dropped), put in txn once
+    `check_room` passes their size; the bytes put (names and values), the header's stored
+    bytes and the log's entry count."""
+    tenant = record.tenant
+    if lists is None or entries is None or entries >= MAX_ENTRIES:
+        for old_entry, _ in key_range(txn, entry_prefix(name)):
+            txn.delete(old_entry)
+        lists, entries = None, 0
+    entry = entry_json(lists, record)
+    values = []
+    if entry is not None:
+        logged = entry_name(name, entries)
+        values.append((logged, sealing.seal(tenant, logged, entry)))
+        entries += 1
+    values.append((name, sealing.seal(tenant, name, header_json(record, entries))))
+    check_room(sum(len(v) for _, v in values))
+    for value_name, value in values:
+        txn.put(value_name, value)
+    put = sum(len(n) + len(v) for n, v in values)
+    return put, bytes(values[-1][1]), entries
+
+
+def open_record(
+    sealing: RecordSealing,
+    cache: LogCache,
+    txn: Transaction[bytes],
+    tenant: str,
+    name: bytes,
+    raw: bytes | None,
+    keep: bool = True,
+) -> Opened:
+    """The record stored as raw under name, assembled from its header and log, and how
+    many entries its log has (None: a whole record of the older layout, or none). A header
+    or an entry that fails to open, or a log of another length than its header says:
+    absent (counted in sealing.open_failures). keep: keep its lists in `cache`; not for
+    reads over many records (a start's)."""
+    if raw is None:
+        return None, None
+    plain = sealing.unseal(tenant, name, bytes(raw))
+    if plain is None:
+        return None, None
+    try:
+        entries = entries_of(plain)
+        record = SessionRecord.from_json(plain)
+        if entries is None:
+            return record, None
+        if cache.get(name, bytes(raw), record) == entries:
+            return record, entries
+        found = key_range(txn, entry_prefix(name))
+        logged = [sealing.unseal(tenant, n, v) for n, v in found]
+        if len(logged) != entries or any(p is None for p in logged):
+            raise ValueError(f"its log has {len(logged)} entries, not {entries}")
+        record = assemble(record, [p for p in logged if p is not None])
+        if keep:
+            cache.put(name, bytes(raw), entries, record)
+        return record, entries
+    except (ValueError, TypeError, KeyError) as exc:
+        sealing.open_failures += 1
+        log.warning("session record %r failed to open (%s): read as absent", name, exc)
+        return None, None

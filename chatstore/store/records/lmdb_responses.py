@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from chatstore.store.keys import key_digest
 from chatstore.store.records.lmdb_facts import key_range as _range
@@ -13,14 +13,19 @@ from chatstore.store.records.lmdb_facts import tenant_of as _tenant_of
 from chatstore.store.records.responses import ResponseRecord, ResponseRecords, SealedRecords
 from chatstore.store.session_kv import SessionKey
 
+if TYPE_CHECKING:
+    from lmdb import Environment, Transaction
+
 RESPONSES = b"r:"
+T = TypeVar("T")
 
 
 class LmdbRecords(SealedRecords, Protocol):
     """What the namespace uses of the LMDB record store (lmdb.py)."""
 
-    env: Any
-    _write: Callable[..., Any]
+    env: Environment
+
+    def _write(self, fn: Callable[[Transaction[bytes]], T]) -> T: ...
 
     def _prefix(self, tenant: str, space: bytes = ...) -> bytes: ...
 
@@ -52,7 +57,7 @@ class LmdbResponses(ResponseRecords):
     def _delete_tenant(self, tenant: str) -> int:
         prefix = self.records._prefix(tenant, RESPONSES)
 
-        def drop(txn: Any) -> int:
+        def drop(txn: Transaction[bytes]) -> int:
             names = [n for n, _ in _range(txn, prefix)]
             for name in names:
                 txn.delete(name)

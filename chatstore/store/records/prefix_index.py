@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from chatstore.store.records.record import SessionRecord
 from chatstore.store.session_kv import common_prefix_len
 
 PREFIX_STEP = 64  # tokens between index boundaries
@@ -137,6 +138,14 @@ def changed_keys(old: Registration, new: Registration) -> list[str]:
     return [k for k in {**old, **new} if k not in old or k not in new or old[k] != new[k]]
 
 
+Saved = tuple[tuple[int, ...], str]  # a record's saved token ids and fingerprint
+
+
+def saved(record: SessionRecord | None) -> Saved | None:
+    """What the index registers of a record (None: nothing, it is absent)."""
+    return None if record is None else (tuple(record.token_ids), record.fingerprint)
+
+
 class HashMemo:
     """Each recently written session's last ids and boundary hashes (bounded, by record name
     digest): a turn extends a session's ids, so its registration hashes only the boundaries
@@ -170,6 +179,15 @@ class HashMemo:
             while len(self._last) > self._size:
                 self._last.popitem(last=False)
         return registration(tenant, fingerprint, ids, hashes, key)
+
+    def moved(
+        self, digest: str, tenant: str, was: Saved | None, now: Saved | None, key: bytes
+    ) -> tuple[list[str], Registration]:
+        """The entry keys a session's move from what it registered with `was` to what it
+        does with `now` changes (changed_keys), and its registration with `now`."""
+        old = self.registration(digest, tenant, was[1], was[0], key) if was else {}
+        new = self.registration(digest, tenant, now[1], now[0], key) if now else {}
+        return changed_keys(old, new), new
 
 
 def _end_hash(hashes: list[bytes], ids: Sequence[int], length: int, key: bytes) -> str:
