@@ -14,6 +14,9 @@ lmdb_responses.py, redis_responses.py   each backend's Responses namespace
 redis.py         RedisRecordStore: records shared by replicas through one Redis
 redis_facts.py   its breaker-guarded calls; counts and expiry (a sorted set per tenant), the
                  sessions a start reads (a set per tenant)
+redis_log.py     its records: LMDB's header and log layout in a Redis string and list
+redis_index.py   RedisPrefixIndex: its prefix index (a hash per tenant, best effort)
+redis_start.py   its start: legacy names tagged and older records counted once per Redis
 prefix_index.py  which session a client that resends its history continues (O(1) a step)
 responses.py     stored Responses: their own record type and namespace
 leases.py        a turn's lease on its session, so replicas run one turn at a time

@@ -6,12 +6,14 @@
     chatstore:resp:{<tenant>:<digest>}   a stored Response (responses.py)
     chatstore:prefix:{<tenant>}          the tenant's prefix index, a hash: entry key -> entry,
                                          and `built` once the records written before it are in
+                                         (redis_index.py)
     chatstore:exp:{<tenant>}             the tenant's sessions by expiry, a sorted set: record
                                          name digest (no session id in the clear) -> deadline
                                          (inf: never); its live count is a ZCOUNT
     chatstore:tenants                    the tenants with sessions (the purge's list)
     chatstore:start:{<tenant>}           digests of the sessions a start reads (KV or retention)
     chatstore:facts-built                set once the records written before those are in
+                                         (redis_start.py)
 
 The hash tags put a record and anything named after it (its lease, `leases.py`) in one Redis
 Cluster slot, so one transaction covers them. The prefix index is written after the record,
@@ -25,43 +27,38 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from chatstore.store.keys import key_digest
-from chatstore.store.records import lmdb_log, prefix_index, redis_log
-from chatstore.store.records.base import (
-    Change,
-)
-from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch
-from chatstore.store.records.record import ChainRecord, RecordStoreUnavailable, SessionRecord
+from chatstore.store.records import lmdb_log, redis_index, redis_log, redis_start
+from chatstore.store.records.base import Change
+from chatstore.store.records.prefix_index import PrefixMatch, Saved, saved
+from chatstore.store.records.record import ChainRecord, SessionRecord
 from chatstore.store.records.redis_facts import RedisFacts, as_text, tagged_tenant
+from chatstore.store.records.redis_index import RedisPrefixIndex
 from chatstore.store.records.redis_responses import RedisResponses
 from chatstore.store.sealing import Sealer
-from chatstore.store.sealing.legacy_v1 import LegacyOpener, warn_if_legacy
+from chatstore.store.sealing.legacy_v1 import LegacyOpener
 from chatstore.store.session_kv import SessionKey
+
+if TYPE_CHECKING:
+    from chatstore.store.tiers.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 
-Saved = tuple[tuple[int, ...], str]  # a record's saved token ids and fingerprint
-LEGACY_SAMPLE = 16  # records a start looks at for version-1 values (one SCAN page, a hint)
-
-
-def _saved(record: SessionRecord | None) -> Saved | None:
-    return None if record is None else (tuple(record.token_ids), record.fingerprint)
-
 
 class RedisRecordStore(RedisFacts):
-    INDEX_PREFIX = "chatstore:prefix:"
-    INDEX_BUILT = "built"  # a field of a tenant's index hash: its older records are in it
-    FACTS_BUILT = "chatstore:facts-built"
+    INDEX_PREFIX = redis_index.INDEX_PREFIX
+    INDEX_BUILT = redis_index.INDEX_BUILT  # a field of a tenant's index hash
+    FACTS_BUILT = redis_start.FACTS_BUILT
 
     def __init__(
         self,
         url_or_client: str | Any,
         ttl_s: int = 0,
         timeout_s: float = 0.25,
-        breaker: Any = None,
+        breaker: CircuitBreaker | None = None,
         sealer: Sealer | None = None,
     ) -> None:
         """breaker: the KV tier's CircuitBreaker when both live in one Redis, so an outage
@@ -73,80 +70,22 @@ class RedisRecordStore(RedisFacts):
         self._reseal_order: list[bytes] | None = None  # record names, while a rotation runs
         self._errors = outage_errors()
         self.bytes_put = 0  # names and values of the session records written (headers, logs)
-        self._hash_memo = prefix_index.HashMemo()  # O(new) prefix index updates per turn
         self._log_cache = lmdb_log.LogCache()  # assembled lists: a turn reads its header only
         if isinstance(url_or_client, str):
             self.client = connect_redis(url_or_client, timeout_s)
         else:
             self.client = url_or_client
         self.responses = RedisResponses(self)
-        self._start()
-        self._warn_legacy()
+        self.index = RedisPrefixIndex(
+            self.client, self.sealing, self._errors, self._load_live, self._all
+        )
+        redis_start.start(self)
 
     def _name(self, key: SessionKey) -> str:
         return f"{self.PREFIX}{{{quote(key.tenant, safe='')}:{key_digest(key)}}}"
 
     def _index_name(self, tenant: str) -> str:
-        return f"{self.INDEX_PREFIX}{{{quote(tenant, safe='')}}}"
-
-    # -- start ------------------------------------------------------------------------------
-
-    def _start(self) -> None:
-        """Once per Redis, not per start (a SCAN): legacy names renamed, older records counted."""
-        try:
-            if self._call(self.client.exists, self.FACTS_BUILT):
-                return
-        except RecordStoreUnavailable as exc:
-            log.warning("session records: start checks skipped (%s)", exc)
-            return
-        self._rename_legacy_records()
-        try:
-            records = self._call(self._all)
-            for record in records:
-                self._facts(record.key, record)
-            self._call(self.client.set, self.FACTS_BUILT, b"1")
-            log.info("counted %d session records by tenant and expiry", len(records))
-        except RecordStoreUnavailable as exc:
-            log.warning("session records: expiry sets not built (%s)", exc)
-
-    def _warn_legacy(self) -> None:
-        """Log how to migrate when the first few records found are sealed by version 1 (one
-        SCAN page and one MGET: a hint at every start, not a scan of every record)."""
-        if self.sealer is None:
-            return
-        try:
-            page = self.client.scan(0, match=f"{self.PREFIX}*", count=100)
-            # One node: (cursor, names); a Cluster answers per node: {node: (cursor, names)}.
-            pages = page.values() if isinstance(page, dict) else [page]
-            found = [as_text(n) for _, names in pages for n in names]
-            names = [n for n in found if n.endswith("}")][:LEGACY_SAMPLE]
-            sample = [raw for name in names if (raw := self.client.get(name))]
-        except self._errors as exc:
-            log.debug("session records: version-1 check skipped (%s)", exc)
-            return
-        warn_if_legacy("session records in Redis", sample)
-
-    def _rename_legacy_records(self) -> None:
-        """Records named before the hash tag (`chatstore:rec:<tenant>:<digest>`, single-node
-        Redis only) get their tagged name, once; a tagged record already there wins."""
-
-        def rename() -> int:
-            done = 0
-            for raw in self.client.scan_iter(match=f"{self.PREFIX}*", count=1000):
-                old = as_text(raw)
-                rest = old[len(self.PREFIX) :]
-                if rest.startswith("{"):
-                    continue
-                if not self.client.renamenx(old, f"{self.PREFIX}{{{rest}}}"):
-                    self.client.delete(old)
-                done += 1
-            return done
-
-        try:
-            if done := self._call(rename):
-                log.info("renamed %d session records (hash tags)", done)
-        except RecordStoreUnavailable as exc:
-            log.warning("session records: legacy names kept (%s)", exc)
+        return redis_index.index_name(tenant)
 
     def get(self, key: SessionKey) -> SessionRecord | None:
         return self._call(super().get, key)
@@ -192,7 +131,7 @@ class RedisRecordStore(RedisFacts):
                 pipe.delete(name)
                 pipe.delete(redis_log.log_name(name))
                 gone = bool(pipe.execute()[0])
-            self._index(key, _saved(old), None)
+            self.index.move(key, saved(old), None)
             self._facts(key, None)
             return gone
 
@@ -210,7 +149,7 @@ class RedisRecordStore(RedisFacts):
                 entries = pipe.lrange(redis_log.log_name(name), 0, -1) if header else []
                 opened = redis_log.open_record(self, key.tenant, name, header, entries)
             old, count = opened
-            was[0] = _saved(old)
+            was[0] = saved(old)
             lists = lmdb_log.lists_of(old) if old is not None and count is not None else None
             record = change(old)
             pipe.multi()
@@ -223,7 +162,7 @@ class RedisRecordStore(RedisFacts):
         self.bytes_put += put
         # Committed: that header's bytes now stand for these lists (a lost race retried).
         self._log_cache.put(name.encode(), header, count, done[0])
-        self._index(key, was[0], _saved(done[0]))
+        self.index.move(key, was[0], saved(done[0]))
         self._facts(key, done[0])
         return done[0]
 
@@ -232,6 +171,11 @@ class RedisRecordStore(RedisFacts):
 
     def _read(self, tenant: str, name: str) -> SessionRecord | None:
         return redis_log.read_one(self, self.client, tenant, name, self._log_cache)[0]
+
+    def _load_live(self, tenant: str, digest: str) -> SessionRecord | None:
+        """The live record of tenant's name digest (a prefix index candidate's)."""
+        name = f"{self.PREFIX}{{{quote(tenant, safe='')}:{digest}}}"
+        return self._live(self._read(tenant, name))
 
     def _read_many(self, names: list[str]) -> list[SessionRecord | None]:
         return redis_log.read_many(self, self.client, [(tagged_tenant(n), n) for n in names])
@@ -265,70 +209,12 @@ class RedisRecordStore(RedisFacts):
     def _all(self, tenant: str | None = None) -> list[SessionRecord]:
         return [r for r in self._read_many(self._names(tenant)) if r is not None]
 
-    # -- the prefix index -------------------------------------------------------------------
-
-    def _index(self, key: SessionKey, was: Saved | None, now: Saved | None) -> None:
-        """Move the session's entries in its tenant's index hash (only those that differ).
-        Best effort: the record is written already, and lookups verify on the records."""
-        if was == now:
-            return
-        digest, hname = key_digest(key), self._index_name(key.tenant)
-        memo = self._hash_memo
-        hkey = self.digest_key(key.tenant)
-        old = memo.registration(digest, key.tenant, was[1], was[0], hkey) if was else {}
-        new = memo.registration(digest, key.tenant, now[1], now[0], hkey) if now else {}
-        keys = prefix_index.changed_keys(old, new)
-
-        def attempt(pipe: Any) -> None:  # retried by redis-py if the hash changes meanwhile
-            entries = [PrefixEntry.from_bytes(raw) for raw in pipe.hmget(hname, keys)]
-            for k, entry in zip(keys, entries, strict=True):
-                prefix_index.apply(entry, digest, k, new)
-            pipe.multi()
-            kept = {k: e.to_bytes() for k, e in zip(keys, entries, strict=True) if not e.empty()}
-            if kept:
-                pipe.hset(hname, mapping=kept)
-            if dropped := [k for k, e in zip(keys, entries, strict=True) if e.empty()]:
-                pipe.hdel(hname, *dropped)
-
-        if keys:
-            try:
-                self.client.transaction(attempt, hname)
-            except self._errors as exc:
-                log.warning("prefix index of %s not updated (%s)", key, exc)
-
-    def _build_index(self, tenant: str) -> None:
-        """The tenant's records written before the prefix index, or indexed with other hashes
-        (before keyed ones): index them anew, once per Redis (the tenant's first lookup; two
-        replicas doing it at once change nothing; a turn's entry written meanwhile may be
-        lost: lookups verify on the records, the index is best effort)."""
-        records = [r for r in self._all(tenant) if r.tenant == tenant]
-        self.client.delete(self._index_name(tenant))
-        for record in records:
-            self._index(record.key, None, _saved(record))
-        self.client.hset(self._index_name(tenant), self.INDEX_BUILT, self.index_mark())
-        log.info("indexed %d session records of %r by prefix", len(records), tenant)
+    # -- the prefix index (redis_index.py) ---------------------------------------------------
 
     def _prefix_match(
         self, tenant: str, token_ids: list[int], fingerprint: str
     ) -> PrefixMatch | None:
-        hname = self._index_name(tenant)
-
-        def read(keys: list[str]) -> list[bytes | None]:
-            *entries, built = self.client.hmget(hname, [*keys, self.INDEX_BUILT])
-            if built != self.index_mark():  # its first lookup: index the records, read again
-                self._build_index(tenant)
-                entries = self.client.hmget(hname, keys)
-            return list(entries)
-
-        def load(digest: str) -> tuple[str, list[int], str] | None:
-            name = f"{self.PREFIX}{{{quote(tenant, safe='')}:{digest}}}"
-            record = self._live(self._read(tenant, name))
-            if record is None:
-                return None
-            return record.session_id, record.token_ids, record.fingerprint
-
-        key = self.digest_key(tenant)
-        return prefix_index.best_match(tenant, fingerprint, token_ids, read, load, key)
+        return self.index.match(tenant, token_ids, fingerprint)
 
     # -- key rotation -----------------------------------------------------------------------
 
@@ -387,7 +273,7 @@ class RedisRecordStore(RedisFacts):
             for record in records:
                 self._facts(record.key, record)
             for tenant in {r.tenant for r in records}:
-                self.client.hdel(self._index_name(tenant), self.INDEX_BUILT)
+                self.index.unbuild(tenant)
             return len(records)
 
         log.info(

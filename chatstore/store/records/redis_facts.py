@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from urllib.parse import quote, unquote
 
 from chatstore.store.keys import key_digest
@@ -22,6 +23,12 @@ from chatstore.store.records import lmdb_facts
 from chatstore.store.records.base import RecordStore
 from chatstore.store.records.record import RecordStoreUnavailable, SessionRecord
 from chatstore.store.session_kv import SessionKey
+
+if TYPE_CHECKING:
+    from chatstore.store.tiers.breaker import CircuitBreaker
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 def as_text(raw: bytes | str) -> str:
@@ -40,8 +47,8 @@ class RedisFacts(RecordStore):
     EXPIRY_PREFIX = "chatstore:exp:"
     TENANTS = "chatstore:tenants"
     START_PREFIX = "chatstore:start:"
-    client: Any
-    breaker: Any
+    client: Any  # redis.Redis or RedisCluster
+    breaker: CircuitBreaker | None
     _errors: tuple[type[BaseException], ...]
 
     @abstractmethod
@@ -57,7 +64,7 @@ class RedisFacts(RecordStore):
 
     # -- calls through the breaker ----------------------------------------------------------
 
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         breaker = self.breaker
         if breaker is not None and not breaker.allow():
             raise RecordStoreUnavailable("session records (Redis) unavailable: circuit open")
@@ -129,8 +136,10 @@ class RedisFacts(RecordStore):
         return self._call(self._read, tenant, name)
 
     def _drop_due(self, tenant: str, digest: str, record: SessionRecord | None) -> None:
-        gone = (self.client.zrem, self._expiry_name(tenant), digest)
-        self._call(*gone) if record is None else self._call(self._facts, record.key, record)
+        if record is None:
+            self._call(self.client.zrem, self._expiry_name(tenant), digest)
+        else:
+            self._call(self._facts, record.key, record)
 
     def purge_expired(self, now: float | None = None) -> list[SessionKey]:
         return list(self._call(super().purge_expired, now))
