@@ -4,7 +4,7 @@ life (this router's lifespan)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 
@@ -20,7 +20,7 @@ def history(
     request: Request,
     _: Admin,
     since: Annotated[float | None, Query(ge=0, description="epoch seconds")] = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Samples newer than `since` (all kept ones without it), oldest first."""
     samples = request.app.state.metrics.history.since(since)
     return {

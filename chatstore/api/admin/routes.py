@@ -43,7 +43,7 @@ from chatstore.api.common.auth import Principal, admin_principal
 from chatstore.api.common.errors import APIError, store_error
 from chatstore.api.sessions.bodies import session_info
 from chatstore.api.sessions.service import ChatService
-from chatstore.store.ports import RecordStoreError, SessionRecord, store_hits
+from chatstore.store.ports import RecordStoreError, SessionRecord, TierStats, store_hits
 from chatstore.store.sealing.errors import KeyUnavailable, ShredFailed
 
 CACHE_SESSIONS_SHOWN = 50  # rows of the session table inlined in /admin/cache
@@ -56,15 +56,15 @@ router = APIRouter(tags=["admin"])
 Admin = Annotated[Principal, Depends(admin_principal)]
 
 
-def tier_body(t: Any) -> dict[str, Any]:
+def tier_body(t: TierStats) -> dict[str, object]:
     """A tier's line: its TierStats, hit rate, and write failures in all (by reason:
     write_failures_by_reason)."""
     return {**dataclasses.asdict(t), "hit_rate": t.hit_rate, "write_failures": t.write_failures}
 
 
-def engine_body(service: ChatService) -> dict[str, Any]:
+def engine_body(service: ChatService) -> dict[str, object]:
     raw = service.engine.stats()
-    stats: dict[str, Any] = raw.as_dict()
+    stats: dict[str, object] = dict(raw.as_dict())
     if raw.block_usage is not None:
         stats["block_usage"] = round(raw.block_usage, 4)
     # The resolved compute dtype: `dtype = "auto"` picks it per machine.
@@ -73,7 +73,7 @@ def engine_body(service: ChatService) -> dict[str, Any]:
 
 
 @router.get("/admin/cache")
-def cache_stats(request: Request, _: Admin) -> dict[str, Any]:
+def cache_stats(request: Request, _: Admin) -> dict[str, object]:
     service: ChatService = request.app.state.service
     tiers = cache_tiers(service.engine.stats(), service.store)
     hits, misses = store_hits(tiers)
@@ -87,7 +87,7 @@ def cache_stats(request: Request, _: Admin) -> dict[str, Any]:
     }
 
 
-def _sessions_or_error(service: ChatService) -> dict[str, Any]:
+def _sessions_or_error(service: ChatService) -> dict[str, object]:
     """The first page of the session table; when the records store is down (Redis outage),
     an empty table saying why: the tier and breaker numbers above must still answer."""
     try:
@@ -103,7 +103,7 @@ def _sessions_or_error(service: ChatService) -> dict[str, Any]:
         }
 
 
-def session_row(service: ChatService, record: SessionRecord) -> dict[str, Any]:
+def session_row(service: ChatService, record: SessionRecord) -> dict[str, object]:
     """One session's retention and KV placement (kv_tiers: fastest first)."""
     placement = service.store.placement(record.tenant, record.session_id)
     by_tier = placement.bytes_by_tier if placement is not None else {}
@@ -129,8 +129,8 @@ def session_page(
     tenant: str | None,
     offset: int,
     limit: int,
-    row: Callable[[ChatService, SessionRecord], dict[str, Any]],
-) -> dict[str, Any]:
+    row: Callable[[ChatService, SessionRecord], dict[str, object]],
+) -> dict[str, object]:
     """One page of every tenant's sessions (or one tenant's), newest first, as `row` shows
     each."""
     records, total = service.store.list_sessions(tenant, offset, limit)
@@ -146,7 +146,7 @@ def session_page(
 
 def session_table(
     service: ChatService, tenant: str | None, offset: int, limit: int
-) -> dict[str, Any]:
+) -> dict[str, object]:
     return session_page(service, tenant, offset, limit, session_row)
 
 
@@ -157,7 +157,7 @@ def cache_sessions(
     offset: Offset = 0,
     limit: Limit = 20,
     tenant: TenantFilter = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     return session_table(request.app.state.service, tenant, offset, limit)
 
 
@@ -168,17 +168,17 @@ def all_sessions(
     offset: Offset = 0,
     limit: Limit = 20,
     tenant: TenantFilter = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     service: ChatService = request.app.state.service
     return session_page(service, tenant, offset, limit, _listed_session)
 
 
-def _listed_session(service: ChatService, record: SessionRecord) -> dict[str, Any]:
+def _listed_session(service: ChatService, record: SessionRecord) -> dict[str, object]:
     return {**session_info(service, record, False), "tenant": record.tenant}
 
 
 @router.post("/admin/cache/flush")
-def flush_cache(request: Request, _: Admin, shared: bool = False) -> dict[str, Any]:
+def flush_cache(request: Request, _: Admin, shared: bool = False) -> dict[str, object]:
     """This replica's tiers only; `?shared=true` also empties the shared tier (Redis) of the
     model's chunks, for every replica (they recompute)."""
     service: ChatService = request.app.state.service
@@ -186,7 +186,7 @@ def flush_cache(request: Request, _: Admin, shared: bool = False) -> dict[str, A
 
 
 @router.delete("/admin/tenants/{tenant}/data")
-def shred_tenant(request: Request, tenant: str, _: Admin) -> dict[str, Any]:
+def shred_tenant(request: Request, tenant: str, _: Admin) -> dict[str, object]:
     """Crypto-shred one tenant: its key first, then its data (SessionKVAdmin.shred_tenant)."""
     service: ChatService = request.app.state.service
     try:
@@ -199,10 +199,11 @@ def shred_tenant(request: Request, tenant: str, _: Admin) -> dict[str, Any]:
 
 
 @router.post("/admin/keys/rotate")
-def rotate_keys(request: Request, _: Admin) -> dict[str, Any]:
+def rotate_keys(request: Request, _: Admin) -> dict[str, object]:
     """Master-key rotation: every data key wrapped by the newest master key (no data moves)."""
+    service: ChatService = request.app.state.service
     try:
-        rewrapped = request.app.state.service.store.rewrap_keys()
+        rewrapped = service.store.rewrap_keys()
     except KeyUnavailable as exc:  # a data key wrapped by a master key this server lacks
         raise APIError(409, str(exc), code="key_unavailable") from None
     if rewrapped is None:
@@ -211,28 +212,29 @@ def rotate_keys(request: Request, _: Admin) -> dict[str, Any]:
 
 
 @router.post("/admin/keys/rotate-data", status_code=202)
-def rotate_data_keys(request: Request, _: Admin) -> dict[str, Any]:
+def rotate_data_keys(request: Request, _: Admin) -> dict[str, object]:
     """New data keys for every tenant, every value re-sealed under them, the old ones dropped:
     in the background, resumable (GET /admin/keys/rotation)."""
     return _start_job(request, "data-keys")
 
 
 @router.post("/admin/keys/encrypt-existing", status_code=202)
-def encrypt_existing(request: Request, _: Admin) -> dict[str, Any]:
+def encrypt_existing(request: Request, _: Admin) -> dict[str, object]:
     """Seal the values written in the clear (encrypt_at_rest = false) in the background."""
     return _start_job(request, "encrypt-existing")
 
 
 @router.post("/admin/keys/migrate-v1", status_code=202)
-def migrate_v1(request: Request, _: Admin) -> dict[str, Any]:
+def migrate_v1(request: Request, _: Admin) -> dict[str, object]:
     """Re-seal the records sealed by version 1 under the tenants' data keys, in the background
     (KV chunks are a cache: recomputed). 409 when the server was given no legacy secret."""
     return _start_job(request, "migrate-v1")
 
 
-def _start_job(request: Request, job: str) -> dict[str, Any]:
+def _start_job(request: Request, job: str) -> dict[str, object]:
+    service: ChatService = request.app.state.service
     try:
-        progress = request.app.state.service.store.rotate_keys(job)
+        progress = service.store.rotate_keys(job)
     except ValueError as exc:  # the store's KeyringError: migrate-v1 without its secret
         raise APIError(409, str(exc), code="legacy_secret_missing") from None
     if progress is None:
@@ -241,8 +243,9 @@ def _start_job(request: Request, job: str) -> dict[str, Any]:
 
 
 @router.get("/admin/keys/rotation")
-def rotation(request: Request, _: Admin) -> dict[str, Any]:
-    progress = request.app.state.service.store.rotation_progress()
+def rotation(request: Request, _: Admin) -> dict[str, object]:
+    service: ChatService = request.app.state.service
+    progress = service.store.rotation_progress()
     if progress is None:
         raise APIError(409, "encryption at rest is off: there are no keys to rotate")
     return progress

@@ -18,7 +18,10 @@ Two ways to build a turn's prompt:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, str]
 
@@ -42,10 +45,10 @@ _PROBE_NEW = [{"role": "user", "content": "Q3?"}]
 
 
 class ChatTemplate:
-    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self._eos_text = {t: tokenizer.decode([t]) for t in eos_token_ids}
+        self._eos_text = {t: str(tokenizer.decode([t])) for t in eos_token_ids}
         self.local_tail = False
         whole = self._tail(_PROBE_HISTORY, _PROBE_NEW)
         self.local_tail = True
@@ -53,9 +56,11 @@ class ChatTemplate:
         self.local_tail = whole is not None and whole == local
 
     def render_text(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
+        text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False
         )
+        assert isinstance(text, str)  # tokenize=False: the text, not ids
+        return text
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -65,8 +70,12 @@ class ChatTemplate:
 
     def render_rich(self, prompt: RichPrompt) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            prompt.messages, tools=prompt.tools, add_generation_prompt=True, tokenize=False
+            prompt.messages,
+            tools=None if prompt.tools is None else list(prompt.tools),  # the schemas, as given
+            add_generation_prompt=True,
+            tokenize=False,
         )
+        assert isinstance(text, str)  # tokenize=False: the text, not ids
         return self.encode(text)
 
     def continue_ids(

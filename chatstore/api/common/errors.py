@@ -8,7 +8,6 @@ exceptions into that shape, so a client never sees an HTML page or a bare 500 tr
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,13 +48,13 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, object]:
         return error_body(self.status, self.message, self.param, self.code)
 
 
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+) -> dict[str, object]:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -138,7 +137,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 # The error responses every route documents in the OpenAPI schema.
-ERRORS: dict[int | str, dict[str, Any]] = {
+ERRORS: dict[int | str, dict[str, object]] = {
     400: {"description": "invalid request"},
     401: {"description": "missing or invalid API key"},
     404: {"description": "unknown session"},

@@ -141,7 +141,7 @@ class APIMiddleware:
             metrics.observe_request(scope["method"], path, status, elapsed)
         if scope["path"] in OPEN_PATHS and status < 400:
             return
-        line: dict[str, Any] = {
+        line: dict[str, object] = {
             "event": "request",
             "method": scope["method"],
             "path": scope["path"],
@@ -153,8 +153,8 @@ class APIMiddleware:
         access_log.info(json.dumps(line, separators=(",", ":")))
 
 
-def turn_fields(turn: Any) -> dict[str, Any]:
-    fields: dict[str, Any] = {
+def turn_fields(turn: Any) -> dict[str, object]:
+    fields: dict[str, object] = {
         "request_id": turn.request_id,
         "tenant": turn.request.tenant,
         "session": turn.session_id,

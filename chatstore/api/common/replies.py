@@ -3,16 +3,33 @@ carry them)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NotRequired, TypedDict
 
+from chatstore.api.openai.logprobs import ChoiceLogprobs
 from chatstore.api.sessions.turn import TurnResult
+
+
+class ChoiceMessage(TypedDict):
+    """A choice's `message`: the reply's text; with tools, the calls it makes (content None
+    when the reply is only calls: api/tools/replies.py)."""
+
+    role: str
+    content: str | None
+    tool_calls: NotRequired[list[dict[str, object]]]
+
+
+class Choice(TypedDict):
+    index: int
+    message: ChoiceMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None
 
 
 def finish_reason(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-def message_choices(result: TurnResult) -> list[dict[str, Any]]:
+def message_choices(result: TurnResult) -> list[Choice]:
     """One OpenAI `choices` entry per sample of a finished turn."""
     return [
         {

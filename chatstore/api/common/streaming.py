@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi.responses import StreamingResponse
 
@@ -14,7 +13,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
-def sse(data: dict[str, Any] | str) -> bytes:
+def sse(data: dict[str, object] | str) -> bytes:
     payload = data if isinstance(data, str) else _ENCODE(data)
     return f"data: {payload}\n\n".encode()
 

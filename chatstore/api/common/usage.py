@@ -6,8 +6,6 @@ terminal client read it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from chatstore.api.sessions.turn import TurnResult
 from chatstore.engine.request import Usage
 
@@ -19,7 +17,7 @@ def cached_by_tier(u: Usage) -> dict[str, int]:
     return {tier: int(u.cached_by_tier.get(tier, 0)) for tier in TIERS}
 
 
-def usage_body(result: TurnResult) -> dict[str, Any]:
+def usage_body(result: TurnResult) -> dict[str, object]:
     """The Chat Completions usage object."""
     u = result.usage
     return {

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from chatstore.api.common.errors import error_body
 from chatstore.api.common.replies import finish_reason
 from chatstore.api.common.streaming import sse
 from chatstore.api.common.usage import usage_body
-from chatstore.api.openai.logprobs import TokenBytes, choice_logprobs
+from chatstore.api.openai.logprobs import ChoiceLogprobs, TokenBytes, choice_logprobs
 from chatstore.api.sessions.turn import Turn
 from chatstore.api.tools.formats import ToolFormat
 from chatstore.api.tools.replies import ToolDeltas
@@ -44,7 +44,10 @@ async def completion_chunks(
     tools = [ToolDeltas(form.fmt, form.parallel) for _ in range(turn.n)] if form else None
 
     def chunk(
-        index: int, delta: dict[str, Any], reason: str | None = None, logprobs: Any = None
+        index: int,
+        delta: dict[str, object],
+        reason: str | None = None,
+        logprobs: ChoiceLogprobs | None = None,
     ) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return sse({**base, "choices": [choice], **extra})
@@ -77,11 +80,11 @@ async def completion_chunks(
 
 def _bodies(
     delta: SampleDelta, tools: list[ToolDeltas] | None, has_logprobs: bool
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """The `delta` objects one engine delta becomes (at least one when it carries logprobs:
     a token whose text is held back still reports its logprob, with content "")."""
     if tools is None:
-        bodies = [{"content": delta.text}] if delta.text else []
+        bodies: list[dict[str, object]] = [{"content": delta.text}] if delta.text else []
     else:
         parser = tools[delta.index]
         bodies = parser.feed(delta.text)

@@ -13,7 +13,7 @@ import json
 import threading
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,10 @@ from chatstore.api.tools.formats import ToolFormat
 from chatstore.api.tools.request import ToolRequest
 from chatstore.api.tools.schema import answer_schema
 from chatstore.engine.request import TokenConstraint
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerBase
 
 # What json.dumps writes, and the generic tool form's examples show: ", " and ": ", no other
 # whitespace (a model free to add whitespace can loop on it).
@@ -34,7 +38,7 @@ ConstraintFactory = Callable[[], TokenConstraint]
 class XGrammarConstraint:
     """One sample's matcher and its bitmask [1, ceil(V / 32)] (int32)."""
 
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -56,15 +60,18 @@ class XGrammarConstraint:
 class Grammars:
     """The server's grammar compiler over its tokenizer (made on first use)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: tuple[int, ...]
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop = list(stop_token_ids)
-        self._compiler: Any = None
+        self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
 
     def json_object(self) -> ConstraintFactory:
-        """Any JSON object (OpenAI's json_object; xgrammar's builtin grammar allows arrays)."""
+        """A JSON object, whatever it holds (OpenAI's json_object; xgrammar's builtin grammar
+        allows arrays)."""
         return self.json_schema({"type": "object"}, strict=False, field="response_format")
 
     def json_schema(self, schema: dict[str, Any], strict: bool, field: str) -> ConstraintFactory:
@@ -80,11 +87,11 @@ class Grammars:
             raise bad_param(field, f"the schema cannot be compiled: {str(exc)[-200:]}") from None
         return self._factory(compiled)
 
-    def _factory(self, compiled: Any) -> ConstraintFactory:
+    def _factory(self, compiled: xgr.CompiledGrammar) -> ConstraintFactory:
         vocab_size = self._vocab_size
         return lambda: XGrammarConstraint(compiled, vocab_size)
 
-    def _get(self) -> Any:
+    def _get(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 import xgrammar as xgr
@@ -97,7 +104,9 @@ class Grammars:
 
 
 @lru_cache(maxsize=2)
-def grammars_for(tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Grammars:
+def grammars_for(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: tuple[int, ...]
+) -> Grammars:
     """The server's one Grammars (its model, so its vocabulary, is fixed for its life)."""
     return Grammars(tokenizer, vocab_size, stop_token_ids)
 

@@ -11,9 +11,38 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from chatstore.engine.request import TokenLogprob
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class TopLogprob(TypedDict):
+    """One of `top_logprobs`: an alternative token at that position."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class LogprobEntry(TypedDict):
+    """One entry of OpenAI's `logprobs.content` (and of the Responses API's output_text
+    `logprobs`): a generated token and its alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(TypedDict):
+    """A choice's `logprobs`."""
+
+    content: list[LogprobEntry]
+    refusal: None
+
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -34,7 +63,7 @@ def _byte_decoder() -> dict[str, int]:
 class TokenBytes:
     """Token id -> (text, bytes), cached: the vocabulary is fixed for the server's life."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
         probe = tokenizer.convert_ids_to_tokens(tokenizer.encode(" a", add_special_tokens=False))
         self._byte_level = any(piece.startswith("Ġ") for piece in probe)
@@ -50,6 +79,7 @@ class TokenBytes:
 
     def _bytes(self, token_id: int) -> bytes:
         piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        assert isinstance(piece, str)  # one id in, one token out
         decoder = _byte_decoder()
         if self._byte_level and all(c in decoder for c in piece):
             return bytes(decoder[c] for c in piece)
@@ -62,26 +92,28 @@ class TokenBytes:
 
 
 @lru_cache(maxsize=2)
-def token_bytes_for(tokenizer: Any) -> TokenBytes:
+def token_bytes_for(tokenizer: PreTrainedTokenizerBase) -> TokenBytes:
     """The server's one TokenBytes (the model, so its tokenizer, is fixed for its life)."""
     return TokenBytes(tokenizer)
 
 
-def choice_logprobs(entries: list[TokenLogprob] | None, token_bytes: TokenBytes) -> Any:
+def choice_logprobs(
+    entries: list[TokenLogprob] | None, token_bytes: TokenBytes
+) -> ChoiceLogprobs | None:
     """A choice's (or a chunk's) `logprobs`: None when not asked for."""
     if entries is None:
         return None
     return {"content": logprobs_content(entries, token_bytes), "refusal": None}
 
 
-def logprobs_content(entries: list[TokenLogprob], token_bytes: TokenBytes) -> list[dict[str, Any]]:
+def logprobs_content(entries: list[TokenLogprob], token_bytes: TokenBytes) -> list[LogprobEntry]:
     """OpenAI's `logprobs.content`: one object per generated token."""
     return [_entry(e, token_bytes) for e in entries]
 
 
-def _entry(entry: TokenLogprob, token_bytes: TokenBytes) -> dict[str, Any]:
+def _entry(entry: TokenLogprob, token_bytes: TokenBytes) -> LogprobEntry:
     text, data = token_bytes(entry.token_id)
-    top = []
+    top: list[TopLogprob] = []
     for token_id, logprob in entry.top:
         alt_text, alt_data = token_bytes(token_id)
         top.append({"token": alt_text, "logprob": logprob, "bytes": alt_data})

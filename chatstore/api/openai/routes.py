@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import replace
 from functools import partial
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
@@ -39,7 +39,7 @@ router = APIRouter(tags=["openai"])
 
 
 @router.get("/v1/models", response_model=ModelList)
-def list_models(request: Request, _: Annotated[Principal, Depends(tenant_principal)]) -> Any:
+def list_models(request: Request, _: Annotated[Principal, Depends(tenant_principal)]) -> ModelList:
     app = request.app.state
     return ModelList(data=[ModelCard(id=app.settings.model_name, created=app.started_at)])
 
@@ -50,7 +50,7 @@ async def chat_completions(
     request: Request,
     principal: Annotated[Principal, Depends(tenant_principal)],
     x_session_id: Annotated[str | None, Header(pattern=SESSION_ID_PATTERN)] = None,
-) -> Any:
+) -> Response:
     started = request.scope.get("chatstore.started", time.perf_counter())
     service: ChatService = request.app.state.service
     if body.top_logprobs is not None and not body.logprobs:
@@ -112,11 +112,10 @@ def _plain(m: ToolChatMessage) -> dict[str, str]:
 
 def _completion(
     turn: Turn, result: TurnResult, model: str, token_bytes: TokenBytes, form: ToolForm | None
-) -> dict[str, Any]:
+) -> dict[str, object]:
     choices = message_choices(result)
     if form is not None:
-        for choice in choices:
-            text = choice["message"]["content"]
+        for choice, text in zip(choices, result.texts, strict=True):
             choice["message"], called = reply_message(text, form.fmt, form.parallel)
             if called:
                 choice["finish_reason"] = "tool_calls"

@@ -13,16 +13,51 @@ Extensions beside OpenAI's fields (clients ignore them): `usage.cached_tokens_by
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from chatstore.api.common.usage import cached_by_tier, timings
+from chatstore.api.openai.logprobs import LogprobEntry
 from chatstore.api.sessions.turn import TurnResult
 
 STATUS = {"stop": "completed", "length": "incomplete"}  # by the engine's finish reason
 
 
-def responses_usage(result: TurnResult) -> dict[str, Any]:
+class OutputText(TypedDict):
+    """An output_text content part of a message item."""
+
+    type: str  # "output_text"
+    text: str
+    annotations: list[object]  # always empty
+    logprobs: list[LogprobEntry]
+
+
+class MessageItem(TypedDict):
+    """The assistant's message output item."""
+
+    id: str
+    type: str  # "message"
+    role: str  # "assistant"
+    status: str
+    content: list[OutputText]  # empty until the message's text begins
+
+
+class FunctionCallItem(TypedDict):
+    """A call of one of the request's tools, as an output item (output.py)."""
+
+    id: str
+    type: str  # "function_call"
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: str
+
+
+OutputItem = MessageItem | FunctionCallItem
+
+
+def responses_usage(result: TurnResult) -> dict[str, object]:
     u = result.usage
     return {
         "input_tokens": u.prompt_tokens,
@@ -34,15 +69,15 @@ def responses_usage(result: TurnResult) -> dict[str, Any]:
     }
 
 
-def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def output_text(text: str, logprobs: list[LogprobEntry] | None = None) -> OutputText:
     """An output_text part; `logprobs`: its tokens' (OpenAI's logprobs.content entries), when
     the request includes message.output_text.logprobs."""
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def message_item(
-    item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
+    item_id: str, text: str | None, status: str, logprobs: list[LogprobEntry] | None = None
+) -> MessageItem:
     """The assistant's output message; `text=None`: not begun (no content part yet)."""
     content = [] if text is None else [output_text(text, logprobs)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
@@ -70,13 +105,13 @@ class ResponseHead:
     store: bool
     user: str | None
     metadata: dict[str, str] = field(default_factory=dict)
-    tools: list[dict[str, Any]] = field(default_factory=list)  # as the request gave them
-    tool_choice: Any = "none"
+    tools: list[dict[str, object]] = field(default_factory=list)  # as the request gave them
+    tool_choice: object = "none"  # as the request gave it (echo_choice)
     parallel_tool_calls: bool = False
     top_logprobs: int | None = None
     created_at: int = field(default_factory=lambda: int(time.time()))
 
-    def body(self, status: str = "in_progress", **fields: Any) -> dict[str, Any]:
+    def body(self, status: str = "in_progress", **fields: object) -> dict[str, object]:
         """The response object; `fields` (output, usage, error, …) override the defaults."""
         return {
             "id": self.id,
@@ -112,8 +147,8 @@ class ResponseHead:
         self,
         result: TurnResult,
         session_id: str | None,
-        output: list[dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
+        output: Sequence[OutputItem] | None = None,
+    ) -> dict[str, object]:
         """The response object of a turn that ended (completed, incomplete or failed);
         `output`: its items (output.py), the reply as one message when not given."""
         status = turn_status(result)

@@ -8,10 +8,9 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from chatstore.api.common.errors import APIError
-from chatstore.api.openai.logprobs import TokenBytes, logprobs_content
+from chatstore.api.openai.logprobs import LogprobEntry, TokenBytes, logprobs_content
 from chatstore.api.responses.body import ResponseHead
 from chatstore.api.responses.chain import ChainTurn
 from chatstore.api.responses.output import ReplyForm, ReplyOutput, reply_output
@@ -36,18 +35,18 @@ class ResponseCall:
     form: ReplyForm | None  # tools the model may call: how to read them out of the reply
     token_bytes: TokenBytes
 
-    def logprobs_of(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    def logprobs_of(self, entries: list[TokenLogprob]) -> list[LogprobEntry]:
         return logprobs_content(entries, self.token_bytes)
 
-    def result_logprobs(self, result: TurnResult) -> list[dict[str, Any]] | None:
+    def result_logprobs(self, result: TurnResult) -> list[LogprobEntry] | None:
         """The reply's tokens' logprobs (None: not asked for)."""
         return None if result.logprobs is None else self.logprobs_of(result.logprobs[0])
 
     async def finish(
         self, result: TurnResult, reply: ReplyOutput | None = None
-    ) -> tuple[dict[str, Any], str]:
-        """The finished response object (and as JSON), stored first when it is to be kept;
-        `reply`: its output as streamed, else read from the result here."""
+    ) -> tuple[ReplyOutput, str]:
+        """The finished response's output, and the response object as JSON, stored first when it
+        is to be kept; `reply`: its output as streamed, else read from the result here."""
         keep = self.head.store
         if reply is None:
             reply = reply_output(self.head, result, self.form, self.result_logprobs(result))
@@ -58,7 +57,7 @@ class ResponseCall:
             stored = StoredResponse(text, self.turn.session_id, items)
             put = response_store(self.service).put
             await asyncio.to_thread(put, self.tenant, self.head.id, stored)
-        return body, text
+        return reply, text
 
     def discard(self) -> asyncio.Future[None] | None:
         """store=false: delete the turn's own session (in the background; the future)."""

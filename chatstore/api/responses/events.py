@@ -25,10 +25,10 @@ rest of the frame.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from chatstore.api.common.errors import APIError
-from chatstore.api.responses.body import ResponseHead, message_item, output_text
+from chatstore.api.openai.logprobs import LogprobEntry
+from chatstore.api.responses.body import MessageItem, ResponseHead, message_item, output_text
 from chatstore.api.responses.output import function_call_item
 from chatstore.api.tools.protocol import ToolCall
 from chatstore.api.tools.replies import ARGUMENT_PIECE
@@ -53,10 +53,10 @@ class ResponseEvents:
         )
         self._delta_prefix = f'event: {DELTA}\ndata: {{"type":"{DELTA}",{self._where},'
 
-    def event(self, kind: str, **fields: Any) -> bytes:
+    def event(self, kind: str, **fields: object) -> bytes:
         return self._frame(kind, "," + _ENCODE(fields)[1:-1] if fields else "")
 
-    def delta(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
+    def delta(self, text: str, logprobs: list[LogprobEntry] | None = None) -> bytes:
         n = self.sequence
         self.sequence += 1
         entries = _ENCODE(logprobs) if logprobs else "[]"
@@ -106,12 +106,12 @@ class ResponseEvents:
         frames.append(self.event("response.output_item.done", output_index=output_index, item=item))
         return b"".join(frames)
 
-    def closing(self, response: dict[str, Any], response_json: str) -> bytes:
+    def closing(self, message: MessageItem, status: str, response_json: str) -> bytes:
         """The events after the last token, ending with the finished response (given as its
-        object and that object's JSON, which the final event carries as is)."""
-        return self.message_done(response["output"][0]) + self.final(response, response_json)
+        message item, its status and its JSON, which the final event carries as is)."""
+        return self.message_done(message) + self.final(status, response_json)
 
-    def message_done(self, item: dict[str, Any]) -> bytes:
+    def message_done(self, item: MessageItem) -> bytes:
         part = item["content"][0]
         text = part["text"]
         done = f',{self._where},"text":{_ENCODE(text)},"logprobs":{_ENCODE(part["logprobs"])}'
@@ -124,10 +124,10 @@ class ResponseEvents:
             )
         )
 
-    def final(self, response: dict[str, Any], response_json: str) -> bytes:
-        return self._frame(FINAL[response["status"]], f',"response":{response_json}')
+    def final(self, status: str, response_json: str) -> bytes:
+        return self._frame(FINAL[status], f',"response":{response_json}')
 
-    def failed(self, response: dict[str, Any]) -> bytes:
+    def failed(self, response: dict[str, object]) -> bytes:
         return self.event("response.failed", response=response)
 
     def error(self, exc: APIError) -> bytes:

@@ -11,9 +11,17 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from chatstore.api.responses.body import ResponseHead, message_item, turn_status
+from chatstore.api.openai.logprobs import LogprobEntry
+from chatstore.api.responses.body import (
+    FunctionCallItem,
+    MessageItem,
+    OutputItem,
+    ResponseHead,
+    message_item,
+    turn_status,
+)
 from chatstore.api.responses.items import Item, call_item
 from chatstore.api.sessions.turn import TurnResult
 from chatstore.api.tools.formats import ToolFormat
@@ -29,7 +37,7 @@ class ReplyForm(NamedTuple):
     parallel: bool
 
 
-def function_call_item(call: ToolCall, item_id: str, status: str = "completed") -> dict[str, Any]:
+def function_call_item(call: ToolCall, item_id: str, status: str = "completed") -> FunctionCallItem:
     """OpenAI's function_call output item; `call.id` is its call_id."""
     return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
             "arguments": call.arguments, "status": status}  # fmt: skip
@@ -41,11 +49,13 @@ def function_call_id() -> str:
 
 @dataclass
 class ReplyOutput:
-    output: list[dict[str, Any]] = field(default_factory=list)  # the response's items
+    output: list[OutputItem] = field(default_factory=list)  # the response's items
     kept: list[Item] = field(default_factory=list)  # what the conversation keeps of the reply
+    messages: list[MessageItem] = field(default_factory=list)  # output's message items
 
-    def add_message(self, item: dict[str, Any]) -> None:
+    def add_message(self, item: MessageItem) -> None:
         self.output.append(item)
+        self.messages.append(item)
         self.kept.append({"role": "assistant", "content": item["content"][0]["text"]})
 
     def add_call(self, call: ToolCall, item_id: str) -> None:
@@ -57,7 +67,7 @@ def reply_output(
     head: ResponseHead,
     result: TurnResult,
     form: ReplyForm | None,
-    logprobs: list[dict[str, Any]] | None,
+    logprobs: list[LogprobEntry] | None,
 ) -> ReplyOutput:
     status, text = turn_status(result), result.texts[0]
     reply = ReplyOutput()

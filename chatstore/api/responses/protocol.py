@@ -11,7 +11,7 @@ served by chat completions' own code (responses/tools.py, items.py, api/tools/).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,7 +52,7 @@ class TextConfig(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    input: Any = Field(description="a string, or a list of message items")
+    input: object = Field(description="a string, or a list of message items")
     instructions: str | None = None
     previous_response_id: str | None = Field(None, min_length=1, max_length=RESPONSE_ID_MAX)
     store: bool = True
@@ -73,7 +73,7 @@ class ResponsesRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Any = None  # read by responses/tools.py: "none" | "auto" | "required" | named
+    tool_choice: object = None  # read by responses/tools.py: "none" | "auto" | "required" | named
     parallel_tool_calls: bool | None = None
     include: list[str] | None = None  # "message.output_text.logprobs" is the one acted on
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -129,7 +129,7 @@ def check_metadata(metadata: dict[str, str]) -> None:
             )
 
 
-def input_items(raw: Any, max_chars: int) -> list[Item]:
+def input_items(raw: object, max_chars: int) -> list[Item]:
     """`input` as conversation items (items.py): a string is one user message; a list holds
     message items (content a string or text parts), function_call and function_call_output
     items. 400 naming the item for anything else, or for a text over `max_chars` (the
@@ -150,7 +150,7 @@ def input_items(raw: Any, max_chars: int) -> list[Item]:
     return items
 
 
-def _item(where: str, item: Any) -> Item:
+def _item(where: str, item: object) -> Item:
     if not isinstance(item, dict):
         raise bad_param(
             where, "an input item must be an object with role and content", "invalid_type"
@@ -173,7 +173,7 @@ def _item(where: str, item: Any) -> Item:
     return {"role": ROLES[role], "content": _content(f"{where}.content", item.get("content"))}
 
 
-def _function_call(where: str, item: dict[str, Any]) -> Item:
+def _function_call(where: str, item: dict[str, object]) -> Item:
     """A call the model made, sent back (arguments: the JSON text of an object, as
     chat completions requires of an assistant message's tool_calls)."""
     call_id, name = _string(where, item, "call_id"), _string(where, item, "name")
@@ -187,7 +187,7 @@ def _function_call(where: str, item: dict[str, Any]) -> Item:
     return call_item(ToolCall(name, arguments, call_id))
 
 
-def _string(where: str, item: dict[str, Any], key: str) -> str:
+def _string(where: str, item: dict[str, object], key: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or (not value and key != "arguments"):
         raise bad_param(f"{where}.{key}", f"{key} must be a non-empty string", "invalid_type")
@@ -196,7 +196,7 @@ def _string(where: str, item: dict[str, Any], key: str) -> str:
     return value
 
 
-def _content(where: str, content: Any) -> str:
+def _content(where: str, content: object) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):

@@ -20,7 +20,7 @@ import functools
 import time
 import uuid
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -59,7 +59,7 @@ Tenant = Annotated[Principal, Depends(_tenant)]
 
 
 @router.post("", responses=ERRORS)
-async def create_response(body: ResponsesRequest, request: Request, principal: Tenant) -> Any:
+async def create_response(body: ResponsesRequest, request: Request, principal: Tenant) -> Response:
     started = request.scope.get("chatstore.started", time.perf_counter())
     service: ChatService = request.app.state.service
     body.check_supported()
@@ -156,7 +156,7 @@ async def _open(service: ChatService, spec: TurnSpec, chain: ChainTurn) -> Turn:
     return await service.open_turn(replace(spec, session_id=new_session_id()))
 
 
-async def _reply(call: ResponseCall, request: Request) -> Any:
+async def _reply(call: ResponseCall, request: Request) -> Response:
     try:
         result = await call.turn.run_watching(request.is_disconnected)
         if result is None:  # the client went away: the turn was aborted, nobody to answer
@@ -174,13 +174,13 @@ async def _reply(call: ResponseCall, request: Request) -> Any:
 
 
 @router.get("/{response_id}", responses=ERRORS)
-def get_response(response_id: str, request: Request, principal: Tenant) -> Any:
+def get_response(response_id: str, request: Request, principal: Tenant) -> Response:
     stored = _find(request, principal, response_id)
     return Response(stored.body_json, media_type="application/json")
 
 
 @router.delete("/{response_id}", responses=ERRORS)
-def delete_response(response_id: str, request: Request, principal: Tenant) -> Any:
+def delete_response(response_id: str, request: Request, principal: Tenant) -> dict[str, object]:
     store = response_store(request.app.state.service)
     if len(response_id) > RESPONSE_ID_MAX or not store.delete(principal.tenant, response_id):
         raise not_found(f"response {response_id}")

@@ -22,7 +22,6 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from chatstore.api.common.errors import store_error
 from chatstore.api.responses.items import Item
@@ -45,8 +44,9 @@ class StoredResponse:
     items: list[Item]  # the conversation through this response's reply (no instructions)
 
     @property
-    def body(self) -> dict[str, Any]:
-        return json.loads(self.body_json)
+    def body(self) -> dict[str, object]:
+        body: dict[str, object] = json.loads(self.body_json)  # written by call.py: an object
+        return body
 
 
 class ResponseStore:

@@ -14,9 +14,10 @@ order they were streamed.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from chatstore.api.common.errors import APIError
+from chatstore.api.openai.logprobs import LogprobEntry
 from chatstore.api.responses.body import ResponseHead, message_item, turn_status
 from chatstore.api.responses.events import ResponseEvents
 from chatstore.api.responses.output import ReplyForm, ReplyOutput, function_call_id
@@ -52,7 +53,9 @@ class ToolReplyStream:
             out += self._open_message(self._blank)
         return out
 
-    def output(self, head: ResponseHead, result: TurnResult, logprobs: Any) -> ReplyOutput:
+    def output(
+        self, head: ResponseHead, result: TurnResult, logprobs: list[LogprobEntry] | None
+    ) -> ReplyOutput:
         reply, status = ReplyOutput(), turn_status(result)
         for entry in self._order:
             if entry is None:
@@ -101,7 +104,7 @@ async def stream_response(call: ResponseCall) -> AsyncIterator[bytes]:
             yield events.opening()
         else:
             yield events.started()
-        pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is not out yet
+        pending: list[LogprobEntry] = []  # logprobs of tokens whose text is not out yet
         async for delta in turn.deltas():
             if tools is not None:
                 out = tools.feed(delta.text)
@@ -129,16 +132,16 @@ async def stream_response(call: ResponseCall) -> AsyncIterator[bytes]:
                 yield tools.finish()
             reply = tools.output(call.head, result, call.result_logprobs(result))
         try:
-            response, response_json = await call.finish(result, reply)
+            reply, response_json = await call.finish(result, reply)
         except APIError as exc:
             yield events.error(exc)
             return
+        status = turn_status(result)  # the finished response's
         if tools is None:
-            yield events.closing(response, response_json)
+            yield events.closing(reply.messages[0], status, response_json)
             return
-        message = [i for i in response["output"] if i["type"] == "message"]
-        done = events.message_done(message[0]) if tools.message else b""
-        yield done + events.final(response, response_json)
+        done = events.message_done(reply.messages[0]) if tools.message else b""
+        yield done + events.final(status, response_json)
     finally:
         turn.close()
         call.discard()  # not awaited: the stream may be cancelled (client gone)

@@ -28,7 +28,7 @@ from chatstore.api.tools.protocol import (
 from chatstore.api.tools.request import ToolRequest, tool_request
 
 MAX_TOOLS = 128  # as chat completions allows
-CHOICES = ("none", "auto", "required")
+CHOICES: tuple[Literal["none"], Literal["auto"], Literal["required"]] = ("none", "auto", "required")
 
 
 class FunctionTool(BaseModel):
@@ -52,16 +52,19 @@ class FunctionTool(BaseModel):
 
 
 def responses_tool_request(
-    tools: list[FunctionTool] | None, choice: Any, parallel: bool | None
+    tools: list[FunctionTool] | None, choice: object, parallel: bool | None
 ) -> ToolRequest | None:
     """The checked tool fields (chat completions' rules: duplicate names, a choice naming a
     function not in tools, required without tools are 400s); None: no tools."""
     return tool_request([t.as_chat() for t in tools or ()], tool_choice(choice), parallel)
 
 
-def tool_choice(raw: Any) -> ToolChoiceBody | None:
-    if raw is None or raw in CHOICES:
-        return raw
+def tool_choice(raw: object) -> ToolChoiceBody | None:
+    if raw is None:
+        return None
+    for choice in CHOICES:
+        if raw == choice:
+            return choice
     if isinstance(raw, dict) and raw.get("type") == "function":
         name = raw.get("name")
         if not isinstance(name, str) or not name:
@@ -73,12 +76,12 @@ def tool_choice(raw: Any) -> ToolChoiceBody | None:
     )
 
 
-def echo_tools(tools: list[FunctionTool] | None) -> list[dict[str, Any]]:
+def echo_tools(tools: list[FunctionTool] | None) -> list[dict[str, object]]:
     """The tools as the response object repeats them (OpenAI's shape, strict always said)."""
     return [{**t.model_dump(exclude_none=True), "strict": bool(t.strict)} for t in tools or ()]
 
 
-def echo_choice(raw: Any, tools: ToolRequest | None) -> Any:
+def echo_choice(raw: object, tools: ToolRequest | None) -> object:
     if raw is not None:
         return raw
     return "auto" if tools is not None else "none"

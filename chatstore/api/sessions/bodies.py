@@ -3,8 +3,6 @@ the admin's session table share them)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from chatstore.api.common.replies import finish_reason, message_choices
 from chatstore.api.common.usage import timings, usage_body
 from chatstore.api.sessions.service import ChatService
@@ -12,7 +10,7 @@ from chatstore.api.sessions.turn import Turn, TurnResult
 from chatstore.store.ports import SessionRecord
 
 
-def session_info(service: ChatService, record: SessionRecord, full: bool) -> dict[str, Any]:
+def session_info(service: ChatService, record: SessionRecord, full: bool) -> dict[str, object]:
     return {
         "id": record.session_id,
         "object": "session",
@@ -29,7 +27,7 @@ def session_info(service: ChatService, record: SessionRecord, full: bool) -> dic
     }
 
 
-def reply_body(turn: Turn, result: TurnResult) -> dict[str, Any]:
+def reply_body(turn: Turn, result: TurnResult) -> dict[str, object]:
     choices = message_choices(result)
     return {
         "id": turn.request_id,

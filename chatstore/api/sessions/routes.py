@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -43,11 +43,12 @@ SessionPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN)]
 
 
 def _service(request: Request) -> ChatService:
-    return request.app.state.service
+    service: ChatService = request.app.state.service
+    return service
 
 
 @router.post("", response_model=SessionInfo, status_code=201, responses=ERRORS)
-def create_session(body: SessionCreateRequest, request: Request, principal: Tenant) -> Any:
+def create_session(body: SessionCreateRequest, request: Request, principal: Tenant) -> JSONResponse:
     service = _service(request)
     if service.draining:
         raise APIError(503, "server is shutting down", code="draining")
@@ -68,7 +69,7 @@ def list_sessions(
     principal: Tenant,
     offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-) -> Any:
+) -> dict[str, object]:
     service = _service(request)
     records, total = service.store.list_sessions(principal.tenant, offset, limit)
     more = offset + len(records) < total
@@ -81,7 +82,7 @@ def list_sessions(
 
 
 @router.get("/{session_id}", response_model=SessionInfo, responses=ERRORS)
-def get_session(session_id: SessionPath, request: Request, principal: Tenant) -> Any:
+def get_session(session_id: SessionPath, request: Request, principal: Tenant) -> dict[str, object]:
     service = _service(request)
     return session_info(service, service.get_session(principal.tenant, session_id), True)
 
@@ -89,7 +90,7 @@ def get_session(session_id: SessionPath, request: Request, principal: Tenant) ->
 @router.patch("/{session_id}", response_model=SessionInfo, responses=ERRORS)
 def patch_session(
     session_id: SessionPath, body: SessionPatchRequest, request: Request, principal: Tenant
-) -> Any:
+) -> dict[str, object]:
     """Partial update: only the fields sent change (retention takes effect at once)."""
     service = _service(request)
     changes = body.model_dump(exclude_unset=True)
@@ -98,13 +99,15 @@ def patch_session(
 
 
 @router.delete("/{session_id}", response_model=Deleted, responses=ERRORS)
-def delete_session(session_id: SessionPath, request: Request, principal: Tenant) -> Any:
+def delete_session(
+    session_id: SessionPath, request: Request, principal: Tenant
+) -> dict[str, object]:
     _service(request).delete_session(principal.tenant, session_id)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 
 @router.post("/{session_id}/prefetch", status_code=202, responses=ERRORS)
-def prefetch_session(session_id: SessionPath, request: Request, principal: Tenant) -> Any:
+def prefetch_session(session_id: SessionPath, request: Request, principal: Tenant) -> JSONResponse:
     """Start moving the session's KV up to DRAM (returns at once; see kv_location)."""
     service = _service(request)
     service.get_session(principal.tenant, session_id)  # 404 for unknown / another tenant's
@@ -117,7 +120,7 @@ def prefetch_session(session_id: SessionPath, request: Request, principal: Tenan
 @router.post("/{session_id}/messages", response_model=SessionReply, responses=ERRORS)
 async def post_message(
     session_id: SessionPath, body: SessionMessageRequest, request: Request, principal: Tenant
-) -> Any:
+) -> Response | dict[str, object]:
     started = request.scope.get("chatstore.started", time.perf_counter())
     service = _service(request)
     spec = TurnSpec(

@@ -24,7 +24,6 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
@@ -53,7 +52,7 @@ class SessionSocket:
         self._task: asyncio.Task[None] | None = None
         self._turn: Turn | None = None
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: dict[str, object]) -> None:
         async with self._send_lock:
             await self.ws.send_text(json.dumps(message, separators=(",", ":")))
 
@@ -101,7 +100,7 @@ class SessionSocket:
             return await self.send({"type": "pong"})
         return await self.error(APIError(400, f"unknown frame type {kind!r}", param="type"))
 
-    async def start(self, message: dict[str, Any]) -> None:
+    async def start(self, message: dict[str, object]) -> None:
         if self._task is not None and not self._task.done():
             return await self.error(APIError(409, "a turn is in progress", code="session_busy"))
         started = time.perf_counter()

@@ -16,7 +16,7 @@ tool_choice "none" the tools are left out and the chat is plain.
 from __future__ import annotations
 
 import json
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from chatstore.api.common.chat_template import Message, RichPrompt
 from chatstore.api.tools.formats import ToolFormat
@@ -87,8 +87,8 @@ def _generic(m: ToolChatMessage, names: dict[str, str], wrap: bool) -> Message:
     return {"role": role, "content": m.text()}
 
 
-def _native(m: ToolChatMessage, names: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+def _native(m: ToolChatMessage, names: dict[str, str]) -> dict[str, object]:
+    out: dict[str, object] = {"role": "system" if m.role == "developer" else m.role}
     out["content"] = m.text()
     if m.tool_calls:
         out["tool_calls"] = [
@@ -100,16 +100,16 @@ def _native(m: ToolChatMessage, names: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def _call_object(call: ToolCallBody) -> dict[str, Any]:
+def _call_object(call: ToolCallBody) -> dict[str, object]:
     """{"name", "arguments": object} (request.py checked the arguments are a JSON object)."""
     return {"name": call.function.name, "arguments": json.loads(call.function.arguments)}
 
 
-def _schemas(tools: ToolRequest | None) -> list[dict[str, Any]] | None:
+def _schemas(tools: ToolRequest | None) -> list[dict[str, object]] | None:
     if tools is None:
         return None
     return [{"type": "function", "function": _schema(f)} for f in tools.functions]
 
 
-def _schema(function: FunctionDef) -> dict[str, Any]:
+def _schema(function: FunctionDef) -> dict[str, object]:
     return function.model_dump(exclude_none=True, exclude={"strict"})

@@ -12,15 +12,13 @@ llama3) are not constrained: their calls sit inside free text.
 
 from __future__ import annotations
 
-from typing import Any
-
 from chatstore.api.tools.protocol import FunctionDef
 from chatstore.api.tools.request import ToolRequest
 
 
-def answer_schema(tools: ToolRequest) -> dict[str, Any]:
+def answer_schema(tools: ToolRequest) -> dict[str, object]:
     functions = [f for f in tools.functions if tools.mode != "named" or f.name == tools.named]
-    call = {"anyOf": [_call(f) for f in functions]}
+    call: dict[str, object] = {"anyOf": [_call(f) for f in functions]}
     forms = [_object("tool_call", call)]
     if tools.parallel and tools.mode != "named":
         forms.append(_object("tool_calls", {"type": "array", "items": call, "minItems": 1}))
@@ -29,16 +27,16 @@ def answer_schema(tools: ToolRequest) -> dict[str, Any]:
     return forms[0] if len(forms) == 1 else {"anyOf": forms}
 
 
-def _call(function: FunctionDef) -> dict[str, Any]:
+def _call(function: FunctionDef) -> dict[str, object]:
     arguments = function.parameters or {"type": "object", "properties": {}}
     return _object_of({"name": {"const": function.name}, "arguments": arguments})
 
 
-def _object(key: str, value: dict[str, Any]) -> dict[str, Any]:
+def _object(key: str, value: dict[str, object]) -> dict[str, object]:
     return _object_of({key: value})
 
 
-def _object_of(properties: dict[str, Any]) -> dict[str, Any]:
+def _object_of(properties: dict[str, object]) -> dict[str, object]:
     return {
         "type": "object",
         "properties": properties,
