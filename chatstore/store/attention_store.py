@@ -29,7 +29,6 @@ from chatstore.model.spec import ModelSpec
 from chatstore.store.chunks.plan import new_chunks_of, plan_chain
 from chatstore.store.commit.turn_commit import CommitListener
 from chatstore.store.events import StoreStats
-from chatstore.store.kv_admin import KVAdmin
 from chatstore.store.port_values import Listener, tokens_by_tier
 from chatstore.store.ports import (
     ChunkBuilder,
@@ -54,8 +53,8 @@ from chatstore.store.tiers.base import StorageTier
 
 
 class AttentionStore:
-    """Implements KVSource, ChunkCatalog (ports.py) and KVAdmin (kv_admin.py); the docs are
-    there."""
+    """Implements KVSource and ChunkCatalog (ports.py), whose docs are there, and what the
+    session store (session_store.py) uses besides: opening turns, retention, deletes, reports."""
 
     def __init__(
         self,
@@ -148,6 +147,8 @@ class AttentionStore:
         prompt_ids: Sequence[int] = (),
         records_turn: bool = False,
     ) -> OpenedTurn:
+        """ports.SessionKVAdmin.open_turn; records_turn: the caller records the turn's chain
+        (the handle's TurnChain) with its messages, the commit does not."""
         return self.opening.open(self.key(tenant, session_id), prompt_ids, records_turn)
 
     def complete_load(self, opened: OpenedTurn | None) -> None:
@@ -211,6 +212,7 @@ class AttentionStore:
         return self.versions.get(self.key(tenant, session_id))
 
     def tier_of(self, tenant: str, session_id: str) -> str | None:
+        """The slowest tier holding a chunk of the session (waits for its pending write)."""
         self.wait_saved(tenant, session_id)
         key = self.key(tenant, session_id)
         self.restore.ensure(key)  # not restored yet: read from its record now
@@ -308,6 +310,7 @@ class AttentionStore:
         return store_stats(self.tiers, self.redis_breaker)
 
     def slow_tiers(self) -> Sequence[StorageTier]:
+        """The sealed tiers (SSD, remote), for the key rotation's re-seal."""
         return list(self.tiers.slow)
 
     def open_failures(self) -> dict[str, int]:
@@ -341,5 +344,5 @@ def create_store(
 
 if TYPE_CHECKING:  # mypy checks here that the store keeps every port it promises
 
-    def _implements_ports(store: AttentionStore) -> tuple[KVSource, KVAdmin, ChunkCatalog]:
-        return store, store, store
+    def _implements_ports(store: AttentionStore) -> tuple[KVSource, ChunkCatalog]:
+        return store, store

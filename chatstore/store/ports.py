@@ -6,16 +6,16 @@ store as one of them, not as the class.
     engine ──(WaitingQueue)──► store          the look-ahead: who runs next
     transfer ──(KVSource)────► store          find, read, plan and save a turn's chunks
     api ──(SessionKVAdmin)───► store          records, leases, turns' contexts, KV admin, reports
+    kv_events ──(ChunkCatalog)► store         stored chunks per tier and their events
 
 One turn's handle, `OpenedTurn` (opened_turn.py), goes api -> engine Request -> transfer -> api:
 open_turn, prepare_load / complete_load, save_turn, append_turn, end_turn.
-    kv_events ──(ChunkCatalog)► store         stored chunks per tier and their events
 
 `SessionKVAdmin` has two implementations (session_store.py): records only (kv_store = "off")
-and records over the KV store, which reaches the facade through `KVAdmin` (kv_admin.py). The API and
-transfer import from chatstore.store this module and plain value modules (the records' value
-types and errors are re-exported here; retention's limits, encryption's errors and DRAM rows
-read in place are in their own leaf modules). Importing this module loads only its values
+and records over the KV store (the facade, AttentionStore). The API and transfer import from
+chatstore.store this module and plain value modules (the records' value types and errors are
+re-exported here; retention's limits, encryption's errors and DRAM rows read in place are in
+their own leaf modules). Importing this module loads only its values
 (tests/test_package_layout.py pins how few).
 
 Threads. Every method is thread-safe unless its docstring names a thread. The engine thread

@@ -1,7 +1,7 @@
 """The session store with KV: ports.SessionKVAdmin over the records and the KV store.
 
 The records part is RecordsOnlyStore's (records_only.py); this class adds what the KV store
-(AttentionStore, seen through kv_admin.KVAdmin) changes in it: a read waits for the session's
+(AttentionStore) changes in it: a read waits for the session's
 pending save, token ids another model saved are blanked, deletes and purges take the KV too,
 retention reaches placement, and the reports read the KV tiers. The device tier (the engine's
 block pool) is not the store's: the API's admin service puts it before these tiers.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chatstore.store.kv_admin import KVAdmin
+from chatstore.store.attention_store import AttentionStore
 from chatstore.store.ports import KVPlacement, OpenedTurn, SessionKVAdmin, TierStats
 from chatstore.store.records.leases import SessionLeases
 from chatstore.store.records.record import SessionRecord
@@ -27,7 +27,7 @@ from chatstore.store.tiers.base import StorageTier
 class SessionStore(RecordsOnlyStore):
     """ports.SessionKVAdmin with KV; the docs are on the port."""
 
-    def __init__(self, kv: KVAdmin, leases: SessionLeases | None = None) -> None:
+    def __init__(self, kv: AttentionStore, leases: SessionLeases | None = None) -> None:
         """kv: the KV store, whose records these are; leases: default, in the records' Redis
         (held the store's session_lease_s by its replica_id), else local no-ops."""
         super().__init__(
