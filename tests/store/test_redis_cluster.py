@@ -15,7 +15,8 @@ from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
-from chatstore.store.tiers.redis import RedisTier, cluster_startup_nodes, connect_redis
+from chatstore.store.tiers.redis import RedisTier
+from chatstore.store.tiers.redis_client import cluster_startup_nodes, connect_redis
 from tests.store.test_attention_store import TOKEN_BYTES, make, value
 from tests.store.test_tiers import K
 from tests.store.test_tiers import value as chunk

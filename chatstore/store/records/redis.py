@@ -63,7 +63,7 @@ class RedisRecordStore(RedisFacts):
     ) -> None:
         """breaker: the KV tier's CircuitBreaker when both live in one Redis, so an outage
         costs a few timeouts in all, then record operations fail at once (503)."""
-        from chatstore.store.tiers.redis import connect_redis, outage_errors
+        from chatstore.store.tiers.redis_client import connect_redis, outage_errors
 
         super().__init__(ttl_s, sealer)
         self.breaker = breaker

@@ -26,13 +26,11 @@ TierUnavailable (the hierarchy reads a miss, or writes elsewhere); while the bre
 tier holds nothing as far as `contains` is concerned. A write Redis refuses for memory (OOM:
 maxmemory with noeviction) raises TierFull.
 
-Redis Cluster: `connect_redis` returns a RedisCluster for a `redis+cluster://h:p,h:p` URL (or
-`cluster=True`). Every call here names keys of one slot or goes through a non-transactional
-pipeline, which RedisCluster splits per node; a SCAN (shared flush, shred) walks every master.
-
-TLS and ACL: `rediss://` and `rediss+cluster://` URLs, a CA, a client certificate, an ACL user
-and password (redis_security.py) apply to a single server and a cluster alike. The keys used
-all start with `chatstore:`, so an ACL user limited to `~chatstore:*` is enough.
+Redis Cluster: `connect_redis` (redis_client.py) returns a RedisCluster for a
+`redis+cluster://h:p,h:p` URL (or `cluster=True`). Every call here names keys of one slot or
+goes through a non-transactional pipeline, which RedisCluster splits per node; a SCAN (shared
+flush, shred) walks every master. TLS and ACL: redis_client.py. The keys used all start with
+`chatstore:`, so an ACL user limited to `~chatstore:*` is enough.
 
 Threads: the client is thread-safe (a connection pool), the index is a FootprintIndex.
 
@@ -48,102 +46,18 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
-from chatstore.redis_security import RedisSecurity
 from chatstore.store.sealing import KV_PURPOSE, Sealer
 from chatstore.store.sealing.sealer import is_sealed
 from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import IndexedTier, TierFull, TierUnavailable
 from chatstore.store.tiers.breaker import BreakerHealth, CircuitBreaker
+from chatstore.store.tiers.redis_client import connect_redis, out_of_memory, outage_errors
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "chatstore:kv"
 T = TypeVar("T")
-
-
-def is_cluster_url(url: str) -> bool:
-    return url.split("://", 1)[0].lower() in ("redis+cluster", "rediss+cluster")
-
-
-def cluster_startup_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
-    """`redis+cluster://[user:pass@]h1:p1,h2:p2/…` (or a plain `redis://h:p`) -> the nodes to
-    discover the topology from and the connection kwargs. urlsplit cannot parse a comma list of
-    host:port pairs (`.port` raises), hence by hand; a database path is ignored (cluster: db 0)."""
-    scheme, _, rest = url.partition("://")
-    netloc = rest.split("/", 1)[0].split("?", 1)[0]
-    userinfo, _, hosts = netloc.rpartition("@")
-    kwargs: dict[str, Any] = {"ssl": scheme.lower().startswith("rediss")}
-    if userinfo:
-        user, _, password = userinfo.partition(":")
-        kwargs["username"] = unquote(user) or None
-        kwargs["password"] = unquote(password) or None
-    nodes = []
-    for part in filter(None, hosts.split(",")):
-        host, colon, port = part.rpartition(":")
-        if not colon or port.endswith("]"):  # no port: `host` or `[v6]`
-            host, port = part, "6379"
-        nodes.append((host.strip("[]"), int(port)))
-    if not nodes:
-        raise ValueError(f"no host:port in Redis Cluster URL {url!r}")
-    return nodes, kwargs
-
-
-def outage_errors() -> tuple[type[BaseException], ...]:
-    """Errors meaning "Redis is out of reach", as opposed to an error reply. ClusterError covers
-    CLUSTERDOWN / MASTERDOWN (a master lost, failover pending); RedisClusterException covers an
-    uncovered slot and a topology no startup node could report."""
-    from redis import exceptions as e
-
-    return (e.ConnectionError, e.TimeoutError, OSError, e.ClusterError, e.RedisClusterException)
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """Redis refused a write for memory (OOM: maxmemory reached with noeviction)."""
-    from redis import exceptions as e
-
-    oom = getattr(e, "OutOfMemoryError", ())
-    return (bool(oom) and isinstance(exc, oom)) or "maxmemory" in str(exc)
-
-
-def connect_redis(
-    url: str,
-    timeout_s: float,
-    cluster: bool = False,
-    security: RedisSecurity | None = None,
-) -> Any:
-    """A client whose every call (connect included) gives up after timeout_s: redis-py otherwise
-    retries a timed-out call up to 10 times with backoff, which turns a hung server into a
-    multi-second stall per call. A cluster (`cluster`, or a `redis+cluster://` URL) gets one
-    retry, taken after RedisCluster re-reads the topology, so a call that hit a failed-over
-    master lands on its promoted replica; MOVED / ASK redirects it follows by itself.
-
-    security: TLS files and ACL credentials (redis_security.py); its user and password win over
-    the URL's. Nothing connects here: a wrong CA or password shows at the first call, as a
-    ConnectionError (an outage to the breaker)."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    extra = (security or RedisSecurity()).client_kwargs(url)
-    if not (cluster or is_cluster_url(url)):
-        return redis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            **extra,
-        )
-    from redis.cluster import ClusterNode, RedisCluster
-
-    nodes, kwargs = cluster_startup_nodes(url)
-    return RedisCluster(
-        startup_nodes=[ClusterNode(host, port) for host, port in nodes],
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 1),
-        **{**kwargs, **extra},
-    )
 
 
 class RedisTier(IndexedTier):
@@ -186,7 +100,7 @@ class RedisTier(IndexedTier):
             raise TierUnavailable(f"remote tier: {exc}") from exc
         except BaseException as exc:
             self.breaker.success()  # the server answered (an error reply, not an outage)
-            if _out_of_memory(exc):
+            if out_of_memory(exc):
                 raise TierFull(f"remote tier: {exc}") from exc
             raise
         self.breaker.success()
@@ -258,7 +172,7 @@ class RedisTier(IndexedTier):
 
         ttl = self.ttl_s if self.ttl_s > 0 else None
 
-        def read() -> list[Any]:  # GETEX: every read refreshes the chunk's TTL
+        def read() -> list[bytes | None]:  # GETEX: every read refreshes the chunk's TTL
             with self.client.pipeline(transaction=False) as pipe:
                 for key in keys:
                     if ttl is None:
@@ -380,7 +294,7 @@ class RedisTier(IndexedTier):
 
         return self._call(scan)
 
-    def _unlink(self, names: list[Any]) -> int:
+    def _unlink(self, names: list[bytes | str]) -> int:
         with self.client.pipeline(transaction=False) as pipe:
             for name in names:  # one key a command: a cluster splits the pipeline by node
                 pipe.unlink(name)
@@ -393,7 +307,7 @@ class RedisTier(IndexedTier):
         if not todo:
             return 0
 
-        def probe() -> list[Any]:
+        def probe() -> list[int]:
             with self.client.pipeline(transaction=False) as pipe:
                 for key in todo:
                     pipe.strlen(self._name(key))
