@@ -46,6 +46,8 @@ MAX_ENTRIES = 256  # a read assembles at most this many entries; then a new base
 LISTS = ("messages", "token_ids", "chunks")
 
 Opened = tuple[SessionRecord | None, int | None]  # the record, its entry count (None: whole)
+# A record's growing lists by name (LISTS): messages (dicts), token ids, chunk digests.
+Lists = dict[str, list[Any]]
 
 
 def entry_prefix(header_name: bytes) -> bytes:
@@ -101,7 +103,7 @@ def _unpack_ids(packed: str) -> list[int]:
     return ids.tolist()
 
 
-def entry_json(old: dict[str, list[Any]] | None, record: SessionRecord) -> bytes | None:
+def entry_json(old: Lists | None, record: SessionRecord) -> bytes | None:
     """The entry from the lists `old` (None: a base, everything whole) to record's; None
     when no list changed."""
     entry: dict[str, Any] = {}
@@ -120,7 +122,7 @@ def entry_json(old: dict[str, list[Any]] | None, record: SessionRecord) -> bytes
 
 def assemble(record: SessionRecord, entries: list[bytes]) -> SessionRecord:
     """The header's record with its lists rebuilt from the log's entries, in order."""
-    lists: dict[str, list[Any]] = {name: [] for name in LISTS}
+    lists: Lists = {name: [] for name in LISTS}
     for plain in entries:
         for name, (keep, added) in json.loads(plain).items():
             items = lists[name]
@@ -134,7 +136,7 @@ def assemble(record: SessionRecord, entries: list[bytes]) -> SessionRecord:
     return record
 
 
-def lists_of(record: SessionRecord) -> dict[str, list[Any]]:
+def lists_of(record: SessionRecord) -> Lists:
     """The record's lists, as they are before a change rebinds them."""
     return {name: getattr(record, name) for name in LISTS}
 
@@ -187,7 +189,7 @@ def write(
     txn: Transaction[bytes],
     name: bytes,
     record: SessionRecord,
-    lists: dict[str, list[Any]] | None,
+    lists: Lists | None,
     entries: int | None,
     check_room: Callable[[int], None],
 ) -> tuple[int, bytes, int]:

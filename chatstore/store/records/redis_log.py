@@ -149,7 +149,7 @@ def queue_write(
     pipe: Any,
     name: str,
     record: SessionRecord,
-    lists: dict[str, Any] | None,
+    lists: lmdb_log.Lists | None,
     count: int | None,
 ) -> tuple[int, bytes, int]:
     """Queue on pipe (in MULTI) the header and one log entry of what the change added (lists:

@@ -4,19 +4,23 @@ its own expiry (`ex=`), created only if absent (`nx=True`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 from urllib.parse import quote
 
 from chatstore.store.keys import key_digest
 from chatstore.store.records.responses import ResponseRecords, SealedRecords
 from chatstore.store.session_kv import SessionKey
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
 
 class RedisRecords(SealedRecords, Protocol):
     """What the namespace uses of the Redis record store (redis.py)."""
 
-    client: Any
-    _call: Callable[..., Any]
+    client: Any  # redis.Redis or RedisCluster
+
+    def _call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T: ...
 
     def _names(self, tenant: str | None, prefix: str = ...) -> list[str]: ...
 

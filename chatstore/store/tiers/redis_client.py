@@ -22,14 +22,16 @@ def is_cluster_url(url: str) -> bool:
     return url.split("://", 1)[0].lower() in ("redis+cluster", "rediss+cluster")
 
 
-def cluster_startup_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+def cluster_startup_nodes(
+    url: str,
+) -> tuple[list[tuple[str, int]], dict[str, str | bool | None]]:
     """`redis+cluster://[user:pass@]h1:p1,h2:p2/…` (or a plain `redis://h:p`) -> the nodes to
     discover the topology from and the connection kwargs. urlsplit cannot parse a comma list of
     host:port pairs (`.port` raises), hence by hand; a database path is ignored (cluster: db 0)."""
     scheme, _, rest = url.partition("://")
     netloc = rest.split("/", 1)[0].split("?", 1)[0]
     userinfo, _, hosts = netloc.rpartition("@")
-    kwargs: dict[str, Any] = {"ssl": scheme.lower().startswith("rediss")}
+    kwargs: dict[str, str | bool | None] = {"ssl": scheme.lower().startswith("rediss")}
     if userinfo:
         user, _, password = userinfo.partition(":")
         kwargs["username"] = unquote(user) or None
