@@ -90,9 +90,6 @@ class RecordStore(ABC):
         """What a backend's "prefix index built" marker holds (RecordSealing.index_mark)."""
         return self.sealing.index_mark()
 
-    def _encode(self, tenant: str, name: bytes, record: SessionRecord) -> bytes:
-        return self.seal(tenant, name, record.to_json())
-
     def reseal(
         self,
         tenant: str,
