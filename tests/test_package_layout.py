@@ -256,3 +256,22 @@ def test_no_package_cycle_beyond_the_known_ones() -> None:
     found = package_cycles(import_graph())
     assert found - KNOWN_PACKAGE_CYCLES == set(), "a new package-level import cycle"
     assert KNOWN_PACKAGE_CYCLES - found == set(), "a listed cycle is gone: drop it from the list"
+
+
+# One concept per file (STYLE.md): past these a module or a class asks to be split (issue 37).
+MODULE_LINES_MAX = 400
+CLASS_LINES_MAX = 300
+
+
+def test_no_module_or_class_outgrows_one_concept() -> None:
+    too_big = []
+    for name, path in sorted(modules().items()):
+        text = path.read_text()
+        if (lines := len(text.splitlines())) > MODULE_LINES_MAX:
+            too_big.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                span = (node.end_lineno or node.lineno) - node.lineno + 1
+                if span > CLASS_LINES_MAX:
+                    too_big.append(f"{name}.{node.name}: {span} lines")
+    assert too_big == []
