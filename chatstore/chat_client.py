@@ -107,7 +107,7 @@ class ClientOptions:
     api_key: str | None = None
     timeout_s: float = 30.0  # HTTP calls and the WebSocket handshake
     turn_timeout_s: float = 600.0  # the longest wait for the next frame of a turn
-    sampling: dict[str, Any] = field(default_factory=dict)  # max_tokens, temperature...
+    sampling: dict[str, object] = field(default_factory=dict)  # max_tokens, temperature...
 
 
 def summary_of(body: dict[str, Any]) -> SessionSummary:
@@ -140,7 +140,7 @@ def stats_of(done: dict[str, Any]) -> ReplyStats:
     )
 
 
-def error_of(body: Any, status: int | None, fallback: str) -> ChatError:
+def error_of(body: object, status: int | None, fallback: str) -> ChatError:
     """The server's OpenAI-shaped {"error": {"message", "code"}} as a ChatError."""
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict) and err.get("message"):
@@ -270,7 +270,7 @@ class SessionSocket:
         """Hint that a message is coming: the server moves the session's KV up meanwhile."""
         self._send({"type": "typing"})
 
-    def send(self, content: str, **sampling: Any) -> Generator[Delta | Reply, None, None]:
+    def send(self, content: str, **sampling: object) -> Generator[Delta | Reply, None, None]:
         """Start a turn; yields its text deltas, then the Reply. Closing the iterator early
         (Ctrl-C in the caller) cancels the turn on the server."""
         fields = {k: v for k, v in sampling.items() if v is not None}
@@ -308,7 +308,7 @@ class SessionSocket:
         except ChatError:
             pass  # the socket is gone: the server aborts the turn on its own
 
-    def _send(self, frame: dict[str, Any]) -> None:
+    def _send(self, frame: dict[str, object]) -> None:
         try:
             self.ws.send(json.dumps(frame))
         except ConnectionClosed as exc:

@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from chatstore.chat_client import (
     TIERS,
@@ -95,7 +95,7 @@ class TerminalChat:
         self,
         client: ChatClient,
         system: str | None = None,
-        sampling: dict[str, Any] | None = None,
+        sampling: dict[str, object] | None = None,
         out: TextIO = sys.stdout,
     ) -> None:
         self.client = client
@@ -275,7 +275,7 @@ def run_chat(
     client: ChatClient,
     session_id: str | None,
     system: str | None,
-    sampling: dict[str, Any],
+    sampling: dict[str, object],
 ) -> int:
     """Open (or resume) a session and chat until the user leaves; the exit code."""
     # Ctrl-C must cancel a reply even when the shell started us with SIGINT ignored (a

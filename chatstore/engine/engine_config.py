@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from chatstore.config import Config
 
 PreemptionMode = Literal["recompute", "swap"]
 BatchingMode = Literal["continuous", "static"]
@@ -72,7 +75,7 @@ class EngineConfig:
         return max(1, math.ceil(self.tenant_queue_share * self.max_waiting))
 
     @classmethod
-    def from_config(cls, config: Any) -> EngineConfig:
+    def from_config(cls, config: Config) -> EngineConfig:
         """The engine fields of a `chatstore.config.Config` (keys missing there keep defaults)."""
         names = (
             "max_running",

@@ -10,7 +10,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's top_logprobs limit
@@ -36,7 +39,7 @@ class TokenConstraint(Protocol):
     """One sample's grammar state (constrained decoding; the API builds it, e.g. with
     xgrammar): which tokens may come next, and the token that came."""
 
-    def mask(self, logits: Any) -> None:
+    def mask(self, logits: torch.Tensor) -> None:
         """Set the logits [1, V] of every token the grammar forbids next to -inf, in place."""
 
     def accept(self, token_id: int) -> None:

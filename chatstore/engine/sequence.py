@@ -17,11 +17,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from chatstore.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from chatstore.engine.request import FinishReason, Request, SampleDelta, Usage
 from chatstore.engine.sample_state import SampleState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class SequenceStatus(enum.Enum):
@@ -127,7 +130,7 @@ class RequestState:
     """A request in the engine: its samples (one until the prompt is computed, then n)."""
 
     request: Request
-    tokenizer: Any = None
+    tokenizer: PreTrainedTokenizerBase | None = None
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens reused (device prefix cache + connector)
     cached_by_tier: dict[str, int] = field(default_factory=dict)  # cached_tokens by source

@@ -29,9 +29,8 @@ from __future__ import annotations
 import threading
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
 
-from chatstore.engine.block_manager import hash_block
+from chatstore.engine.block_manager import BlockManager, hash_block
 from chatstore.kv_events.publisher import KVEventPublisher
 from chatstore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 from chatstore.store.port_values import StoreEvent
@@ -61,7 +60,7 @@ class EngineSource:
         self.publisher = publisher
         self.block_size = block_size
 
-    def attach(self, block_manager: Any) -> None:
+    def attach(self, block_manager: BlockManager) -> None:
         block_manager.listener = self
 
     def block_stored(self, block_hash: bytes, parent: bytes | None, tokens: list[int]) -> None:

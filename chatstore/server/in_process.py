@@ -11,16 +11,16 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import replace
-from typing import Any
 
 from chatstore.api.common.settings import ServerSettings
+from chatstore.config import Config
 from chatstore.server.launcher import ServerThread
 from chatstore.server.run import SWITCH_INTERVAL_S, build_app, install_log_redaction
 
 START_TIMEOUT_S = 300.0  # a first run converts the embedded model
 
 
-def start_in_process(config: Any, log_level: str = "warning") -> ServerThread:
+def start_in_process(config: Config, log_level: str = "warning") -> ServerThread:
     """A started server on 127.0.0.1:<free port>; stop() drains it and flushes the store."""
     settings = ServerSettings.from_config(config)
     settings = replace(settings, host="127.0.0.1", port=0, log_level=log_level)

@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from chatstore.api.common.app import create_app
 from chatstore.api.common.settings import ServerSettings
+from chatstore.model.loader import LoadedModel
 
 
 class ServerThread:
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, **uvicorn_kw: Any):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, **uvicorn_kw: Any):
         kw = {"log_level": "warning", "access_log": False, "timeout_graceful_shutdown": 5}
         config = uvicorn.Config(app, host=host, port=port, **{**kw, **uvicorn_kw})
         self.app = app
@@ -60,7 +62,7 @@ class ServerThread:
 
 def local_server(
     data_dir: str | Path,
-    model: Any = None,
+    model: LoadedModel | None = None,
     settings: ServerSettings | None = None,
     **config_overrides: Any,
 ) -> ServerThread:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from typing import Any
+from types import FrameType
 
 import torch
 import uvicorn
+from fastapi import FastAPI
 
 from chatstore.api.common.app import create_app
 from chatstore.api.common.settings import ServerSettings, forget_plain_keys
+from chatstore.api.sessions.service import ChatService
+from chatstore.config import Config
 
 log = logging.getLogger("chatstore.api")
 SWITCH_INTERVAL_S = 0.001  # GIL hand-over between the engine thread and the event loop
@@ -25,11 +28,11 @@ SWITCH_INTERVAL_S = 0.001  # GIL hand-over between the engine thread and the eve
 class DrainingServer(uvicorn.Server):
     """A uvicorn server that marks the service as draining as soon as it is told to exit."""
 
-    def __init__(self, config: uvicorn.Config, service: Any) -> None:
+    def __init__(self, config: uvicorn.Config, service: ChatService) -> None:
         super().__init__(config)
         self.service = service
 
-    def handle_exit(self, sig: int, frame: Any) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.service.draining = True
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signal after its shutdown; a completed drain exits with 0.
@@ -77,7 +80,7 @@ def configure_logging(level: str) -> None:
     install_log_redaction()
 
 
-def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
+def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -90,7 +93,7 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
     )
 
 
-def build_app(config: Any, settings: ServerSettings) -> Any:
+def build_app(config: Config, settings: ServerSettings) -> FastAPI:
     """The app over a new Serving (chatstore.serving.build), built in a short-lived thread so
     that the engine thread alone owns an OpenMP pool (see cpu_threads.py); `chatstore chat
     --local` builds it the same way."""
@@ -105,7 +108,7 @@ def build_app(config: Any, settings: ServerSettings) -> Any:
     return create_app(serving, settings)
 
 
-def run_server(config: Any) -> int:
+def run_server(config: Config) -> int:
     """Serve until interrupted; the exit code (0 after a clean drain)."""
     try:
         settings = ServerSettings.from_config(config)

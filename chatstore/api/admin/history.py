@@ -23,18 +23,18 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI
 
 from chatstore.api.admin.tiers import CacheTiers
+from chatstore.engine.engine_stats import EngineStats
 from chatstore.store.ports import TierStats, store_hits
 
 log = logging.getLogger("chatstore.api")
 DEFAULT_INTERVAL_S = 2.0
 DEFAULT_SAMPLES = 450  # 15 minutes at the default interval
 
-EngineStatsFn = Callable[[], Any]
+EngineStatsFn = Callable[[], EngineStats | None]
 TierStatsFn = Callable[[], list[TierStats]]
 
 
@@ -83,7 +83,9 @@ class MetricsHistory:
         with self._lock:
             self._ttfts.append(seconds)
 
-    def sample(self, tiers: list[TierStats], engine: Any, now: float | None = None) -> Sample:
+    def sample(
+        self, tiers: list[TierStats], engine: EngineStats | None, now: float | None = None
+    ) -> Sample:
         """Take one sample now from the given stats and append it."""
         with self._lock:
             ttfts, self._ttfts = self._ttfts, []

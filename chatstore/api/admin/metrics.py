@@ -34,19 +34,22 @@ server protocol), labelled model_name as vLLM does:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from chatstore.api.admin.history import MetricsHistory
+from chatstore.api.sessions.turn import Turn
+from chatstore.engine.engine_stats import EngineStats
 from chatstore.store.ports import TierStats
 
 router = APIRouter(tags=["ops"])
+T = TypeVar("T")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TIER_COUNTERS = ("hits", "misses", "bytes_up", "bytes_down", "evictions", "prefetches")
 TIER_GAUGES = ("capacity_bytes", "used_bytes", "sessions")
@@ -54,11 +57,13 @@ AUTH_FAILURE_REASONS = ("missing", "malformed", "invalid", "revoked", "forbidden
 
 
 class StateCollector(Collector):
-    def __init__(self, engine_stats: Callable[[], Any], tiers: Callable[[], list[TierStats]]):
+    def __init__(
+        self, engine_stats: Callable[[], EngineStats | None], tiers: Callable[[], list[TierStats]]
+    ) -> None:
         self.engine_stats = engine_stats
         self.tiers = tiers
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         stats = self.engine_stats()
         if stats is not None:
             for name, value in stats.as_dict().items():
@@ -91,7 +96,7 @@ class OpenFailuresCollector(Collector):
     def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
         self.counts = counts
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         c = CounterMetricFamily(
             "chatstore_store_open_failures", "stored values that failed to open", labels=["tier"]
         )
@@ -106,7 +111,7 @@ class RemoteBreakerCollector(Collector):
     def __init__(self, health: Callable[[], dict[str, Any] | None]) -> None:
         self.health = health
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         health = self.health()
         if health is None:
             return
@@ -127,11 +132,11 @@ class RemoteBreakerCollector(Collector):
 class GatewayCollector(Collector):
     """Engine stats under vLLM's metric names (read per scrape)."""
 
-    def __init__(self, engine_stats: Callable[[], Any], model_name: str) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None], model_name: str) -> None:
         self.engine_stats = engine_stats
         self.model_name = model_name
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         stats = self.engine_stats()
         if stats is None:
             return
@@ -178,7 +183,9 @@ class Metrics:
             self.auth_failures.labels(reason)
         self.history = MetricsHistory()  # the dashboard's plots (GET /admin/history)
 
-    def attach_state(self, engine_stats: Callable[[], Any], tiers: Callable[[], Any]) -> None:
+    def attach_state(
+        self, engine_stats: Callable[[], EngineStats | None], tiers: Callable[[], list[TierStats]]
+    ) -> None:
         self.registry.register(StateCollector(engine_stats, tiers))
 
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
@@ -188,7 +195,7 @@ class Metrics:
     def observe_auth_failure(self, reason: str) -> None:
         self.auth_failures.labels(reason).inc()
 
-    def observe_turn(self, turn: Any) -> None:
+    def observe_turn(self, turn: Turn) -> None:
         api = turn.log.get("api", "openai")
         result = turn.result
         if result is None:
@@ -222,10 +229,10 @@ def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-def _quiet(fn: Callable[[], Any]) -> Callable[[], Any]:
+def _quiet(fn: Callable[[], T]) -> Callable[[], T | None]:
     """A scrape shows what it can: stats that fail to read are left out, not a 500."""
 
-    def call() -> Any:
+    def call() -> T | None:
         try:
             return fn()
         except Exception:

@@ -29,9 +29,12 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from chatstore.api.common.key_file import FileStamp, KeyFile, KeyFileError, KeyRecord, parse_key
+
+if TYPE_CHECKING:
+    from chatstore.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ class Verdict:
 INVALID = Verdict(None, refused="invalid")
 
 
-def default_keys_file(config: Any, env: Mapping[str, str] | None = None) -> Path:
+def default_keys_file(config: Config, env: Mapping[str, str] | None = None) -> Path:
     """Where the keys file is when `api_keys_file` is not set: <data_dir>/api_keys.json, the
     data directory resolved as the store resolves it."""
     env = os.environ if env is None else env

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 from fastapi import FastAPI
 
@@ -22,6 +22,7 @@ from chatstore.api.admin import routes as admin_routes
 from chatstore.api.admin.metrics import Metrics
 from chatstore.api.admin.tiers import CacheTiers
 from chatstore.api.common.chat_template import ChatTemplate
+from chatstore.api.common.engine_client import EngineClient
 from chatstore.api.common.errors import install_error_handlers
 from chatstore.api.common.middleware import APIMiddleware
 from chatstore.api.common.settings import ServerSettings
@@ -30,9 +31,11 @@ from chatstore.api.responses import routes as responses_routes
 from chatstore.api.sessions import routes as session_routes
 from chatstore.api.sessions import ws
 from chatstore.api.sessions.service import ChatService
-from chatstore.store.ports import SessionKVAdmin
+from chatstore.store.ports import SessionKVAdmin, TierStats
 
 log = logging.getLogger("chatstore.api")
+T = TypeVar("T")
+D = TypeVar("D")
 
 
 class Served(Protocol):
@@ -40,7 +43,7 @@ class Served(Protocol):
     the session store, the chat template, the model's vocabulary and name."""
 
     @property
-    def engine(self) -> Any: ...  # an AsyncEngine: start, submit, abort, stats, shutdown
+    def engine(self) -> EngineClient: ...
     @property
     def store(self) -> SessionKVAdmin: ...
     @property
@@ -97,7 +100,8 @@ def create_app(served: Served, settings: ServerSettings) -> FastAPI:
     app.state.metrics = app_metrics
     app.state.started_at = int(time.time())
     tiers = CacheTiers(served.engine, served.store)
-    app_metrics.attach_state(_safe(served.engine.stats), _safe(tiers, []))
+    no_tiers: list[TierStats] = []
+    app_metrics.attach_state(_safe(served.engine.stats, None), _safe(tiers, no_tiers))
     install_error_handlers(app)
     routers = (openai_routes, responses_routes, session_routes, ws, admin_routes, metrics_routes)
     for module in (*routers, pages, history_routes):
@@ -130,8 +134,8 @@ async def shutdown(service: ChatService, drain_timeout: float, close: Callable[[
         log.info("chatstore: engine drained, store flushed")
 
 
-def _safe(fn: Any, default: Any = None) -> Any:
-    def call() -> Any:
+def _safe(fn: Callable[[], T], default: D) -> Callable[[], T | D]:
+    def call() -> T | D:
         try:
             return fn()
         except Exception:

@@ -20,9 +20,12 @@ import ipaddress
 import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chatstore.api.common.api_keys import HashedKeys, KeyVerifier, default_keys_file
+
+if TYPE_CHECKING:
+    from chatstore.config import Config
 
 LOCAL_TENANT = "local"
 # Turns in flight per tenant when keys are set and max_turns_per_tenant is 0 (auto): a tenant
@@ -90,7 +93,7 @@ class ServerSettings:
             )
 
     @classmethod
-    def from_config(cls, config: Any, env: Mapping[str, str] | None = None) -> ServerSettings:
+    def from_config(cls, config: Config, env: Mapping[str, str] | None = None) -> ServerSettings:
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         for name in cls.__dataclass_fields__:
@@ -128,7 +131,7 @@ class ServerSettings:
         return cls(**values)
 
 
-def forget_plain_keys(config: Any, env: MutableMapping[str, str] | None = None) -> Any:
+def forget_plain_keys(config: Config, env: MutableMapping[str, str] | None = None) -> Config:
     """config without its plain keys, and CHATSTORE_API_KEYS / CHATSTORE_ADMIN_KEY gone from the
     environment (os.environ by default): once ServerSettings has hashed them, the serving
     process keeps no reference to a key in the clear (nor hands one to a child process)."""

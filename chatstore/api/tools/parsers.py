@@ -15,7 +15,6 @@ valid calls stays text, and a call to an unknown function is returned as the mod
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from chatstore.api.tools.protocol import ParsedReply, ToolCall
 
@@ -58,14 +57,14 @@ def generic_reply(text: str) -> ParsedReply | None:
     return None
 
 
-def _calls(value: Any) -> tuple[ToolCall, ...] | None:
+def _calls(value: object) -> tuple[ToolCall, ...] | None:
     if not isinstance(value, list) or not value:
         return None
     calls = [_call(v, "arguments") for v in value]
     return None if any(c is None for c in calls) else tuple(c for c in calls if c is not None)
 
 
-def _call(value: Any, arguments_key: str) -> ToolCall | None:
+def _call(value: object, arguments_key: str) -> ToolCall | None:
     """{"name": str, <arguments_key>: object or JSON text of one} -> ToolCall."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -82,15 +81,16 @@ def _call(value: Any, arguments_key: str) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _whole_json(text: str) -> Any:
+def _whole_json(text: str) -> object:
     """The one JSON value `text` holds (surrounding whitespace allowed), else None."""
     values = _json_sequence(text, separator=None)
     return values[0] if values is not None and len(values) == 1 else None
 
 
-def _json_sequence(text: str, separator: str | None) -> list[Any] | None:
+def _json_sequence(text: str, separator: str | None) -> list[object] | None:
     """JSON values back to back (with `separator` between them), nothing else; else None."""
-    values, at, end = [], 0, len(text)
+    values: list[object] = []
+    at, end = 0, len(text)
     while True:
         at = _skip_space(text, at)
         try:

@@ -247,5 +247,5 @@ class Resealer:
         p.cursor = names[-1] if names else ""
 
 
-def _chunk_cursor(key: Any) -> str:
+def _chunk_cursor(key: ChunkKey) -> str:
     return f"{key.tenant}\x00{key.digest}"
