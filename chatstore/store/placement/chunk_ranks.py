@@ -34,9 +34,10 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Collection, Container
+from collections.abc import Callable, Collection, Container, Hashable
 from typing import Any, Protocol
 
+from chatstore.store.placement.policies.chooser import RankKey
 from chatstore.store.session_kv import ChunkKey, SessionKey
 from chatstore.store.sessions.index import SessionIndex
 from chatstore.store.tiers.base import StorageTier
@@ -50,9 +51,9 @@ OrderKey = tuple[Any, ...]
 class RankingChooser(Protocol):
     """What ChunkRanks asks of a session chooser (policies/chooser.py's PolicyChooser)."""
 
-    def watch(self, watcher: Any) -> None: ...
-    def rank_key(self, key: Any) -> Any: ...
-    def queued_rank_keys(self) -> dict[Any, Any]: ...
+    def watch(self, watcher: Callable[[Hashable], None]) -> None: ...
+    def rank_key(self, key: Hashable) -> RankKey: ...
+    def queued_rank_keys(self) -> dict[Any, RankKey]: ...  # keyed by SessionKey here
 
 
 class _Rank:
@@ -61,7 +62,7 @@ class _Rank:
 
     __slots__ = ("rank", "session", "tie")
 
-    def __init__(self, rank: Any, tie: int, session: SessionKey) -> None:
+    def __init__(self, rank: RankKey, tie: int, session: SessionKey) -> None:
         self.rank, self.tie, self.session = rank, tie, session
 
     def __lt__(self, other: _Rank) -> bool:  # heapq keeps the smallest on top: the best here
@@ -82,7 +83,7 @@ class ChunkRanks:
         self._seq = itertools.count()
         self._pushes = itertools.count()  # in heap entries: equal keys never compare chunks
         self._tiebreak = itertools.count(0, -1)  # seen first ranks higher among equals
-        self._shared: dict[Any, Any] = {}  # rank -> the one object for it (_rank_key)
+        self._shared: dict[RankKey, RankKey] = {}  # rank -> the one object for it (_rank_key)
         chooser.watch(lambda session: self._queue(("s", session)))
         index.watch(lambda session, taken, let_go: self._queue(("o", session, taken, let_go)))
         with lock:
@@ -171,7 +172,7 @@ class ChunkRanks:
 
     # -- ranks --------------------------------------------------------------------------------
 
-    def _rank_key(self, session: SessionKey) -> Any:
+    def _rank_key(self, session: SessionKey) -> RankKey:
         """The chooser's rank, one object for equal ranks (every never-touched session of a
         priority has the same: a restore of many sessions keeps one)."""
         ranked = self._chooser.rank_key(session)
@@ -236,9 +237,9 @@ class ChunkRanks:
             heap[:] = [(k, next(self._pushes), c) for c, k in current.items()]
             heapq.heapify(heap)
 
-    def _lifted(self) -> dict[ChunkKey, tuple[Any, int]]:
+    def _lifted(self) -> dict[ChunkKey, tuple[RankKey, int]]:
         """Chunks the queue raises, with the rank it raises them to: the best raised owner's."""
-        lifted: dict[ChunkKey, tuple[Any, int]] = {}  # chunk -> (rank, tie)
+        lifted: dict[ChunkKey, tuple[RankKey, int]] = {}  # chunk -> (rank, tie)
         for session, ranked in self._chooser.queued_rank_keys().items():
             rank = self._ranks.get(session)
             chain = self._index.get(session)
