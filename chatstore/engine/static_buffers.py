@@ -127,7 +127,7 @@ class DecodeBuffers:
                 self.query_start[: bucket + 1],
                 self.seq_lens[:bucket],
                 max_query_len=1,
-                # Any length up to a full table: the launch (split-KV or not) is fixed at capture.
+                # Every length up to a full table: the launch (split-KV or not) is fixed at capture.
                 max_seq_len=self.max_blocks * self.block_size,
             ),
         )

@@ -11,7 +11,7 @@ when none does, so no interleaving of turns, deletes and truncations leaks or lo
 The record and the API's turn: a turn the API opened with a `TurnChain` on its handle
 (opened_turn.py) is recorded by the API itself, in the one write that appends its messages: the
 commit completes that future instead of writing the record, so a turn costs one record write and
-one fsync, not two. Any other commit (the engine used without the API, a truncation) writes the
+one fsync, not two. Every other commit (the engine used without the API, a truncation) writes the
 record here, and so does a commit whose turn the API gave up (aborted, failed) before or after it.
 
 Locks: `lock` is the store's (the index, pending chunks); `mutate` (which chunks exist) is
