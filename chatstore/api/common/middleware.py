@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
 
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from chatstore.api.common.auth import guard_metrics
 from chatstore.api.common.errors import APIError
 from chatstore.api.common.origin_policy import Headers, Incoming, policy_for
+from chatstore.api.sessions.turn import Turn
 
 access_log = logging.getLogger("chatstore.access")
 OPEN_PATHS = ("/healthz", "/readyz", "/metrics")
@@ -153,7 +153,7 @@ class APIMiddleware:
         access_log.info(json.dumps(line, separators=(",", ":")))
 
 
-def turn_fields(turn: Any) -> dict[str, object]:
+def turn_fields(turn: Turn) -> dict[str, object]:
     fields: dict[str, object] = {
         "request_id": turn.request_id,
         "tenant": turn.request.tenant,
