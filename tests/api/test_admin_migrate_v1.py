@@ -15,7 +15,9 @@ from chatstore.private_file import write_private
 from chatstore.store.sealing import Keyring, Sealer
 from chatstore.store.sealing.key_store_lmdb import LmdbKeyStore
 from chatstore.store.sealing.master_key import Secret, new_secret_line, parse_secrets
-from tests.store.test_security_at_rest import ADMIN, GREEDY, _converse, _server
+from tests.support.tenant_server import ADMIN, GREEDY
+from tests.support.tenant_server import converse as _converse
+from tests.support.tenant_server import tenant_server as _server
 from tests.support.v1_seal import to_v1_lmdb
 
 pytestmark = pytest.mark.timeout(300)

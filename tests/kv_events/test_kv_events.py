@@ -30,7 +30,7 @@ from chatstore.kv_events import (
 )
 from chatstore.kv_events.topic import default_topic, pod_name, resolve_topic
 from chatstore.kv_events.wire import encode_batch
-from tests.store.test_chunks import CHUNK, make, turn
+from tests.support.chunk_store import CHUNK, make, turn
 from tests.support.engine import greedy, prompt, run_all, tiny_runtime
 
 # -- vLLM's structs, as vllm/distributed/kv_events.py (v0.26 / main, after #42892) declares them --

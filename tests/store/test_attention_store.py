@@ -14,43 +14,13 @@ import torch
 
 from chatstore.config import load_config
 from chatstore.engine.kv_connector import NullConnector
-from chatstore.store.attention_store import AttentionStore, create_store
+from chatstore.store.attention_store import create_store
 from chatstore.store.records.lmdb import LmdbRecordStore
 from chatstore.store.records.record import SessionRecord
 from chatstore.store.records.redis import RedisRecordStore
-from chatstore.store.session_kv import SessionKey, SessionKV
-from chatstore.store.settings import StoreSettings
+from chatstore.store.session_kv import SessionKey
 from chatstore.transfer import create_connector
-from tests.support.store import TINY_SPEC
-
-SPEC = TINY_SPEC
-TOKEN_BYTES = 2 * 2 * 2 * 4 * 4  # fp32 bytes of one token's K and V over all layers
-
-
-def value(num_tokens: int, seed: int = 0) -> SessionKV:
-    g = torch.Generator().manual_seed(seed)
-    ids = [seed * 100 + i for i in range(num_tokens)]
-    return SessionKV(ids, torch.randn((2, 2, num_tokens, 2, 4), generator=g))
-
-
-def save_later(store: AttentionStore, tenant: str, session_id: str, v: SessionKV, gate=None):
-    """v as the session's whole history through save_turn (the writer thread with async_save);
-    its chunks are built only once `gate` is set."""
-    plan = store.plan_turn(tenant, list(v.token_ids), None, 0)
-
-    def build() -> dict:
-        if gate is not None:
-            gate.wait(10)
-        spans = plan.new_spans()
-        return {k: SessionKV(v.token_ids[a:b], v.kv[:, :, a:b].clone()) for _, k, a, b in spans}
-
-    store.save_turn(tenant, session_id, plan, build, v.nbytes)
-
-
-def make(tmp_path, fingerprint: str = "fp", **kw) -> AttentionStore:
-    kw.setdefault("dram_bytes", 64 * 16 * TOKEN_BYTES)
-    kw.setdefault("ssd_bytes", 1 << 20)
-    return AttentionStore(StoreSettings(data_dir=tmp_path, **kw), SPEC, fingerprint)
+from tests.support.store import TINY_SPEC, TOKEN_BYTES, make, value
 
 
 @pytest.fixture(params=["lmdb", "redis"])
@@ -155,7 +125,7 @@ def test_kill_9_loses_no_acknowledged_record_or_kv(tmp_path):
         f"""
         import os, signal, sys
         sys.path.insert(0, {str(root)!r})
-        from tests.store.test_attention_store import make, value
+        from tests.support.store import make, value
         from pathlib import Path
         store = make(Path({str(tmp_path)!r}), dram_bytes=0)
         store.save("acme", "s1", value(12, seed=3))
@@ -201,10 +171,10 @@ def test_half_precision_storage_halves_the_bytes(tmp_path):
 
 def test_config_switches_and_data_dir(tmp_path):
     off = load_config(env={"CHATSTORE_KV_STORE": "off"})
-    assert create_store(off, SPEC, "fp") is None
+    assert create_store(off, TINY_SPEC, "fp") is None
     assert isinstance(create_connector(None, None, None), NullConnector)
     on = load_config(env={"CHATSTORE_DATA_DIR": str(tmp_path / "d"), "CHATSTORE_DRAM_BYTES": "0"})
-    store = create_store(on, SPEC, "fp")
+    store = create_store(on, TINY_SPEC, "fp")
     assert store.settings.data_dir == tmp_path / "d"
     assert (tmp_path / "d" / "kv.lmdb").is_dir() and (tmp_path / "d" / "records.lmdb").is_dir()
     assert [t.name for t in store.tiers.tiers] == ["ssd"]

@@ -15,8 +15,8 @@ from chatstore.store.records.record import RecordStoreFull, SessionRecord
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.session_store import SessionStore
 from chatstore.store.settings import StoreSettings
-from tests.store.test_attention_store import SPEC
-from tests.store.test_chunks import CHUNK, make, turn
+from tests.support.chunk_store import CHUNK, make, turn
+from tests.support.store import TINY_SPEC
 
 IDS = list(range(1, 3 * CHUNK + 3))
 
@@ -69,7 +69,7 @@ def test_records_of_another_model_are_not_reused(tmp_path):
             chunk_tokens=CHUNK,
             persist="off",
         ),
-        SPEC,
+        TINY_SPEC,
         "another-model",
     )
     try:

@@ -19,8 +19,7 @@ from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.session_store import SessionStore
 from chatstore.store.settings import StoreSettings
-from tests.store.test_attention_store import SPEC, value
-from tests.store.test_placement import BLOCK, evictions
+from tests.support.store import BLOCK, TINY_SPEC, evictions, value
 
 TENANT = "t"
 
@@ -33,7 +32,7 @@ def make(tmp_path, policy: str = "lru", dram_sessions: int = 3, **kw) -> Attenti
     settings = StoreSettings(
         data_dir=tmp_path, dram_bytes=dram_sessions * BLOCK, ssd_bytes=1 << 20, policy=policy, **kw
     )
-    return AttentionStore(settings, SPEC, "fp")
+    return AttentionStore(settings, TINY_SPEC, "fp")
 
 
 def create(adapter: SessionStore, sid: str, priority: int = 0, ttl_s: int = 0) -> None:

@@ -3,7 +3,7 @@
 num_external_tokens -> load -> prefill with the connector as kv_sink -> decode ->
 request_finished), one request at a time, and the
 store it restores from: shared by the multi-turn restore tests (tests/transfer) and encryption
-at rest (tests/store)."""
+at rest (tests/store/sealing)."""
 
 from __future__ import annotations
 

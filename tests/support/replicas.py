@@ -1,9 +1,9 @@
 """Replicas for tests, two kinds.
 
-In process (`Replica`, the `kv_redis` and `records_redis` fixtures): one server's
-AttentionStore and tiny engine over a shared KV Redis, several in one test (tests/store/:
-test_shared_tier.py, test_replica_keys.py, test_replica_continuation.py), which differ in their
-DRAM tier's size.
+In process (`Replica`; the `kv_redis` and `records_redis` fixtures are tests/store/conftest.py's):
+one server's AttentionStore and tiny engine over a shared KV Redis, several in one test
+(tests/store/: tiers/test_shared_tier.py, sealing/test_replica_keys.py,
+test_replica_continuation.py), which differ in their DRAM tier's size.
 
 As processes (`ReplicaCluster`): several chatstore replicas behind nginx on a Redis Cluster, all
 on loopback: the topology of deploy/cluster.sh, in Python so that tests and bench/replicas.py
@@ -28,7 +28,6 @@ import subprocess
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import pytest
 import torch
 
 from chatstore.engine.engine_config import EngineConfig
@@ -48,7 +47,6 @@ from tests.chaos.harness import (
 )
 from tests.support.engine import greedy, run_all, run_alone, tiny_runtime, tokens_of
 from tests.support.redis_server import (
-    redis_server_binary,
     start_local_redis,
     start_local_redis_cluster,
 )
@@ -62,27 +60,6 @@ ROUND_ROBIN = ""
 # -- in process: stores and tiny engines over one shared KV Redis ---------------------------------
 
 CHUNK = 64  # tokens per stored chunk: 32 KiB of the tiny model's fp32 KV
-
-
-@pytest.fixture
-def kv_redis(request):
-    """The shared KV Redis: allkeys-lru (deploy/'s policy), at the test module's KV_MAXMEMORY
-    bytes when it sets one (else no limit)."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed")
-    server = start_local_redis(maxmemory=getattr(request.module, "KV_MAXMEMORY", 0))
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def records_redis():
-    """The session records' Redis: noeviction (deploy/redis-records.conf)."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed")
-    server = start_local_redis(policy="noeviction")
-    yield server
-    server.stop()
 
 
 class Turn(NamedTuple):

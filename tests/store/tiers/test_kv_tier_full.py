@@ -7,8 +7,8 @@ with a backoff, and lands once there is room (the tier, now counting as full, ev
 placement; or the disk has room again). A chunk evicted from DRAM that no tier takes is a miss
 later (the next turn recomputes it), never an error.
 
-KV values are kv_of's (test_store_chunks): a pure function of token id and position, so the
-exact bytes every read must return are known."""
+KV values are kv_of's (tests/support/chunk_store.py): a pure function of token id and position,
+so the exact bytes every read must return are known."""
 
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ from chatstore.store.attention_store import AttentionStore
 from chatstore.store.commit.persister import Persister
 from chatstore.store.session_kv import ChunkKey
 from chatstore.store.tiers.lmdb import LmdbTier
-from tests.store.test_attention_store import TOKEN_BYTES
-from tests.store.test_chunks import CHUNK, kv_of, make, turn
-from tests.support.store import push_down
+from tests.support.chunk_store import CHUNK, kv_of, make, turn
+from tests.support.store import TOKEN_BYTES, push_down
 
 SMALL_MAP = 64 << 10  # LMDB's own pages and three chunks of CHUNK tokens
 

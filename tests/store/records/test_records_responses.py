@@ -15,6 +15,7 @@ from chatstore.store.records.responses import CHAIN_BASE, ResponseRecord
 
 @pytest.fixture(params=["lmdb", "redis"])
 def records(request, tmp_path):
+    """Record stores whose records live 60 s (the folder's conftest gives them no ttl)."""
     if request.param == "lmdb":
         return LmdbRecordStore(tmp_path / "records", ttl_s=60)
     return RedisRecordStore(request.getfixturevalue("redis_client"), ttl_s=60)

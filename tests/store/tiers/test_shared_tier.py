@@ -24,10 +24,9 @@ from chatstore.store.sealing.master_key import new_secret_line
 from chatstore.store.session_kv import ChunkKey, SessionKey
 from chatstore.store.settings import StoreSettings
 from tests.support.engine import prompt, tiny_runtime
-from tests.support.replicas import CHUNK, Replica, kv_redis, records_redis
+from tests.support.replicas import CHUNK, Replica
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-__all__ = ["kv_redis", "records_redis"]  # the fixtures the tests below take
 
 KV_MAXMEMORY = 8 << 20  # the kv_redis fixture's maxmemory here
 TENANT = "t"

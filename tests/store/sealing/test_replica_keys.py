@@ -20,10 +20,9 @@ import redis as redis_lib
 
 from chatstore.store.sealing.master_key import new_secret_line
 from tests.support.engine import prompt
-from tests.support.replicas import CHUNK, Replica, kv_redis, records_redis
+from tests.support.replicas import CHUNK, Replica
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.timeout(300)]
-__all__ = ["kv_redis", "records_redis"]  # the fixtures the tests below take
 
 DRAM = 0  # every read of a stored chunk goes to Redis
 REDIS_BYTES = 64 << 20

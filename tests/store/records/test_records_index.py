@@ -19,17 +19,6 @@ from chatstore.store.session_kv import SessionKey
 FP = "model-a"
 
 
-@pytest.fixture(params=["lmdb", "redis"])
-def records(request, tmp_path):
-    if request.param == "lmdb":
-        store = LmdbRecordStore(tmp_path / "records.lmdb")
-    else:
-        request.getfixturevalue("redis_client")  # emptied
-        store = RedisRecordStore(request.getfixturevalue("redis_url"))
-    yield store
-    store.close()
-
-
 def save(records, sid: str, ids: list[int], tenant: str = "t", fp: str = FP) -> None:
     """What the store's commit writes after a turn's chunks."""
     records.upsert(SessionKey(tenant, sid), token_ids=ids, chunks=[], fingerprint=fp)

@@ -16,10 +16,7 @@ from chatstore.store.placement.policies import PolicyChooser
 from chatstore.store.port_values import StoreEvent
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.settings import StoreSettings
-from tests.store.test_attention_store import SPEC, TOKEN_BYTES, value
-from tests.support.store import push_down
-
-BLOCK = 16 * TOKEN_BYTES  # one DRAM block = one 16-token session
+from tests.support.store import BLOCK, TINY_SPEC, evictions, push_down, session_of, value
 
 
 def make(tmp_path, policy: str = "aware", dram_sessions: int = 2, **kw) -> AttentionStore:
@@ -28,28 +25,11 @@ def make(tmp_path, policy: str = "aware", dram_sessions: int = 2, **kw) -> Atten
     settings = StoreSettings(
         data_dir=tmp_path, dram_bytes=dram_sessions * BLOCK, policy=policy, **kw
     )
-    return AttentionStore(settings, SPEC, "fp")
+    return AttentionStore(settings, TINY_SPEC, "fp")
 
 
 def key(sid: str) -> SessionKey:
     return SessionKey("t", sid)
-
-
-def session_of(store: AttentionStore, chunk) -> SessionKey | None:
-    """The session holding a chunk (every session here is one chunk of its own)."""
-    owners = store.index.owners_of(chunk)
-    return next(iter(owners)) if owners else None
-
-
-def evictions(store: AttentionStore) -> list[SessionKey]:
-    out: list[SessionKey] = []
-
-    def listen(e: StoreEvent) -> None:
-        if e.kind == "evicted" and e.tier == "dram":
-            out.append(session_of(store, e.key))
-
-    store.add_listener(listen)
-    return out
 
 
 def wait_for(predicate, timeout: float = 5.0) -> bool:

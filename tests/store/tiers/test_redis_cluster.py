@@ -17,11 +17,11 @@ from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.redis import RedisTier
 from chatstore.store.tiers.redis_client import cluster_startup_nodes, connect_redis
-from tests.store.test_attention_store import TOKEN_BYTES, make, value
-from tests.store.test_tiers import K
-from tests.store.test_tiers import value as chunk
 from tests.support.redis_faults import redis_sends
 from tests.support.redis_server import redis_server_binary, start_local_redis_cluster
+from tests.support.store import TOKEN_BYTES, make, value
+from tests.support.tier_values import K
+from tests.support.tier_values import value as chunk
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server")
 

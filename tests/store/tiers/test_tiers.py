@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import stat
@@ -14,26 +13,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import TierFull, encoded_footprint
 from chatstore.store.tiers.dram import DramTier, KVLayout
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier
+from tests.support.tier_values import K, value
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 BLOCK = 4  # tokens per DRAM block
 BLOCK_BYTES = LAYOUT.bytes_per_token * BLOCK  # 2 * 2 * 2 * 4 * 4 B * 4 tokens = 512
-
-
-def K(name: str, tenant: str = "t") -> ChunkKey:
-    return ChunkKey(tenant, hashlib.blake2b(name.encode(), digest_size=16).hexdigest())
-
-
-def value(num_tokens: int, seed: int = 0) -> SessionKV:
-    g = torch.Generator().manual_seed(seed)
-    kv = torch.randn((2, 2, num_tokens, 2, 4), generator=g)
-    return SessionKV([seed * 1000 + i for i in range(num_tokens)], kv)
 
 
 def make_tier(kind: str, capacity: int, path, client=None, fingerprint: str = "fp"):

@@ -26,17 +26,6 @@ def reply(text: str) -> dict[str, str]:
     return {"role": "assistant", "content": text}
 
 
-@pytest.fixture(params=["lmdb", "redis"])
-def records(request, tmp_path):
-    if request.param == "lmdb":
-        store = LmdbRecordStore(tmp_path / "records.lmdb")
-    else:
-        request.getfixturevalue("redis_client")  # emptied
-        store = RedisRecordStore(request.getfixturevalue("redis_url"))
-    yield store
-    store.close()
-
-
 def test_create_is_create_if_absent(records):
     first = records.create(SessionRecord("t", "s", [user("sys")]))
     assert first.version == 1

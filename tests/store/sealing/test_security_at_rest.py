@@ -1,6 +1,7 @@
 """Encryption at rest (issues 26, 33): what reaches LMDB and Redis is sealed per tenant, proven
 on the bytes themselves. Real LMDB, a real redis-server, the real default model and server.
-(Envelope keys without a server: test_envelope_keys.py; replicas: test_replica_keys.py.)
+(Envelope keys without a server: test_envelope_keys.py; replicas: test_replica_keys.py; the
+server and conversation: tests/support/tenant_server.py.)
 
 - a marker planted in a conversation is found by a byte grep of the data dir and of a Redis dump
   with encryption off, and not with it on (and neither are the chunks' token ids); a copy of the
@@ -27,8 +28,6 @@ import lmdb
 import pytest
 import torch
 
-from chatstore.api.common.settings import ServerSettings
-from chatstore.server.launcher import local_server
 from chatstore.store.attention_store import AttentionStore
 from chatstore.store.records.lmdb import LmdbRecordStore
 from chatstore.store.records.record import SessionRecord
@@ -40,13 +39,10 @@ from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.transfer import StoreConnector
 from tests.support.multiturn import CHUNK, MiniEngine, make_store
+from tests.support.tenant_server import ADMIN, converse, tenant_server
 from tests.support.tiny_models import chat_ids
 
 pytestmark = pytest.mark.timeout(300)
-
-ADMIN = "key-admin"
-KEYS = {"key-alice": "alice", "key-bob": "bob"}
-GREEDY = {"temperature": 0, "max_tokens": 4}
 
 
 def secret(key_id: str) -> Secret:
@@ -129,16 +125,6 @@ def test_record_swapped_between_tenants_or_flipped_reads_absent(tmp_path):
 # -- the bytes at rest, through the real server ---------------------------------------------------
 
 
-def _converse(url: str, marker: str, key: str = "key-alice") -> str:
-    headers = {"Authorization": f"Bearer {key}"}
-    with httpx.Client(base_url=url, headers=headers, timeout=120, trust_env=False) as c:
-        sid = c.post("/v1/sessions", json={"system_prompt": "Be brief."}).json()["id"]
-        for text in (f"Remember the code {marker}.", "Say it again."):
-            reply = c.post(f"/v1/sessions/{sid}/messages", json={"content": text, **GREEDY})
-            assert reply.status_code == 200, reply.text
-    return sid
-
-
 def _files_bytes(root: Path) -> bytes:
     return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())
 
@@ -150,13 +136,6 @@ def _head_token_ids(model) -> bytes:
     return struct.pack(f"<{len(ids)}i", *ids)
 
 
-def _server(data: Path, model, **overrides):
-    settings = ServerSettings(api_keys=KEYS, admin_key=ADMIN)
-    return local_server(
-        data, model, settings, kv_cache_bytes=32 << 20, dram_bytes=64 << 20, **overrides
-    )
-
-
 @pytest.mark.model
 @pytest.mark.parametrize("encrypt", [False, True], ids=["clear", "sealed"])
 def test_marker_in_data_dir_and_redis_dump_only_in_the_clear(
@@ -165,8 +144,10 @@ def test_marker_in_data_dir_and_redis_dump_only_in_the_clear(
     marker = f"ZQX-{uuid.uuid4().hex[:12]}-MARKER"
     head = _head_token_ids(default_model)
     local = tmp_path / "local"
-    with _server(local, default_model, encrypt_at_rest=encrypt, persist="write_through") as srv:
-        sid = _converse(srv.url, marker)
+    with tenant_server(
+        local, default_model, encrypt_at_rest=encrypt, persist="write_through"
+    ) as srv:
+        sid = converse(srv.url, marker)
     on_disk = _files_bytes(local)
     assert (marker.encode() in on_disk) is not encrypt  # the records in records.lmdb
     assert (head in on_disk) is not encrypt  # the KV chunks' token ids in kv.lmdb
@@ -175,10 +156,10 @@ def test_marker_in_data_dir_and_redis_dump_only_in_the_clear(
         _served_without_the_master_key(local, tmp_path / "copy", default_model, sid)
 
     shared = tmp_path / "shared"
-    with _server(
+    with tenant_server(
         shared, default_model, encrypt_at_rest=encrypt, redis_url=redis_url, persist="write_through"
     ) as srv:
-        _converse(srv.url, marker)
+        converse(srv.url, marker)
     redis_client.config_set("rdbcompression", "no")  # DUMP payloads as stored, not LZF'd
     names = list(redis_client.scan_iter("chatstore:*"))
     assert any(n.startswith(b"chatstore:kv:") for n in names)
@@ -196,7 +177,10 @@ def _served_without_the_master_key(data: Path, copy: Path, model, sid: str) -> N
     mp = pytest.MonkeyPatch()
     mp.setenv("XDG_CONFIG_HOME", str(copy.parent / "another-machine"))
     try:
-        with _server(copy, model) as srv, httpx.Client(base_url=srv.url, trust_env=False) as c:
+        with (
+            tenant_server(copy, model) as srv,
+            httpx.Client(base_url=srv.url, trust_env=False) as c,
+        ):
             alice = {"Authorization": "Bearer key-alice"}
             assert c.get(f"/v1/sessions/{sid}", headers=alice).status_code == 404
             assert c.get("/v1/sessions", headers=alice).json()["data"] == []
@@ -211,9 +195,9 @@ def test_shredded_tenant_is_absent_after_restart_and_a_pre_shred_backup_opens_no
     default_model, tmp_path
 ):
     data, backup = tmp_path / "data", tmp_path / "backup"
-    with _server(data, default_model) as srv:
-        alice_sid = _converse(srv.url, "alice-secret")
-        bob_sid = _converse(srv.url, "bob-secret", key="key-bob")
+    with tenant_server(data, default_model) as srv:
+        alice_sid = converse(srv.url, "alice-secret")
+        bob_sid = converse(srv.url, "bob-secret", key="key-bob")
         with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as c:
             stored = c.post(
                 "/v1/responses",
@@ -229,7 +213,7 @@ def test_shredded_tenant_is_absent_after_restart_and_a_pre_shred_backup_opens_no
             assert gone.json()["sessions"] >= 1 and gone.json()["responses"] == 1
             alice = {"Authorization": "Bearer key-alice"}
             assert c.get(f"/v1/sessions/{alice_sid}", headers=alice).status_code == 404
-    restarted = _server(data, default_model)  # a restart: nothing of alice comes back
+    restarted = tenant_server(data, default_model)  # a restart: nothing of alice comes back
     with restarted as srv, httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as c:
         alice = {"Authorization": "Bearer key-alice"}
         assert c.get(f"/v1/sessions/{alice_sid}", headers=alice).status_code == 404
@@ -237,7 +221,7 @@ def test_shredded_tenant_is_absent_after_restart_and_a_pre_shred_backup_opens_no
         assert c.get(f"/v1/responses/{stored.json()['id']}", headers=alice).status_code == 404
         bob = c.get(f"/v1/sessions/{bob_sid}", headers={"Authorization": "Bearer key-bob"})
         assert bob.status_code == 200  # another tenant is untouched
-        reused = _converse(srv.url, "after", key="key-alice")  # the tenant may start over
+        reused = converse(srv.url, "after", key="key-alice")  # the tenant may start over
         assert c.get(f"/v1/sessions/{reused}", headers=alice).status_code == 200
     # The backup, read with the server's master key and its key store as it is now: alice's
     # records fail to open (her data key is gone), bob's still do; her marker is nowhere in the
@@ -256,7 +240,7 @@ def test_shredded_tenant_is_absent_after_restart_and_a_pre_shred_backup_opens_no
     for name in ("records.lmdb", "kv.lmdb"):
         shutil.rmtree(data / name)
         shutil.copytree(backup / name, data / name)
-    restored = _server(data, default_model)
+    restored = tenant_server(data, default_model)
     with restored as srv, httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as c:
         alice = {"Authorization": "Bearer key-alice"}
         assert c.get(f"/v1/sessions/{alice_sid}", headers=alice).status_code == 404
@@ -280,9 +264,9 @@ def test_rotate_keys_rewraps_and_rotate_data_keys_reseals_a_live_servers_data(
 
     data = tmp_path / "data"
     k1, k2 = new_secret_line("k1"), new_secret_line("k2")
-    with _server(data, default_model, secret_key=k1, persist="write_through") as srv:
-        sid = _converse(srv.url, "rotate-me")
-    with _server(data, default_model, secret_key=f"{k2},{k1}") as srv:
+    with tenant_server(data, default_model, secret_key=k1, persist="write_through") as srv:
+        sid = converse(srv.url, "rotate-me")
+    with tenant_server(data, default_model, secret_key=f"{k2},{k1}") as srv:
         admin = {"Authorization": f"Bearer {ADMIN}"}
         idle = httpx.get(f"{srv.url}/admin/keys/rotation", headers=admin, trust_env=False)
         assert idle.json()["phase"] == "idle"
@@ -321,10 +305,13 @@ def test_encrypt_existing_command_seals_what_was_written_in_the_clear(
     from chatstore.cli import main
 
     data = tmp_path / "data"
-    with _server(data, default_model, encrypt_at_rest=False, persist="write_through") as srv:
-        sid = _converse(srv.url, "clear-then-sealed")
+    with tenant_server(data, default_model, encrypt_at_rest=False, persist="write_through") as srv:
+        sid = converse(srv.url, "clear-then-sealed")
     assert b"clear-then-sealed" in _files_bytes(data)
-    with _server(data, default_model) as srv, httpx.Client(base_url=srv.url, trust_env=False) as c:
+    with (
+        tenant_server(data, default_model) as srv,
+        httpx.Client(base_url=srv.url, trust_env=False) as c,
+    ):
         alice = {"Authorization": "Bearer key-alice"}
         assert c.get(f"/v1/sessions/{sid}", headers=alice).status_code == 404
         url = ["admin", "--url", srv.url, "--admin-key", ADMIN]

@@ -17,18 +17,18 @@ import pytest
 
 from chatstore.store.attention_store import AttentionStore
 from chatstore.store.commit.write_buffer import WriteBuffer
-from chatstore.store.session_kv import SessionKey, SessionKV
+from chatstore.store.session_kv import SessionKey
 from chatstore.store.settings import StoreSettings
-from tests.store.test_attention_store import SPEC, TOKEN_BYTES, save_later, value
+from tests.support.store import TINY_SPEC, TOKEN_BYTES, save_later, three_turns, value
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def make(tmp_path, **kw) -> AttentionStore:
     kw.setdefault("dram_bytes", 64 * 16 * TOKEN_BYTES)
     kw.setdefault("ssd_bytes", 1 << 24)
     kw.setdefault("async_save", True)
-    return AttentionStore(StoreSettings(data_dir=tmp_path, **kw), SPEC, "fp")
+    return AttentionStore(StoreSettings(data_dir=tmp_path, **kw), TINY_SPEC, "fp")
 
 
 def test_save_later_returns_before_the_write_and_lookup_waits(tmp_path):
@@ -114,19 +114,19 @@ def test_close_commits_pending_writes(tmp_path):
     again.close()
 
 
+# The child writes three_turns()'s first turn, then its second and third over and over.
 CHILD = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
     from chatstore.store.attention_store import AttentionStore
     from chatstore.store.settings import StoreSettings
-    from tests.store.test_attention_store import SPEC, save_later
-    from tests.store.test_async_save import versions
+    from tests.support.store import TINY_SPEC, save_later, three_turns
 
     settings = StoreSettings(data_dir=Path(sys.argv[1]), dram_bytes=0, ssd_bytes=1 << 28,
                              async_save=True)
-    store = AttentionStore(settings, SPEC, "fp")
-    vs = versions()
+    store = AttentionStore(settings, TINY_SPEC, "fp")
+    vs = three_turns()
     store.save("t", "s", vs[0])
     print("ready", flush=True)
     i = 0
@@ -137,12 +137,6 @@ CHILD = textwrap.dedent(
         store.writer.flush()
     """
 )
-
-
-def versions() -> list[SessionKV]:
-    """The turns the child writes: v0 first, then v1 and v2 over and over (different sizes, so
-    a torn write would show in the token ids or the shape as well as in the values)."""
-    return [value(2000, 1), value(3000, 2), value(2500, 3)]
 
 
 @pytest.mark.parametrize("delay_s", [0.02, 0.05, 0.09, 0.13, 0.21, 0.31])
@@ -168,11 +162,11 @@ def test_kill_during_async_save_leaves_a_complete_turn(tmp_path, delay_s):
             child.kill()
             child.wait(30)
     store = AttentionStore(
-        StoreSettings(data_dir=tmp_path, dram_bytes=0, ssd_bytes=1 << 28), SPEC, "fp"
+        StoreSettings(data_dir=tmp_path, dram_bytes=0, ssd_bytes=1 << 28), TINY_SPEC, "fp"
     )
     got = store.lookup("t", "s")
     assert got is not None
-    assert any(got.equal(v) for v in versions()), f"torn KV: {got.num_tokens} tokens"
+    assert any(got.equal(v) for v in three_turns()), f"torn KV: {got.num_tokens} tokens"
     chain = store.index.get(SessionKey("t", "s"))
     assert set(store.tier("ssd").keys()) == set(chain.chunks), "an orphan chunk survived"
     store.close(flush_dram=False)

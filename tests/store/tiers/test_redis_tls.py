@@ -23,9 +23,9 @@ from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.redis import RedisTier, connect_redis
-from tests.store.test_attention_store import SPEC, TOKEN_BYTES, value
 from tests.support.redis_server import redis_server_binary
 from tests.support.redis_tls import TLSRedis, make_tls_files, start_tls_redis
+from tests.support.store import TINY_SPEC, TOKEN_BYTES, value
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -77,7 +77,7 @@ def remote_store(tmp_path, server: TLSRedis, url: str | None = None, **kw) -> At
         persist="off",
         **kw,
     )
-    return AttentionStore(settings, SPEC, "fp")
+    return AttentionStore(settings, TINY_SPEC, "fp")
 
 
 def refusals(admin) -> list[str]:
@@ -179,7 +179,7 @@ def test_a_wrong_ca_refuses_and_the_store_serves_from_local_tiers(tmp_path, tls_
         records_url="lmdb",
     )
     started = time.monotonic()
-    store = AttentionStore(settings, SPEC, "fp")
+    store = AttentionStore(settings, TINY_SPEC, "fp")
     assert time.monotonic() - started < 30  # liveness: a refused handshake is not a hang
     chunk = ChunkKey("acme", "ab" * 16)
     store.tiers.put(chunk, value(16, seed=1))
