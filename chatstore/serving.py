@@ -119,7 +119,7 @@ def start_kv_events(
     publisher = KVEventPublisher(
         config.kv_events_endpoint, config.kv_events_replay_endpoint or None, topic
     )
-    blocks = engine.engine.blocks
+    blocks = engine.blocks
     EngineSource(publisher, blocks.block_size).attach(blocks)
     if kv_store is not None:
         StoreSource(publisher, kv_store, blocks.block_size).attach()

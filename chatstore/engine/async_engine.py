@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chatstore.engine.block_manager import BlockManager
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.kv_connector import KVConnector
 from chatstore.engine.llm_engine import EngineStats, LLMEngine
@@ -159,6 +160,11 @@ class AsyncEngine:
         thread = threading.Thread(target=self._loop, name="chatstore-engine", daemon=True)
         thread.start()
         self._thread = thread  # only once started: an unstarted thread would read as exited
+
+    @property
+    def blocks(self) -> BlockManager:
+        """The device block pool's manager (the KV events publisher attaches to it)."""
+        return self.engine.blocks
 
     @property
     def is_running(self) -> bool:

@@ -6,11 +6,23 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable
 from typing import Protocol
 
+import torch
+
 from chatstore.engine.engine_stats import EngineStats
 from chatstore.engine.request import Request, RequestOutput
 
 
+class ServedModel(Protocol):
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype `dtype = "auto"` resolved to on this machine."""
+        ...
+
+
 class EngineClient(Protocol):
+    @property
+    def model(self) -> ServedModel: ...
+
     def start(self) -> None:
         """Start serving (the app's lifespan, before the first request)."""
 

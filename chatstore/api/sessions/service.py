@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from chatstore.api.common.chat_template import ChatTemplate
+from chatstore.api.common.engine_client import EngineClient
 from chatstore.api.common.errors import APIError, bad_param
 from chatstore.api.common.settings import ServerSettings
 from chatstore.api.sessions.crud import SessionCrud, new_session_id, plain
@@ -63,12 +64,12 @@ __all__ = ["ChatService", "TurnSpec", "new_session_id", "plain"]
 class ChatService:
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         store: SessionKVAdmin,
         template: ChatTemplate,
         settings: ServerSettings,
         vocab_size: int,
-        on_turn_end: Any = None,
+        on_turn_end: Callable[[Turn], None] | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
