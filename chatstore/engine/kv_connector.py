@@ -25,7 +25,7 @@ from chatstore.engine.forward_batch import ForwardBatch
 from chatstore.engine.request import Request
 
 if TYPE_CHECKING:  # the store's contract names what the engine's queue offers
-    from chatstore.store.ports import WaitingQueue
+    from chatstore.store.ports import QueueLookahead
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class KVConnector(ABC):
         """After the forward: join this step's loads; {request_id: error} of failed ones."""
         return {}
 
-    def set_waiting_queue(self, queue: WaitingQueue) -> None:
+    def set_waiting_queue(self, queue: QueueLookahead) -> None:
         """The scheduler's waiting queue (once, when the engine is built): the one placement's
         look-ahead reads too; a connector with a read buffer stages the sessions queued next."""
         return None

@@ -14,7 +14,7 @@ Every step, with a budget of `max_tokens_per_step` tokens:
 
 The waiting queue is readable from other threads (`waiting_sessions`, in admission order): the
 store's placement (prefetch, eviction) and the connector's read buffer (staging) look ahead
-through it, as the `WaitingQueue` of chatstore/store/ports.py.
+through it, as the `QueueLookahead` of chatstore/store/ports.py.
 """
 
 from __future__ import annotations

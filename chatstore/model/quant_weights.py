@@ -4,8 +4,8 @@
     int4 (W4A16)   w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]   q in 0..15, g = k // group
 
 The int4 convention is `_weight_int4pack_mm_for_cpu`'s (its scales_and_zeros [K/group, N, 2]):
-checked against a float matmul in tests/test_quant_weights.py. An asymmetric code with min m and
-step d (w = d q + m, GGUF's Q4_1, or a min/max quantizer) is that form with scale = d and
+checked against a float matmul in tests/model/test_quant_weights.py. An asymmetric code with min
+m and step d (w = d q + m, GGUF's Q4_1, or a min/max quantizer) is that form with scale = d and
 zero = m + 8 d; a symmetric one (w = d (q - 8), Q4_0) has zero = 0.
 
 These are plain tensors (what a quantizer or the GGUF repacker produces); `quant_linear.py`

@@ -38,9 +38,9 @@ from chatstore.store.ports import (
     KVPlacement,
     KVSource,
     OpenedTurn,
+    QueueLookahead,
     StoredSession,
     TurnPlan,
-    WaitingQueue,
 )
 from chatstore.store.retention import Retention
 from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
@@ -123,7 +123,7 @@ class AttentionStore:
 
     # -- placement and opening turns -----------------------------------------------------------
 
-    def set_waiting_queue(self, queue: WaitingQueue | Callable[[], Iterable[SessionKey]]) -> None:
+    def set_waiting_queue(self, queue: QueueLookahead | Callable[[], Iterable[SessionKey]]) -> None:
         self.session_placement.set_queue(queue)  # a callable: tests, no engine
         if len(self.tiers.tiers) > 1:
             self.prefetcher.start()

@@ -3,7 +3,7 @@
 implements every protocol here (mypy checks it); code outside `chatstore/store/` types the
 store as one of them, not as the class.
 
-    engine ──(WaitingQueue)──► store          the look-ahead: who runs next
+    engine ──(QueueLookahead)──► store          the look-ahead: who runs next
     transfer ──(KVSource)────► store          find, read, plan and save a turn's chunks
     api ──(SessionKVAdmin)───► store          records, leases, turns' contexts, KV admin, reports
     kv_events ──(ChunkCatalog)► store         stored chunks per tier and their events
@@ -85,7 +85,7 @@ class WaitingSession(Protocol):
         """Part of it is computed already (its KV is in the device pool)."""
 
 
-class WaitingQueue(Protocol):
+class QueueLookahead(Protocol):
     """The scheduler's waiting queue (the engine's `AsyncEngine`): a thread-safe snapshot in
     admission order, soonest first. Placement's look-ahead and the prefetch thread read it."""
 
@@ -318,6 +318,7 @@ __all__ = [
     "KVSource",
     "Listener",
     "OpenedTurn",
+    "QueueLookahead",
     "RecordConflict",
     "RecordStoreError",
     "RecordStoreFull",
@@ -335,7 +336,6 @@ __all__ = [
     "TierStats",
     "TurnChain",
     "TurnPlan",
-    "WaitingQueue",
     "WaitingSession",
     "store_hits",
 ]

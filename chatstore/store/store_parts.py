@@ -20,7 +20,7 @@ from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers.base import StorageTier
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.chunk_tiers import ChunkTiers
-from chatstore.store.tiers.dram import DramTier, KVLayout
+from chatstore.store.tiers.dram import DramTier, TokenKVShape
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier, connect_redis
 
@@ -130,7 +130,7 @@ def build_sealer(settings: StoreSettings, redis_keys: Any = None) -> Sealer | No
 
 
 def build_tiers(
-    settings: StoreSettings, layout: KVLayout, fingerprint: str, remote: RemoteParts
+    settings: StoreSettings, layout: TokenKVShape, fingerprint: str, remote: RemoteParts
 ) -> list[StorageTier]:
     s = settings
     tiers: list[StorageTier] = []

@@ -39,7 +39,7 @@ from chatstore.store.settings import StoreSettings
 from chatstore.store.store_parts import build_records, build_remote, build_tiers
 from chatstore.store.tiers.base import StorageTier
 from chatstore.store.tiers.chunk_tiers import ChunkTiers
-from chatstore.store.tiers.dram import KVLayout
+from chatstore.store.tiers.dram import TokenKVShape
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class StoreWiring:
         self.settings, self.fingerprint = settings, fingerprint
         self.context = ContextBudget.of(spec.max_context, settings.max_context_tokens)
         dtype = settings.storage_dtype
-        self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
+        self.layout = TokenKVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         remote = build_remote(settings, redis_client)
         self.sealer, self.key_watch = remote.sealer, remote.key_watch

@@ -61,7 +61,7 @@ from chatstore.engine.kv_connector import KVConnector, LoadStats
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store import kv_quant
-from chatstore.store.ports import KVSource, OpenedTurn, WaitingQueue
+from chatstore.store.ports import KVSource, OpenedTurn, QueueLookahead
 from chatstore.transfer.chunked_kv import ChunkedKV, LazyChunkedKV
 from chatstore.transfer.copy_events import compute_mark, layer_events
 from chatstore.transfer.layer_loader import LayerLoader, LoadJob
@@ -268,7 +268,7 @@ class StoreConnector(KVConnector):
 
     # -- read buffer ----------------------------------------------------------------------------
 
-    def set_waiting_queue(self, queue: WaitingQueue) -> None:
+    def set_waiting_queue(self, queue: QueueLookahead) -> None:
         self.staging.set_waiting_queue(queue)
 
     def look_ahead(self) -> None:

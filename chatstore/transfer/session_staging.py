@@ -5,7 +5,7 @@
                                                    of the engine's waiting queue that have not
                                                    started and that the connector has not admitted
 
-The waiting queue is the `WaitingQueue` of chatstore/store/ports.py, the one placement's
+The waiting queue is the `QueueLookahead` of chatstore/store/ports.py, the one placement's
 look-ahead reads: the scheduler exposes who runs next once, and both consume it. Staging itself
 (the lookup, the layers) runs on the loader's threads; the engine thread only queues it.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from chatstore.store.ports import KVSource, WaitingQueue, WaitingSession
+from chatstore.store.ports import KVSource, QueueLookahead, WaitingSession
 from chatstore.store.session_kv import SessionKey
 from chatstore.transfer.layer_loader import LayerLoader
 from chatstore.transfer.read_buffer import ReadBuffer
@@ -22,7 +22,7 @@ from chatstore.transfer.read_buffer import ReadBuffer
 STAGE_AHEAD = 4  # queued requests whose sessions the read buffer stages each step
 
 
-def sessions_to_stage(queue: WaitingQueue, n: int = STAGE_AHEAD) -> list[WaitingSession]:
+def sessions_to_stage(queue: QueueLookahead, n: int = STAGE_AHEAD) -> list[WaitingSession]:
     """The first n queued requests that have not started (none of their KV is computed),
     soonest first: the ones a read buffer stages."""
     return [entry for entry in queue.waiting_sessions(n) if not entry.started]
@@ -36,9 +36,9 @@ class SessionStaging:
         self.buffer = buffer
         self.loader = loader
         self.stage_queued = stage_queued  # False: hinted sessions only
-        self.queue: WaitingQueue | None = None
+        self.queue: QueueLookahead | None = None
 
-    def set_waiting_queue(self, queue: WaitingQueue) -> None:
+    def set_waiting_queue(self, queue: QueueLookahead) -> None:
         self.queue = queue
 
     def stage(self, tenant: str, session_id: str) -> bool:

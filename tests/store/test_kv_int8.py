@@ -33,7 +33,7 @@ from chatstore.store.chunks import ChunkHasher
 from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers import codec
-from chatstore.store.tiers.dram import DramTier, KVLayout
+from chatstore.store.tiers.dram import DramTier, TokenKVShape
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier
 from chatstore.transfer import StoreConnector
@@ -144,8 +144,8 @@ def test_codec_carries_int8_rows_and_scales():
 
 
 def test_dram_tier_keeps_int8_blocks():
-    f32 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    int8 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.int8)
+    f32 = TokenKVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    int8 = TokenKVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.int8)
     assert int8.bytes_per_token == 2 * 2 * 2 * 10  # the scale's 2 bytes counted
     tier = DramTier(64 * int8.bytes_per_token, int8, block_size=4)
     assert tier.pool.dtype == torch.int8 and tier.pool.shape[-1] == 10

@@ -118,7 +118,7 @@ def test_lmdb_records_are_private_and_listed_per_tenant(tmp_path):
 def test_lmdb_records_of_the_old_key_layout_are_migrated(tmp_path):
     import lmdb
 
-    from chatstore.store.keys import key_digest
+    from chatstore.store.record_keys import key_digest
 
     path = tmp_path / "records.lmdb"
     env = lmdb.open(str(path), map_size=1 << 20)

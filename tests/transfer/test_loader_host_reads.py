@@ -18,7 +18,7 @@ from chatstore.engine.rope import RotaryEmbedding, apply_rope
 from chatstore.store import kv_quant
 from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers.base import TierFull
-from chatstore.store.tiers.dram import DramTier, KVLayout
+from chatstore.store.tiers.dram import DramTier, TokenKVShape
 from chatstore.store.tiers.dram_rows import PooledRows
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.transfer.chunked_kv import ChunkedKV
@@ -46,7 +46,7 @@ def chunk_keys() -> list[ChunkKey]:
 
 def dram(dtype: torch.dtype, in_place: bool, value: SessionKV) -> DramTier:
     """The chunks in a DRAM tier whose blocks were handed out in no order."""
-    layout = KVLayout(L, H, D, dtype)
+    layout = TokenKVShape(L, H, D, dtype)
     tier = DramTier(64 * layout.bytes_per_token * B, layout, B, pin=False, read_in_place=in_place)
     tier._free = deque(random.Random(1).sample(list(tier._free), len(tier._free)))
     for i, key in enumerate(chunk_keys()):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-from chatstore.store.ports import WaitingQueue
+from chatstore.store.ports import QueueLookahead
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.sessions.index import SessionIndex
 from chatstore.store.tiers.chunk_tiers import ChunkTiers
@@ -24,7 +24,7 @@ class SessionPlacement:
         self.index = index
         self.chooser: Any = None
         self._tiers: ChunkTiers | None = None
-        self._queue: WaitingQueue | Callable[[], Iterable[SessionKey]] | None = None
+        self._queue: QueueLookahead | Callable[[], Iterable[SessionKey]] | None = None
 
     @property
     def tiers(self) -> ChunkTiers | None:
@@ -39,8 +39,8 @@ class SessionPlacement:
         if follow is not None:
             follow(self.index)
 
-    def set_queue(self, queue: WaitingQueue | Callable[[], Iterable[SessionKey]]) -> None:
-        """The engine's WaitingQueue; or, where no engine runs (tests, a trace replay), a
+    def set_queue(self, queue: QueueLookahead | Callable[[], Iterable[SessionKey]]) -> None:
+        """The engine's QueueLookahead; or, where no engine runs (tests, a trace replay), a
         callable giving the queued session keys soonest first."""
         self._queue = queue
 

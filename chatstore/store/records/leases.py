@@ -30,7 +30,7 @@ from urllib.parse import quote
 
 from redis.exceptions import LockError
 
-from chatstore.store.keys import key_digest
+from chatstore.store.record_keys import key_digest
 from chatstore.store.records.base import RecordStore
 from chatstore.store.records.record import SessionLease
 from chatstore.store.records.redis import RedisRecordStore

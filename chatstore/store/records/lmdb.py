@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from chatstore.store.keys import key_digest
+from chatstore.store.record_keys import key_digest
 from chatstore.store.records import ballast, lmdb_facts, lmdb_log, lmdb_migrations
 from chatstore.store.records.base import Change, RecordStore
 from chatstore.store.records.lmdb_facts import key_range as _range

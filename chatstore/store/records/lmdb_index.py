@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from chatstore.store.keys import key_digest
+from chatstore.store.record_keys import key_digest
 from chatstore.store.records import prefix_index
 from chatstore.store.records.lmdb_facts import tenant_prefix
 from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch, Saved, saved

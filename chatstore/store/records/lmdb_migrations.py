@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from chatstore.store.keys import key_digest
+from chatstore.store.record_keys import key_digest
 from chatstore.store.records import lmdb_facts, lmdb_log
 from chatstore.store.records.lmdb_facts import tenant_of, tenant_prefix
 from chatstore.store.records.lmdb_index import INDEX_BUILT, LmdbPrefixIndex

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from chatstore.store.keys import key_digest
+from chatstore.store.record_keys import key_digest
 from chatstore.store.records.lmdb_facts import key_range as _range
 from chatstore.store.records.lmdb_facts import tenant_of as _tenant_of
 from chatstore.store.records.responses import ResponseRecord, ResponseRecords, SealedRecords

@@ -30,7 +30,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from chatstore.store.keys import key_digest
+from chatstore.store.record_keys import key_digest
 from chatstore.store.records import lmdb_log, redis_index, redis_log, redis_start
 from chatstore.store.records.base import Change
 from chatstore.store.records.prefix_index import PrefixMatch, Saved, saved

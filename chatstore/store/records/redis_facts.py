@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from urllib.parse import quote, unquote
 
-from chatstore.store.keys import key_digest
+from chatstore.store.record_keys import key_digest
 from chatstore.store.records import lmdb_facts
 from chatstore.store.records.base import RecordStore
 from chatstore.store.records.record import RecordStoreUnavailable, SessionRecord

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
-from chatstore.store.keys import key_digest
+from chatstore.store.record_keys import key_digest
 from chatstore.store.records import prefix_index
 from chatstore.store.records.prefix_index import PrefixEntry, PrefixMatch, Saved, saved
 from chatstore.store.records.record import SessionRecord

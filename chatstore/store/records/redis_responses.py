@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any, ParamSpec, Protocol, TypeVar
 from urllib.parse import quote
 
-from chatstore.store.keys import key_digest
+from chatstore.store.record_keys import key_digest
 from chatstore.store.records.responses import ResponseRecords, SealedRecords
 from chatstore.store.session_kv import SessionKey
 

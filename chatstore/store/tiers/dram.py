@@ -36,7 +36,7 @@ from chatstore.store.tiers.dram_rows import PooledRows
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class TokenKVShape:
     """The shape of one token's KV: what every tier's blocks and values are made of."""
 
     num_layers: int
@@ -68,7 +68,7 @@ class DramTier(StorageTier):
     def __init__(
         self,
         capacity_bytes: int,
-        layout: KVLayout,
+        layout: TokenKVShape,
         block_size: int = 16,
         pin: bool | None = None,
         read_in_place: bool | None = None,

@@ -87,9 +87,9 @@ def test_a_tail_held_by_a_fork_is_copied_not_taken(tmp_path):
 
 
 def test_dram_extend_writes_into_the_base_blocks():
-    from chatstore.store.tiers.dram import DramTier, KVLayout
+    from chatstore.store.tiers.dram import DramTier, TokenKVShape
 
-    tier = DramTier(16 * 4 * TOKEN_BYTES, KVLayout(2, 2, 4, torch.float32), block_size=4)
+    tier = DramTier(16 * 4 * TOKEN_BYTES, TokenKVShape(2, 2, 4, torch.float32), block_size=4)
     hasher = ChunkHasher("fp", torch.float32, 16)
     old, new = hasher.chain("t", list(range(6)))[0], hasher.chain("t", list(range(13)))[0]
     tier.put(old, SessionKV(list(range(6)), kv_of(list(range(6)))))

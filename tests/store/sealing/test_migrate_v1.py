@@ -21,7 +21,7 @@ import lmdb
 import pytest
 
 from chatstore.private_file import write_private
-from chatstore.store.keys import key_digest
+from chatstore.store.record_keys import key_digest
 from chatstore.store.records import redis_log
 from chatstore.store.records.lmdb import LmdbRecordStore
 from chatstore.store.records.lmdb_log import header_json

@@ -21,7 +21,7 @@ from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers.base import TierUnavailable
 from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.chunk_tiers import ChunkTiers
-from chatstore.store.tiers.dram import DramTier, KVLayout
+from chatstore.store.tiers.dram import DramTier, TokenKVShape
 from chatstore.store.tiers.redis import RedisTier
 from chatstore.transfer import StoreConnector
 from tests.support.engine import (
@@ -37,7 +37,7 @@ from tests.support.store import push_down
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 TIMEOUT_S = 0.2
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+LAYOUT = TokenKVShape(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 
 
 def K(name: str) -> ChunkKey:

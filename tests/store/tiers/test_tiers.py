@@ -15,12 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.base import TierFull, encoded_footprint
-from chatstore.store.tiers.dram import DramTier, KVLayout
+from chatstore.store.tiers.dram import DramTier, TokenKVShape
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier
 from tests.support.tier_values import K, value
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+LAYOUT = TokenKVShape(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 BLOCK = 4  # tokens per DRAM block
 BLOCK_BYTES = LAYOUT.bytes_per_token * BLOCK  # 2 * 2 * 2 * 4 * 4 B * 4 tokens = 512
 
@@ -97,7 +97,7 @@ def test_dram_counts_whole_blocks():
 
 
 def test_dram_stores_in_its_dtype():
-    layout = KVLayout(2, 2, 4, torch.bfloat16)
+    layout = TokenKVShape(2, 2, 4, torch.bfloat16)
     tier = DramTier(8 * layout.bytes_per_token * BLOCK, layout, BLOCK)
     tier.put(K("a"), value(6))
     got = tier.get(K("a"))

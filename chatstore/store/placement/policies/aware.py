@@ -10,10 +10,10 @@ With S_kv the mean KV size of a resident session and C_t the capacity of tier t:
              residents inside it from the tail towards the head: s5, s1, s7, ...
 
 So a session in the window is never evicted while a resident outside it exists (the property
-`tests/test_policy.py` checks). The same order serves every tier: DRAM demotes to SSD what the
-queue needs last, SSD drops it. Prefetch brings the sessions in L_pw that sit below DRAM up to it;
-the tier manager asks `choose_victims(0, ..., incoming=s)` for room, so a prefetch only displaces
-sessions that are needed later than `s` (or not at all).
+`tests/store/placement/test_policy.py` checks). The same order serves every tier: DRAM demotes
+to SSD what the queue needs last, SSD drops it. Prefetch brings the sessions in L_pw that sit
+below DRAM up to it; the tier manager asks `choose_victims(0, ..., incoming=s)` for room, so a
+prefetch only displaces sessions that are needed later than `s` (or not at all).
 
 The paper sizes L_pw from the DRAM *available* for prefetch; here it is the whole DRAM tier, since
 DRAM holds exactly what the order above ranks highest.
