@@ -29,6 +29,10 @@ from chatstore.store.records.record import ChainRecord
 from chatstore.store.session_kv import ChunkKey, SessionKey
 
 
+def _no_check() -> bool:
+    return True
+
+
 class TurnChain:
     """The chain a turn's commit made its session's history, for the API to record with the
     turn's messages. Completed once by the store (the chain, or None: nothing was saved), taken
@@ -39,7 +43,7 @@ class TurnChain:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._value: ChainRecord | None = None
-        self._current: Callable[[], bool] = lambda: True
+        self._current: Callable[[], bool] = _no_check
         self._taken = self._given_up = False
 
     def complete(
@@ -68,8 +72,9 @@ class TurnChain:
             if self._given_up or not self._done.is_set():
                 return None
             self._taken = True
-            value = self._value
-        return value if value is not None and self._current() else None
+            value, current = self._value, self._current
+            self._current = _no_check  # the check holds the store's index: not past its use
+        return value if value is not None and current() else None
 
     def give_up(self) -> tuple[ChainRecord, Callable[[], bool]] | None:
         """API side: the turn ends without an append (aborted, failed). A chain completed and
@@ -79,8 +84,9 @@ class TurnChain:
             if self._taken or self._given_up:
                 return None
             self._given_up = True
+            current, self._current = self._current, _no_check
             if self._done.is_set() and self._value is not None:
-                return self._value, self._current
+                return self._value, current
         return None
 
 
@@ -108,6 +114,9 @@ class OpenedTurn:
     opened_at: float = field(default_factory=time.monotonic)
     from_remote: int = 0  # chunks the opening brought up from the remote tier (Redis)
     _unpin: Callable[[list[ChunkKey]], None] | None = field(default=None, repr=False)
+    _finalizer: weakref.finalize[[list[ChunkKey]], OpenedTurn] | None = field(
+        default=None, repr=False
+    )
 
     @staticmethod
     def of(carried: object) -> OpenedTurn | None:
@@ -118,13 +127,19 @@ class OpenedTurn:
 
     def unpin_when_collected(self) -> None:
         """A handle dropped without its end (a crashed caller) still lets its chunks go."""
-        if self._unpin is not None:
-            weakref.finalize(self, self._unpin, self.pinned)
+        if self._unpin is not None and self._finalizer is None:
+            self._finalizer = weakref.finalize(self, self._unpin, self.pinned)
 
     def unpin(self) -> None:
-        """Let the pinned chunks go (they may move down again); a second call does nothing."""
-        if self._unpin is not None:
-            self._unpin(self.pinned)  # empties the list: released once
+        """Let the pinned chunks go (they may move down again); a second call does nothing.
+        The handle lets go of the store too: a request or a reply may outlive the server (a
+        test's, a metrics history's), and must not keep its tiers alive."""
+        unpin, self._unpin = self._unpin, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if unpin is not None:
+            unpin(self.pinned)  # empties the list
 
     def nothing_saved(self) -> None:
         """The engine ended the turn without a save (no tokens, an error): the append waits for

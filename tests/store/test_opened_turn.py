@@ -205,3 +205,25 @@ def test_a_turn_ended_after_the_store_closed_does_not_raise(tmp_path) -> None:
     store.writer.close()
     sessions.end_turn(opened)
     sessions.close()
+
+
+def test_an_ended_turn_does_not_keep_the_store_alive(tmp_path) -> None:
+    """A handle outlives its turn (a request a test or a metrics history keeps): once ended,
+    it holds nothing of the store, so a stopped server's tiers are freed (each server a test
+    started stayed alive through its handles: 0.9 GB a server, the suite was OOM-killed)."""
+    import gc
+    import weakref
+
+    store, sessions = make(tmp_path)
+    new_session(sessions, "s")
+    ids = list(range(40))
+    opened = sessions.open_turn("t", "s", ids)
+    engine_saves(store, opened, ids)
+    assert store.flush_writes(30)
+    sessions.end_turn(opened)
+    sessions.close()
+    gone = weakref.ref(store)
+    del store, sessions
+    gc.collect()
+    assert gone() is None, "an ended turn's handle keeps the store alive"
+    assert opened.key.session_id == "s"
