@@ -87,11 +87,8 @@ class LmdbPrefixIndex:
             with self.env.begin() as txn:
                 return [txn.get(base + k.encode()) for k in keys]
 
-        def load(digest: str) -> tuple[str, list[int], str] | None:
-            record = self._load(tenant, digest)
-            if record is None:
-                return None
-            return record.session_id, record.token_ids, record.fingerprint
+        def load(digest: str) -> SessionRecord | None:
+            return self._load(tenant, digest)
 
         key = self.sealing.digest_key(tenant)
         return prefix_index.best_match(tenant, fingerprint, token_ids, read, load, key)

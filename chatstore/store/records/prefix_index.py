@@ -230,20 +230,19 @@ def best_match(
     fingerprint: str,
     ids: list[int],
     read: Callable[[list[str]], list[bytes | None]],
-    load: Callable[[str], tuple[str, list[int], str] | None],
+    load: Callable[[str], SessionRecord | None],
     key: bytes = b"",
 ) -> PrefixMatch | None:
     """The session ids continues, verified on its record: `load(digest)` gives the live
-    record's (session id, token ids, fingerprint), None when it is gone. `key`: the tenant's
-    digest key (b"": unkeyed)."""
+    record, None when it is gone. `key`: the tenant's digest key (b"": unkeyed)."""
     whole, levels = rank(tenant, fingerprint, ids, read, key)
     loaded: dict[str, tuple[str, list[int]] | None] = {}
 
     def record(digest: str) -> tuple[str, list[int]] | None:
         if digest not in loaded and len(loaded) < MAX_VERIFIED:
             got = load(digest)
-            ok = got is not None and got[2] == fingerprint
-            loaded[digest] = (got[0], got[1]) if got is not None and ok else None
+            ok = got is not None and got.fingerprint == fingerprint
+            loaded[digest] = (got.session_id, got.token_ids) if got is not None and ok else None
         return loaded.get(digest)
 
     for length, digest in whole:

@@ -110,11 +110,8 @@ class RedisPrefixIndex:
                 entries = self.client.hmget(hname, keys)
             return list(entries)
 
-        def load(digest: str) -> tuple[str, list[int], str] | None:
-            record = self._load(tenant, digest)
-            if record is None:
-                return None
-            return record.session_id, record.token_ids, record.fingerprint
+        def load(digest: str) -> SessionRecord | None:
+            return self._load(tenant, digest)
 
         key = self.sealing.digest_key(tenant)
         return prefix_index.best_match(tenant, fingerprint, token_ids, read, load, key)
