@@ -4,6 +4,7 @@ record writes that cannot be made durable raise, and LMDB records are private to
 
 from __future__ import annotations
 
+import os
 import stat
 import time
 
@@ -12,6 +13,8 @@ import pytest
 from chatstore.store.attention_store import AttentionStore
 from chatstore.store.records.lmdb import LmdbRecordStore
 from chatstore.store.records.record import RecordStoreFull, SessionRecord
+from chatstore.store.sealing import Keyring, Sealer
+from chatstore.store.sealing.master_key import Secret
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.session_store import SessionStore
 from chatstore.store.settings import StoreSettings
@@ -97,6 +100,29 @@ def test_lmdb_records_full_raises_and_recovers_after_delete(tmp_path):
         assert records.delete(key)
     records.upsert(SessionKey("t", "new"), metadata=big)
     assert records.get(SessionKey("t", "new")).metadata == big
+    records.close()
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+@pytest.mark.parametrize("pad", [3_000, 15_000, 40_000])
+def test_every_session_of_a_full_lmdb_store_can_be_deleted(tmp_path, pad, sealed):
+    """Deletes in a row on a full map: LMDB reuses a commit's freed pages only two commits
+    later, so each lives on the room writes left. With 16 pages of room (the old 1/16 of a
+    1 MiB map) the second delete of sealed 15 KB records found the map full, and every one
+    after it (CI: a 507 to DELETE /v1/sessions)."""
+    sealer = Sealer(Keyring([Secret("k1", os.urandom(32))])) if sealed else None
+    path = tmp_path / "records.lmdb"
+    records = LmdbRecordStore(path, ttl_s=3600, map_size=1 << 20, sealer=sealer)
+    kept = []
+    for metadata in ({"pad": "x" * pad}, {}):  # big sessions until full, then bare ones
+        with pytest.raises(RecordStoreFull):
+            for _ in range(2000):
+                record = SessionRecord("t", f"s{len(kept)}", metadata=metadata)
+                records.put(record)
+                kept.append(record.key)
+    for key in kept:
+        assert records.delete(key)
+    assert records.count_sessions("t") == 0
     records.close()
 
 

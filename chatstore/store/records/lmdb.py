@@ -40,6 +40,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# The floor of the room kept for deletes: 64 pages of 4 KiB. A full 1 MiB map with a 16-page
+# room stuck on its second delete (tests/store/test_reliability.py).
+DELETE_ROOM = 256 << 10
+
+
+class _DiskFull(RecordStoreFull):
+    """The disk, not the map, is full: the ballast can make room."""
+
 
 class LmdbRecordStore(RecordStore):
     def __init__(
@@ -59,8 +67,11 @@ class LmdbRecordStore(RecordStore):
         self.env = open_private(self.path, map_size=map_size, sync=True, metasync=True)
         self.map_size = map_size
         # Deletes need free pages too (copy-on-write): writes stop this short of the map, so
-        # that a full store can still delete sessions and recover.
-        self._headroom = min(map_size // 16, 8 << 20)
+        # that a full store can still delete sessions and recover. LMDB reuses the pages a
+        # commit frees only two commits later (the previous snapshot stays whole), so deletes
+        # in a row live on this room alone: each needs its own copied pages (a few leaves, a
+        # branch, the free list's) while the previous delete's, record's included, are held.
+        self._headroom = min(max(map_size // 16, DELETE_ROOM), 8 << 20)
         self.responses = LmdbResponses(self)
         self.bytes_put = 0  # names and values of the session records written (headers, logs)
         self.index = LmdbPrefixIndex(self.env, self.sealing, self._load_live)
@@ -122,7 +133,7 @@ class LmdbRecordStore(RecordStore):
             ) from None
         except (OSError, self._lmdb.Error) as exc:
             if self._disk_full(exc):
-                raise RecordStoreFull(f"disk full writing session records: {exc}") from None
+                raise _DiskFull(f"disk full writing session records: {exc}") from None
             raise RecordStoreUnavailable(f"writing session records failed: {exc}") from None
 
     def _disk_full(self, exc: Exception) -> bool:
@@ -152,7 +163,7 @@ class LmdbRecordStore(RecordStore):
 
         try:
             deleted = bool(self._write(drop))
-        except RecordStoreFull:
+        except _DiskFull:
             if not ballast.drop(self.path):
                 raise
             deleted = bool(self._write(drop))
