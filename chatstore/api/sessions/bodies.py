@@ -3,9 +3,10 @@ the admin's session table share them)."""
 
 from __future__ import annotations
 
-from chatstore.api.common.replies import finish_reason, message_choices
+from chatstore.api.common.replies import ChoiceMessage, finish_reason, message_choices
 from chatstore.api.common.usage import timings, usage_body
 from chatstore.api.sessions.service import ChatService
+from chatstore.api.sessions.tool_turn import shown, tool_reply
 from chatstore.api.sessions.turn import Turn, TurnResult
 from chatstore.store.ports import SessionRecord
 
@@ -23,19 +24,30 @@ def session_info(service: ChatService, record: SessionRecord, full: bool) -> dic
         "priority": record.priority,
         "ttl_s": record.ttl_s,
         "expires_at": record.expires_at,
-        "messages": [dict(m) for m in record.messages] if full else None,
+        "messages": [shown(m) for m in record.messages] if full else None,
     }
 
 
 def reply_body(turn: Turn, result: TurnResult) -> dict[str, object]:
     choices = message_choices(result)
+    message: dict[str, object] = {"role": "assistant", "content": result.texts[0]}
+    reason = finish_reason(result.finish_reasons[0])
+    tools = tool_reply(turn)
+    if tools is not None:  # the reply as the session keeps it: its calls read out
+        message = tools.message(result.texts[0])
+        calls = message.get("tool_calls")
+        first: ChoiceMessage = {"role": "assistant", "content": str(message["content"])}
+        if isinstance(calls, list):
+            first["tool_calls"] = calls
+            reason = choices[0]["finish_reason"] = "tool_calls"
+        choices[0]["message"] = first
     return {
         "id": turn.request_id,
         "object": "session.message",
         "session_id": turn.session_id,
-        "message": {"role": "assistant", "content": result.texts[0]},
+        "message": message,
         "choices": choices,
-        "finish_reason": finish_reason(result.finish_reasons[0]),
+        "finish_reason": reason,
         "usage": usage_body(result),
         "timings": timings(result),
     }

@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse, Response
 from chatstore.api.common.auth import Principal, tenant_principal
 from chatstore.api.common.errors import ERRORS, APIError, error_body
 from chatstore.api.common.protocol import SESSION_ID_PATTERN, Deleted
-from chatstore.api.common.sampling import to_sampling
 from chatstore.api.common.streaming import sse, sse_response
 from chatstore.api.sessions.bodies import reply_body, session_info
+from chatstore.api.sessions.message import session_turn_spec, shown_deltas
 from chatstore.api.sessions.protocol import (
     SessionCreateRequest,
     SessionInfo,
@@ -34,7 +34,7 @@ from chatstore.api.sessions.protocol import (
     SessionPatchRequest,
     SessionReply,
 )
-from chatstore.api.sessions.service import ChatService, TurnSpec
+from chatstore.api.sessions.service import ChatService
 from chatstore.api.sessions.turn import Turn
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -123,14 +123,8 @@ async def post_message(
 ) -> Response | dict[str, object]:
     started = request.scope.get("chatstore.started", time.perf_counter())
     service = _service(request)
-    spec = TurnSpec(
-        tenant=principal.tenant,
-        sampling=to_sampling(body, service.settings.default_max_tokens),
-        started=started,
-        session_id=session_id,
-        new_message={"role": "user", "content": body.content},
-        create_missing=False,
-        api="sessions",
+    spec = await session_turn_spec(
+        body, service, principal.tenant, session_id, started, api="sessions"
     )
     turn = await service.open_turn(spec)
     request.scope["chatstore.turn"] = turn
@@ -147,11 +141,12 @@ async def post_message(
 
 
 async def _stream(turn: Turn) -> AsyncIterator[bytes]:
-    """Events: {"type": "delta", "index", "text"} ... then {"type": "done", ...reply_body}."""
+    """Events: {"type": "delta", "index", "text"} ... then {"type": "done", ...reply_body}.
+    With tools the model may call, a call is not streamed as text: it is in the done event's
+    message (tool_calls)."""
     try:
-        async for delta in turn.deltas():
-            if delta.text:
-                yield sse({"type": "delta", "index": delta.index, "text": delta.text})
+        async for delta in shown_deltas(turn):
+            yield sse({"type": "delta", "index": delta.index, "text": delta.text})
         result = turn.result
         assert result is not None
         if result.error is not None:

@@ -151,6 +151,8 @@ class ChatService:
         )
         turn.opened = prep.opened
         turn.record_messages = prep.messages
+        if prep.tools is not None:
+            turn.log["tools"] = prep.tools
         turn.log.update(record=prep.record, api=spec.api)
         return turn
 

@@ -12,6 +12,7 @@ from chatstore.api.common.chat_template import ChatTemplate
 from chatstore.api.common.errors import APIError, store_error
 from chatstore.api.sessions.crud import plain
 from chatstore.api.sessions.reservations import SessionReservations
+from chatstore.api.sessions.tool_turn import tool_reply
 from chatstore.api.sessions.turn import Turn
 from chatstore.store.ports import SessionKVAdmin, SessionRecord
 
@@ -72,6 +73,11 @@ class TurnEnd:
         # Append on top of what the turn read: the version check refuses the save if another
         # replica wrote the session since. A client that resent an edited history (OpenAI)
         # replaces the stored one instead.
+        tools = tool_reply(turn)
+        if tools is not None:  # a session's turn with tools: its messages as tool_turn.py keeps
+            kept = tools.keep(result.texts[0])
+            self.store.append_turn(record, kept, None, kv_tokens, last_token, turn.opened)
+            return
         stored, sent = plain(record.messages), turn.record_messages
         if sent[: len(stored)] == stored:
             new, keep = [*sent[len(stored) :], reply], None

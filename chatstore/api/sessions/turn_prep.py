@@ -13,6 +13,9 @@ from chatstore.api.common.settings import ServerSettings
 from chatstore.api.sessions.crud import SessionCrud, new_session_id, plain
 from chatstore.api.sessions.limits import check_text
 from chatstore.api.sessions.reservations import SessionReservations
+from chatstore.api.sessions.tool_turn import ToolReply, ToolTurn, has_tool_parts, render_turn
+from chatstore.api.tools.formats import detect_format
+from chatstore.api.tools.protocol import ToolChatMessage
 from chatstore.engine.request import SamplingParams
 from chatstore.store.ports import OpenedTurn, SessionKVAdmin, SessionRecord
 
@@ -30,6 +33,8 @@ class TurnSpec:
     # OpenAI with tools: the prompt as the template's tool support renders it; `messages` are
     # then the same conversation in plain role/content form, for the record
     rich: RichPrompt | None = None
+    # Session API with tools, or new messages that are tool results (sessions/tool_turn.py)
+    tool_turn: ToolTurn | None = None
 
 
 @dataclass
@@ -38,6 +43,8 @@ class PreparedTurn:
     messages: list[Message]  # the conversation including the new user message
     prompt: list[int]
     opened: OpenedTurn | None  # the store's handle of the turn (None: records only)
+    # A session turn rendered with tools: its messages as the record keeps them (None: plain)
+    tools: ToolReply | None = None
 
 
 def fit_max_tokens(sampling: SamplingParams, prompt_len: int, max_context: int) -> SamplingParams:
@@ -89,8 +96,8 @@ class TurnPreparation:
         return prep
 
     def _prepare(self, spec: TurnSpec) -> PreparedTurn:
-        if spec.new_message is not None:
-            return self._prepare_session_turn(spec, spec.new_message)
+        if spec.tool_turn is not None or spec.new_message is not None:
+            return self._prepare_session_turn(spec)
         return self._prepare_resent_turn(spec)
 
     def _prepare_resent_turn(self, spec: TurnSpec) -> PreparedTurn:
@@ -122,22 +129,37 @@ class TurnPreparation:
         opened = self.store.open_turn(record.tenant, record.session_id, prompt)
         return PreparedTurn(record, messages, prompt, opened)
 
-    def _prepare_session_turn(self, spec: TurnSpec, new: Message) -> PreparedTurn:
-        """Session API: one new message on top of the stored history."""
+    def _prepare_session_turn(self, spec: TurnSpec) -> PreparedTurn:
+        """Session API: new messages on top of the stored history."""
         record = self.sessions.get(spec.tenant, spec.session_id or "")
-        check_text("content", new["content"], self.settings.max_message_chars)
+        turn, new = spec.tool_turn, spec.new_message
+        if turn is None and has_tool_parts(record.messages):  # a plain turn after tool calls
+            assert new is not None
+            fmt = detect_format(self.template.tokenizer.chat_template)
+            turn = ToolTurn((ToolChatMessage.model_validate(new),), None, fmt, field="")
+        new_text = new["content"] if new is not None else ""
+        texts = [m.text() for m in turn.new] if turn is not None else [new_text]
+        count = len(texts)
+        for i, text in enumerate(texts):
+            field = "content" if turn is None or not turn.field else f"{turn.field}.{i}.content"
+            check_text(field, text, self.settings.max_message_chars)
         limit = self.settings.max_messages
-        if len(record.messages) + 2 > limit:
+        if len(record.messages) + count + 1 > limit:
             raise bad_param(
-                "content",
+                "content" if turn is None or not turn.field else turn.field,
                 f"session {record.session_id} has {len(record.messages)} messages; a session "
                 f"keeps at most {limit} (max_messages): start a new session",
                 "session_full",
             )
-        history = plain(record.messages)
         exact = bool(record.token_ids) and record.kv_tokens == len(record.token_ids)
+        history_ids = None
         if exact and record.last_token is not None:
             history_ids = [*record.token_ids, record.last_token]
+        if turn is not None:
+            return self._prepare_tool_turn(spec, record, turn, history_ids)
+        assert new is not None
+        history = plain(record.messages)
+        if history_ids is not None:
             prompt = self.template.continue_ids(history_ids, history, [new])
             tail = len(prompt) - len(record.token_ids)
         else:
@@ -146,6 +168,22 @@ class TurnPreparation:
         prompt = self._fit_context(record, [*history, new], prompt, tail, spec.sampling)
         opened = self.store.open_turn(record.tenant, record.session_id, prompt)
         return PreparedTurn(record, [*history, new], prompt, opened)
+
+    def _prepare_tool_turn(
+        self,
+        spec: TurnSpec,
+        record: SessionRecord,
+        turn: ToolTurn,
+        history_ids: list[int] | None,
+    ) -> PreparedTurn:
+        parts = render_turn(turn, self.template, record.messages, history_ids)
+        prompt = self._fit_context(record, parts.messages, parts.prompt, parts.tail, spec.sampling)
+        opened = self.store.open_turn(record.tenant, record.session_id, prompt)
+        messages = [
+            *plain(record.messages),
+            *({"role": m.role, "content": m.text()} for m in turn.new),
+        ]
+        return PreparedTurn(record, messages, prompt, opened, turn.reply())
 
     def _continued(
         self, tenant: str, prompt: list[int], messages: list[Message]

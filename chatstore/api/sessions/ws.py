@@ -31,10 +31,10 @@ from pydantic import ValidationError
 from chatstore.api.common.auth import Principal, tenant_principal
 from chatstore.api.common.errors import APIError, error_body, store_error
 from chatstore.api.common.protocol import SESSION_ID_PATTERN
-from chatstore.api.common.sampling import to_sampling
 from chatstore.api.sessions.bodies import reply_body
+from chatstore.api.sessions.message import session_turn_spec, shown_deltas
 from chatstore.api.sessions.protocol import SessionMessageRequest
-from chatstore.api.sessions.service import ChatService, TurnSpec
+from chatstore.api.sessions.service import ChatService
 from chatstore.api.sessions.turn import Turn
 from chatstore.store.ports import RecordStoreError
 
@@ -107,14 +107,8 @@ class SessionSocket:
         message.pop("type", None)
         try:
             body = SessionMessageRequest.model_validate(message)
-            spec = TurnSpec(
-                tenant=self.tenant,
-                sampling=to_sampling(body, self.service.settings.default_max_tokens),
-                started=started,
-                session_id=self.sid,
-                new_message={"role": "user", "content": body.content},
-                create_missing=False,
-                api="websocket",
+            spec = await session_turn_spec(
+                body, self.service, self.tenant, self.sid, started, api="websocket"
             )
             turn = await self.service.open_turn(spec)
         except ValidationError as exc:
@@ -131,10 +125,9 @@ class SessionSocket:
     async def run(self, turn: Turn) -> None:
         try:
             await self.send({"type": "start", "id": turn.request_id})
-            async for delta in turn.deltas():
-                if delta.text:
-                    frame = {"type": "delta", "index": delta.index, "text": delta.text}
-                    await self.send({**frame, "t": round(time.time() * 1000, 3)})
+            async for delta in shown_deltas(turn):
+                frame = {"type": "delta", "index": delta.index, "text": delta.text}
+                await self.send({**frame, "t": round(time.time() * 1000, 3)})
             result = turn.result
             assert result is not None
             if result.error is not None:

@@ -4,6 +4,7 @@ that answer no call are 400s naming the field, before anything is rendered or qu
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,30 +52,37 @@ def tool_request(
     return ToolRequest(functions, mode, named, True if parallel is None else parallel)
 
 
-def check_tool_messages(messages: list[ToolChatMessage]) -> None:
-    """Every tool message answers a call an earlier assistant message made; every call's
-    arguments are a JSON object."""
-    calls: set[str] = set()
+def check_tool_messages(
+    messages: list[ToolChatMessage], field: str = "messages", calls: Iterable[str] = ()
+) -> None:
+    """Every tool message answers a call an earlier assistant message made (or one of `calls`,
+    made before these messages); every call's arguments are a JSON object. A 400 names the
+    field as `{field}.{i}.<name>` (just `<name>` when `field` is "": one message, sent flat)."""
+    made = set(calls)
     for i, m in enumerate(messages):
         for j, call in enumerate(m.tool_calls or ()):
             if m.role != "assistant":
-                raise bad_param(f"messages.{i}.tool_calls", "only assistant messages make calls")
-            field = f"messages.{i}.tool_calls.{j}.function.arguments"
+                raise bad_param(_at(field, i, "tool_calls"), "only assistant messages make calls")
+            where = _at(field, i, f"tool_calls.{j}.function.arguments")
             try:
                 arguments = json.loads(call.function.arguments)
             except ValueError:
-                raise bad_param(field, "arguments are not valid JSON") from None
+                raise bad_param(where, "arguments are not valid JSON") from None
             if not isinstance(arguments, dict):
-                raise bad_param(field, "arguments must be a JSON object")
-            calls.add(call.id)
+                raise bad_param(where, "arguments must be a JSON object")
+            made.add(call.id)
         if m.role == "tool":
             if m.tool_call_id is None:
-                raise bad_param(f"messages.{i}.tool_call_id", "a tool message needs tool_call_id")
-            if m.tool_call_id not in calls:
+                raise bad_param(_at(field, i, "tool_call_id"), "a tool message needs tool_call_id")
+            if m.tool_call_id not in made:
                 raise bad_param(
-                    f"messages.{i}.tool_call_id",
+                    _at(field, i, "tool_call_id"),
                     f"{m.tool_call_id[:64]!r} answers no tool call of an earlier message",
                 )
+
+
+def _at(field: str, index: int, name: str) -> str:
+    return f"{field}.{index}.{name}" if field else name
 
 
 def _mode(choice: ToolChoiceBody | None) -> tuple[Mode, str | None]:

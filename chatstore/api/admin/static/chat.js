@@ -9,7 +9,7 @@
 // against the moment that token is in the DOM (window.chatstoreTimings).
 
 import { Api, ApiError, KeyDialog, ago, el } from "./api.js";
-import { dominantTier, messageItem, statsLine } from "./reply_view.js";
+import { dominantTier, messageItem, messageView, statsLine, toolCallsItem } from "./reply_view.js";
 
 const TYPING_HINT_MS = 3000; // at most one prefetch hint per session in this time
 const TITLE_CHARS = 48; // a session's title: its first user message, cut to this many characters
@@ -100,7 +100,7 @@ async function startSession(firstMessage) {
   titles.set(created.id, titleOf(firstMessage));
   state.sessionId = created.id;
   $("draft").hidden = true;
-  $("messages").replaceChildren(...created.messages.map((m) => messageItem(m.role, m.content)));
+  $("messages").replaceChildren(...created.messages.map(messageView));
   run(loadSessions());
   return created.id;
 }
@@ -115,7 +115,7 @@ async function openSession(sessionId) {
   closeConversation();
   const record = await api.request("GET", `/v1/sessions/${encodeURIComponent(sessionId)}`);
   state.sessionId = sessionId;
-  $("messages").replaceChildren(...record.messages.map((m) => messageItem(m.role, m.content)));
+  $("messages").replaceChildren(...record.messages.map(messageView));
   $("draft").hidden = true;
   for (const li of $("sessions").children) {
     li.classList.toggle("active", li.dataset.id === sessionId);
@@ -223,6 +223,13 @@ function onDone(reply, frame) {
   const usage = frame.usage || {};
   const details = usage.prompt_tokens_details || {};
   const tier = dominantTier(usage.cached_tokens_by_tier);
+  const message = frame.message || {};
+  if (message.tool_calls && message.tool_calls.length) {
+    // The reply calls tools: shown as calls, not as the text that streamed (none does).
+    const calls = toolCallsItem(message);
+    reply.item.replaceWith(calls);
+    reply.item = calls;
+  }
   reply.item.append(statsLine(frame, tier));
   window.chatstoreTimings.push({
     session_id: reply.sessionId,

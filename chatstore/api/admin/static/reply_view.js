@@ -1,5 +1,7 @@
 // One message of the conversation, and the line of numbers under each reply: TTFT, decode
 // tokens/s, cached prompt tokens and the tiers that history came from (a bar split by tier).
+// A reply that calls tools shows each call as one (the function's name, its arguments as
+// name = value rows), and a tool's result is a bubble of its own, never raw JSON text.
 
 import { TIER_COLORS, el } from "./api.js";
 
@@ -11,6 +13,55 @@ export function messageItem(role, content) {
     { class: `msg ${role}` },
     el("div", { class: "role", text: role }),
     el("div", { class: "text", text: content }),
+  );
+}
+
+// A stored message as the session returns it (role, content, tool_calls, tool_call_id).
+export function messageView(m) {
+  if (m.tool_calls && m.tool_calls.length) return toolCallsItem(m);
+  if (m.role === "tool") return toolResultItem(m);
+  return messageItem(m.role, m.content);
+}
+
+export function toolCallsItem(m) {
+  const item = el("li", { class: "msg assistant calls" }, el("div", { class: "role", text: "assistant" }));
+  if (m.content) item.append(el("div", { class: "text", text: m.content }));
+  for (const call of m.tool_calls) item.append(toolCall(call));
+  return item;
+}
+
+function toolCall(call) {
+  const fn = call.function || {};
+  const args = el("dl", { class: "tool-args" });
+  let parsed = null;
+  try {
+    parsed = JSON.parse(fn.arguments || "{}");
+  } catch {
+    parsed = null; // not JSON (a client sent it so): shown as it is, below
+  }
+  if (parsed && typeof parsed === "object" && !Array.isArray(parsed)) {
+    for (const [name, value] of Object.entries(parsed)) {
+      const shown = typeof value === "string" ? value : JSON.stringify(value);
+      args.append(el("dt", { text: name }), el("dd", { text: shown }));
+    }
+  } else {
+    args.append(el("dd", { text: fn.arguments || "" }));
+  }
+  return el(
+    "div",
+    { class: "tool-call", "data-call-id": call.id || "" },
+    el("div", { class: "tool-head" }, el("span", { class: "tool-label", text: "calls" }),
+      el("span", { class: "tool-name", text: fn.name || "?" })),
+    args,
+  );
+}
+
+function toolResultItem(m) {
+  return el(
+    "li",
+    { class: "msg tool", "data-call-id": m.tool_call_id || "" },
+    el("div", { class: "role", text: "tool result" }),
+    el("div", { class: "text", text: m.content }),
   );
 }
 
