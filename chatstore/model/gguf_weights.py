@@ -71,13 +71,13 @@ class GGUFWeights:
         if type_name not in REPACKABLE:
             return GGUFPart(name, type_name, n, None)
         weight = repack(type_name, t.data, n, k)
-        if self.architecture == "llama" and kind in ("attn_q", "attn_k"):
+        if self.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
             heads = self.spec.num_heads if kind == "attn_q" else self.spec.num_kv_heads
-            weight = permute_rows(weight, _unpermute_order(n, heads))
+            weight = permute_rows(weight, unpermute_order(n, heads))
         return GGUFPart(name, type_name, n, weight)
 
 
-def _unpermute_order(rows: int, heads: int) -> torch.Tensor:
+def unpermute_order(rows: int, heads: int) -> torch.Tensor:
     """Row order turning llama.cpp's q/k layout back into HF's: transformers'
     `_reverse_permute_weights` applied to the row indices."""
     half = rows // heads // 2

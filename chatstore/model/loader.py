@@ -1,6 +1,9 @@
 """Load a Llama-family model from a local Hugging Face directory or GGUF file; errors say what
-is wrong. A GGUF (the embedded default is one) is converted once for transformers and stays the
-model's `gguf`: the source `weights = auto | int4` repacks the quantized tensors from."""
+is wrong. The weights are a source the runner reads tensor by tensor (`weights.py`): a GGUF
+(the embedded default is one) straight from the file, its shape from its metadata; a Hugging
+Face directory from its safetensors. No transformers model is built. A GGUF's tokenizer is
+converted once into a Hugging Face tokenizer directory (`default_model.py`), and the file stays
+the model's `gguf`: the source `weights = auto | int4` repacks the quantized tensors from."""
 
 from __future__ import annotations
 
@@ -8,13 +11,19 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from chatstore.model.default_model import default_model_dir, gguf_model_dir, gguf_path
 from chatstore.model.errors import ModelLoadError
+from chatstore.model.gguf_source import GGUFWeightSource
+from chatstore.model.hf_source import SafetensorsWeightSource
 from chatstore.model.spec import ModelSpec
+from chatstore.model.weights import ModelWeights
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 DEFAULT_MODEL_ALIASES = ("", "default", "smollm2", "SmolLM2-135M-Instruct")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -22,7 +31,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 @dataclass
 class LoadedModel:
-    hf_model: Any  # a transformers *ForCausalLM in eval mode
+    weights: ModelWeights  # what the runner reads each tensor from
     tokenizer: Any
     spec: ModelSpec
     path: Path
@@ -32,8 +41,8 @@ class LoadedModel:
 
 
 class ModelSource(NamedTuple):
-    path: Path  # the Hugging Face directory transformers loads
-    gguf: Path | None  # the GGUF file it was converted from
+    path: Path  # the Hugging Face directory: the model's, or a GGUF's converted tokenizer
+    gguf: Path | None  # the GGUF file the weights are read from
 
 
 def resolve_model_dir(name_or_path: str | None) -> Path:
@@ -43,7 +52,7 @@ def resolve_model_dir(name_or_path: str | None) -> Path:
 
 def resolve_model_source(name_or_path: str | None) -> ModelSource:
     if name_or_path is None or name_or_path in DEFAULT_MODEL_ALIASES:
-        return ModelSource(default_model_dir(), _default_gguf())
+        return ModelSource(default_model_dir(), gguf_path())
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
@@ -58,15 +67,7 @@ def resolve_model_source(name_or_path: str | None) -> ModelSource:
     return ModelSource(path, None)
 
 
-def _default_gguf() -> Path | None:
-    """The embedded GGUF, or None where only its converted copy is left (the package gone)."""
-    try:
-        return gguf_path()
-    except ModelLoadError:
-        return None
-
-
-def read_spec(path: Path) -> ModelSpec:
+def read_config(path: Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     try:
@@ -77,7 +78,8 @@ def read_spec(path: Path) -> ModelSpec:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot read the config in {path}: {exc}") from exc
-    return ModelSpec.from_hf_config(config)
+    ModelSpec.from_hf_config(config)  # an unsupported architecture is refused here
+    return config
 
 
 def load_model(
@@ -86,28 +88,33 @@ def load_model(
     device: str | torch.device = "cpu",
 ) -> LoadedModel:
     path, gguf = resolve_model_source(name_or_path)
-    spec = read_spec(path)
-    weight_files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-    if not weight_files:
-        raise ModelLoadError(f"{path} has no weight files (*.safetensors or *.bin)")
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise ModelLoadError(
-            f"{path} has no tokenizer (expected one of: {', '.join(TOKENIZER_FILES)})"
-        )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    weights: GGUFWeightSource | SafetensorsWeightSource
+    if gguf is not None:
+        weights = GGUFWeightSource(gguf, dtype, device)
+        weight_files = [gguf]
+    else:
+        config = read_config(path)
+        weight_files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+        if not weight_files:
+            raise ModelLoadError(f"{path} has no weight files (*.safetensors or *.bin)")
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ModelLoadError(
+                f"{path} has no tokenizer (expected one of: {', '.join(TOKENIZER_FILES)})"
+            )
+        weights = SafetensorsWeightSource(weight_files, config, dtype, device)
+    tokenizer = load_tokenizer(path)
+    digest = _weights_digest(weight_files)
+    fingerprint = weights.spec.fingerprint(digest, str(dtype).removeprefix("torch."))
+    return LoadedModel(weights, tokenizer, weights.spec, path, dtype, fingerprint, gguf)
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load the weights in {path}: {exc}") from exc
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
-    model.eval().to(device)
-    digest = _weights_digest(weight_files)
-    fingerprint = spec.fingerprint(digest, str(dtype).removeprefix("torch."))
-    return LoadedModel(model, tokenizer, spec, path, dtype, fingerprint, gguf)
 
 
 def _weights_digest(files: list[Path]) -> str:

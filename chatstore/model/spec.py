@@ -68,7 +68,7 @@ class ModelSpec:
                 f"unsupported architecture {arch or model_type!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        rope = _rope_parameters(config)
+        rope = rope_parameters(config)
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         eos = config.eos_token_id
@@ -109,7 +109,7 @@ def _arch_from_model_type(model_type: str) -> str:
     }.get(model_type, "")
 
 
-def _rope_parameters(config: Any) -> dict[str, Any]:
+def rope_parameters(config: Any) -> dict[str, Any]:
     """RoPE settings: `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling` (4.x)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     if "rope_theta" not in params and getattr(config, "rope_theta", None) is not None:

@@ -53,7 +53,7 @@ def _served_dtypes(server) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     engine = server.app.state.service.engine.engine
     runtime = engine.runtime
     store = server.app.state.service.store.kv
-    weights = next(runtime.model.hf_model.parameters()).dtype
+    weights = runtime.runner.embed.dtype
     return weights, runtime.kv_cache.dtype, store.settings.storage_dtype
 
 

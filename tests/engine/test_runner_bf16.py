@@ -1,5 +1,6 @@
 """bf16, the default dtype where the CPU computes it natively: our runner against transformers
-run in bf16 on the same weights (logits within a stated tolerance, the same greedy tokens)."""
+run in bf16 on the same weights (logits within a stated tolerance, the same greedy tokens). Ours
+reads the GGUF directly in bf16; transformers' is its fp32 dequantisation cast to bf16."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from chatstore.engine.kv_cache import PagedKVCache, bytes_per_block
 from chatstore.engine.runner import ModelRunner
 from chatstore.engine.vattention import create_virtual_kv
 from tests.engine.test_runner_exact import PROMPTS
+from tests.support.reference import default_hf_model
 from tests.support.tiny_models import chat_ids
 
 # bf16 keeps 8 bits of mantissa: one rounding of a logit near 20 moves it by 0.06. Our fused ops
@@ -37,9 +39,9 @@ def _runner(model, num_blocks: int = 64, layout: str = "paged"):
     if layout == "vattention":
         budget = num_blocks * bytes_per_block(model.spec, 16, torch.bfloat16)
         vkv, slots = create_virtual_kv(model.spec, 4, budget, 16, torch.bfloat16)
-        return ModelRunner(model.hf_model, model.spec, vkv), slots
+        return ModelRunner(model.weights, model.spec, vkv), slots
     kv = PagedKVCache(model.spec, num_blocks, 16, dtype=torch.bfloat16)
-    return ModelRunner(model.hf_model, model.spec, kv), BlockPool(num_blocks)
+    return ModelRunner(model.weights, model.spec, kv), BlockPool(num_blocks)
 
 
 def _logits(hf_model, ids: list[int]) -> torch.Tensor:
@@ -57,8 +59,8 @@ def test_bf16_logits_as_close_to_fp32_as_transformers_bf16(
     ids = chat_ids(bf16_model.tokenizer, messages)
     batch = ForwardBatch.build([SequenceChunk(ids, 0, pool.allocate(4))], 16, all_logits=True)
     ours = runner.forward(batch)
-    ref_bf16 = _logits(bf16_model.hf_model, ids)
-    ref_fp32 = _logits(default_model.hf_model, ids)
+    ref_bf16 = _logits(default_hf_model(torch.bfloat16), ids)
+    ref_fp32 = _logits(default_hf_model(), ids)
     ours_err = (ours - ref_fp32).abs().max().item()
     hf_err = (ref_bf16 - ref_fp32).abs().max().item()
     print(
@@ -81,7 +83,7 @@ def test_bf16_greedy_tokens_match_transformers_bf16_generate(
 ) -> None:
     """32 greedy tokens equal transformers-bf16 `generate`'s, or the first token where they
     differ is a near-tie under fp32 logits (bf16 rounding decided it, not a wrong forward)."""
-    tok, hf = bf16_model.tokenizer, bf16_model.hf_model
+    tok, hf = bf16_model.tokenizer, default_hf_model(torch.bfloat16)
     ids = chat_ids(tok, [{"role": "user", "content": prompt}])
     with torch.no_grad():
         ref = hf.generate(
@@ -98,7 +100,7 @@ def test_bf16_greedy_tokens_match_transformers_bf16_generate(
     if ours == ref:
         return
     i = next(j for j, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b)
-    logprobs = torch.log_softmax(_logits(default_model.hf_model, ids + ref[:i])[-1], -1)
+    logprobs = torch.log_softmax(_logits(default_hf_model(), ids + ref[:i])[-1], -1)
     gap = abs(logprobs[ours[i]] - logprobs[ref[i]]).item()
     print(f"bf16 greedy: first divergence at token {i}; fp32 log-prob gap {gap:.3f} nats")
     assert gap <= NEAR_TIE_NATS

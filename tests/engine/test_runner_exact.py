@@ -12,6 +12,8 @@ from chatstore.engine.kv_cache import PagedKVCache, bytes_per_block
 from chatstore.engine.runner import ModelRunner
 from chatstore.engine.vattention import create_virtual_kv
 from chatstore.model.spec import ModelSpec
+from chatstore.model.weights import as_weights
+from tests.support.reference import default_hf_model
 from tests.support.tiny_models import TINY_ARCHS, chat_ids, tiny_hf_model
 
 TOL = 1e-4
@@ -23,20 +25,21 @@ FAST_TOL_REAL_MODEL = 3e-4
 
 
 def make_runner(
-    hf_model,
+    weights,
     num_blocks: int = 64,
     block_size: int = 16,
     attention: str = "auto",
     layout: str = "paged",
 ):
-    """layout "vattention": 4 slots of contiguous KV over a budget of num_blocks blocks."""
-    spec = ModelSpec.from_hf_config(hf_model.config)
+    """`weights`: a transformers model or a weight source (the default model's: its GGUF read
+    directly). layout "vattention": 4 slots of contiguous KV over a budget of num_blocks blocks."""
+    spec = as_weights(weights).spec
     if layout == "vattention":
         budget = num_blocks * bytes_per_block(spec, block_size, torch.float32)
         vkv, slots = create_virtual_kv(spec, 4, budget, block_size, torch.float32)
-        return ModelRunner(hf_model, spec, vkv, attention), slots
+        return ModelRunner(weights, spec, vkv, attention), slots
     kv = PagedKVCache(spec, num_blocks, block_size, dtype=torch.float32)
-    return ModelRunner(hf_model, spec, kv, attention), BlockPool(num_blocks)
+    return ModelRunner(weights, spec, kv, attention), BlockPool(num_blocks)
 
 
 def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
@@ -132,13 +135,15 @@ def test_shuffled_block_ids_do_not_matter() -> None:
 def test_default_model_logits_match_transformers(
     default_model, attention: str, tol: float, layout: str
 ) -> None:
+    """The runner over the GGUF read directly against transformers' forward of the same file
+    (transformers dequantises it into an fp32 model: the path the server used to take)."""
     runner, pool = make_runner(
-        default_model.hf_model, num_blocks=64, attention=attention, layout=layout
+        default_model.weights, num_blocks=64, attention=attention, layout=layout
     )
     messages = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
     ids = chat_ids(default_model.tokenizer, messages)
     ours = full_logits(runner, pool, ids)
-    assert (ours - hf_logits(default_model.hf_model, ids)).abs().max().item() <= tol
+    assert (ours - hf_logits(default_hf_model(), ids)).abs().max().item() <= tol
 
 
 @pytest.mark.model
@@ -146,11 +151,11 @@ def test_default_model_fast_path_is_as_close_to_float64_as_transformers(default_
     """The fast path's distance from the exact (float64) answer is rounding, like transformers'."""
     import copy
 
-    runner, pool = make_runner(default_model.hf_model, num_blocks=64)
+    runner, pool = make_runner(default_model.weights, num_blocks=64)
     ids = chat_ids(default_model.tokenizer, [{"role": "user", "content": "Name three rivers."}])
     ours = full_logits(runner, pool, ids).double()
-    ref32 = hf_logits(default_model.hf_model, ids).double()
-    exact = copy.deepcopy(default_model.hf_model).double()
+    ref32 = hf_logits(default_hf_model(), ids).double()
+    exact = copy.deepcopy(default_hf_model()).double()
     with torch.no_grad():
         ref64 = exact(torch.tensor([ids])).logits[0]
     hf_error = (ref32 - ref64).abs().max().item()
@@ -174,7 +179,7 @@ PROMPTS = [
 def test_default_model_greedy_64_tokens_match_generate(
     default_model, prompt: str, layout: str
 ) -> None:
-    tok, hf = default_model.tokenizer, default_model.hf_model
+    tok, hf = default_model.tokenizer, default_hf_model()
     ids = chat_ids(tok, [{"role": "user", "content": prompt}])
     with torch.no_grad():
         ref = hf.generate(
@@ -184,7 +189,7 @@ def test_default_model_greedy_64_tokens_match_generate(
             do_sample=False,
             pad_token_id=tok.eos_token_id,
         )[0, len(ids) :].tolist()
-    runner, pool = make_runner(hf, num_blocks=16, layout=layout)
+    runner, pool = make_runner(default_model.weights, num_blocks=16, layout=layout)
     options = GenerateOptions(max_new_tokens=64, stop_token_ids=(tok.eos_token_id,))
     ours = list(generate(runner, pool, ids, options))
     assert len(ref) == 64

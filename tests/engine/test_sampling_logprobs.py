@@ -22,6 +22,7 @@ from chatstore.engine.request import (
 from chatstore.engine.runtime import create_runtime
 from chatstore.engine.sample_state import SampleState
 from chatstore.engine.sampling import sample_batch
+from tests.support.reference import default_hf_model
 from tests.support.tiny_models import chat_ids
 
 V = 8
@@ -124,7 +125,7 @@ def test_greedy_logprobs_equal_transformers_log_softmax(default_model) -> None:
     entries = [e for o in outs for d in o.samples for e in d.logprobs or []]
     assert [e.token_id for e in entries] == generated and len(generated) >= 2
     with torch.inference_mode():
-        logits = default_model.hf_model(torch.tensor([ids + generated])).logits[0].float()
+        logits = default_hf_model()(torch.tensor([ids + generated])).logits[0].float()
     ref = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)  # [G, V]: row g predicts token g
     for g, entry in enumerate(entries):
         assert entry.token_id == int(ref[g].argmax())

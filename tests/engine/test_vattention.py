@@ -221,7 +221,7 @@ def test_prefix_cache_is_off_and_the_slot_budget_admits_by_slots() -> None:
     spec = runtime.model.spec
     kv, pool = make(spec, 2, 64 * bytes_per_block(spec, 4, torch.float32), 4, torch.float32)
     runtime.kv_cache, runtime.pool = kv, pool
-    runtime.runner = ModelRunner(runtime.model.hf_model, spec, kv)
+    runtime.runner = ModelRunner(runtime.model.weights, spec, kv)
     engine = LLMEngine(runtime, EngineConfig())
     system = prompt(7, 16)
     for name in "abc":

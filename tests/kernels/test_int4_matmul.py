@@ -157,10 +157,10 @@ def test_embedded_model_on_the_native_kernel_stays_within_bf16_noise(default_mod
 
     gguf = GGUFWeights(default_model.gguf, default_model.spec)
     quant = Projections("gguf", torch.float32, True, gguf, dense_from=ALWAYS_QUANT, int4="native")
-    ours = runner_with(default_model.hf_model, quant)
+    ours = runner_with(default_model.weights, quant)
     assert "int4 kernel: native x121" in quant.describe()
-    dense = runner_with(default_model.hf_model, None)
-    edges = runner_with(default_model.hf_model, lambda r, i, w, b: DequantisedMatmul(w, b))
+    dense = runner_with(default_model.weights, None)
+    edges = runner_with(default_model.weights, lambda r, i, w, b: DequantisedMatmul(w, b))
     ids = default_model.tokenizer.encode("The capital of France is")
     expected = full_logits(*dense, ids)
     bf16_noise = (full_logits(*edges, ids) - expected).abs().max().item()

@@ -12,6 +12,7 @@ from chatstore.engine.async_engine import AsyncEngine
 from chatstore.engine.engine_config import EngineConfig
 from chatstore.engine.request import Request, RequestOutput, SamplingParams
 from chatstore.engine.runtime import create_runtime
+from tests.support.reference import default_hf_model
 from tests.support.tiny_models import chat_ids
 
 pytestmark = pytest.mark.model
@@ -54,9 +55,11 @@ def test_greedy_tokens_and_text_match_transformers(default_model) -> None:
     ids = chat_ids(tok, [{"role": "user", "content": "What is the capital of France?"}])
     outs = run(EngineConfig(), default_model, [Request("q", ids, greedy(12))])["q"]
     with torch.inference_mode():
-        ref = default_model.hf_model.generate(
-            torch.tensor([ids]), max_new_tokens=12, do_sample=False
-        )[0, len(ids) :].tolist()
+        ref = (
+            default_hf_model()
+            .generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :]
+            .tolist()
+        )
     eos = set(default_model.spec.eos_token_ids)
     assert tokens(outs) == ref[: len(tokens(outs))]
     assert text(outs) == tok.decode([t for t in tokens(outs) if t not in eos])

@@ -23,11 +23,13 @@ def save_tiny(tmp_path: Path, arch: str = "llama") -> Path:
     return path
 
 
-def test_default_model_is_cached_as_safetensors(default_model) -> None:
+def test_default_model_cache_holds_the_tokenizer_only(default_model) -> None:
+    """The GGUF's tokenizer is converted once; its weights are read from the file at each load
+    (no fp32 copy of the model on disk), the shape from the file's metadata."""
     path = default_model_dir()
-    assert (path / "model.safetensors").is_file()
-    assert (path / "config.json").is_file() and (path / ".complete").is_file()
-    assert "quantization_config" not in json.loads((path / "config.json").read_text())
+    assert (path / "tokenizer.json").is_file() and (path / ".complete").is_file()
+    assert not list(path.glob("*.safetensors")) and not (path / "config.json").exists()
+    assert default_model.path == path and default_model.gguf is not None
     spec = default_model.spec
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (30, 9, 3, 64)
     assert spec.rope_theta == 100000.0 and spec.eos_token_ids == (2,)

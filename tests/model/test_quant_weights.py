@@ -28,8 +28,9 @@ from chatstore.model.quant_weights import (
     quantize_int4,
     quantize_int8,
 )
-from chatstore.model.spec import ModelSpec
+from chatstore.model.weights import as_weights
 from tests.engine.test_runner_exact import full_logits
+from tests.support.reference import default_hf_model
 from tests.support.tiny_models import TINY_ARCHS, tiny_hf_model
 
 ALWAYS_QUANT = dict.fromkeys(DENSE_FROM, NEVER)  # the quantized kernel at every token count
@@ -147,7 +148,8 @@ def test_embedded_gguf_repacks_into_the_loaded_layout(default_model, embedded_gg
     """Fused q/k/v rows in transformers' order (llama.cpp permuted q and k) and the Q8_0
     lm_head: the GGUF's codes give back the weights transformers dequantised."""
     gguf = embedded_gguf
-    attn = default_model.hf_model.model.layers[4].self_attn
+    hf = default_hf_model()
+    attn = hf.model.layers[4].self_attn
     parts = gguf.parts("qkv", 4)
     assert [p.type_name for p in parts] == ["Q4_1"] * 3
     qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
@@ -157,7 +159,7 @@ def test_embedded_gguf_repacks_into_the_loaded_layout(default_model, embedded_gg
     assert head.type_name == "Q8_0" and head.weight.input_repeat == 2  # type: ignore[union-attr]
     torch.testing.assert_close(
         head.weight.dequantize(),  # type: ignore[union-attr]
-        default_model.hf_model.lm_head.weight.detach(),
+        hf.lm_head.weight.detach(),
         rtol=0,
         atol=1e-6,
     )
@@ -170,10 +172,11 @@ def dequantised_projections(fmt: str):
     return lambda role, layer, weight, bias: DequantisedMatmul(rounded(quantizer(weight)), bias)
 
 
-def runner_with(hf, projections) -> tuple[ModelRunner, BlockPool]:
-    spec = ModelSpec.from_hf_config(hf.config)
+def runner_with(weights, projections) -> tuple[ModelRunner, BlockPool]:
+    """A runner over `weights` (a transformers model or a weight source) in fp32."""
+    spec = as_weights(weights).spec
     kv = PagedKVCache(spec, 64, 16, dtype=torch.float32)
-    return ModelRunner(hf, spec, kv, "auto", projections), BlockPool(64)
+    return ModelRunner(weights, spec, kv, "auto", projections), BlockPool(64)
 
 
 def greedy(runner, pool, ids: list[int], n: int) -> list[int]:
@@ -214,8 +217,9 @@ def test_embedded_model_int4_from_gguf_agrees_with_its_dequantised_weights(
     default_model, embedded_gguf
 ):
     """The GGUF's own codes (Q4_1 layers, Q8_0 lm_head) in the int4 kernel against the fp32
-    runner over transformers' dequantised copy of the same GGUF. Both kernels round a
-    projection's input and output to bf16, so the bound is the noise of exactly that rounding:
+    runner over the same GGUF dequantised (its tensors read directly, `gguf_source.py`). Both
+    kernels round a projection's input and output to bf16, so the bound is the noise of exactly
+    that rounding:
     float matmuls of the same weights at the same bf16 edges (`DequantisedMatmul`) land this
     far from fp32 (measured 0.48 on logits up to ~30; the int4 runner 0.73: the kernel also
     rounds its dequantised weight to bf16). A short prompt, as fp32 compute runs the 4-bit path
@@ -223,12 +227,12 @@ def test_embedded_model_int4_from_gguf_agrees_with_its_dequantised_weights(
     quant = Projections(
         "gguf", torch.float32, True, embedded_gguf, dense_from=ALWAYS_QUANT, int4="torch"
     )
-    ours = runner_with(default_model.hf_model, quant)
+    ours = runner_with(default_model.weights, quant)
     expected_kinds = {f"{role}: int4 from GGUF Q4_1" for role in ("qkv", "o_proj", "gate_up")}
     expected_kinds |= {"down: int4 from GGUF Q4_1", "lm_head: int4 from GGUF Q8_0"}
     assert set(quant.built) == expected_kinds
-    edges = runner_with(default_model.hf_model, lambda r, i, w, b: DequantisedMatmul(w, b))
-    dense = runner_with(default_model.hf_model, None)
+    edges = runner_with(default_model.weights, lambda r, i, w, b: DequantisedMatmul(w, b))
+    dense = runner_with(default_model.weights, None)
     ids = default_model.tokenizer.encode("The capital of France is")
     expected = full_logits(*dense, ids)
     bf16_noise = (full_logits(*edges, ids) - expected).abs().max().item()
@@ -283,17 +287,16 @@ def test_int8_keeps_a_gguf_q8_0_tensor_as_it_is(default_model, embedded_gguf) ->
     """weights = int8 quantizes the Q4_1 layers per channel but serves the Q8_0 head exactly
     (one scale per 32 codes, which per-channel int8 would re-quantize)."""
     make = Projections("int8", torch.float32, False, embedded_gguf)
-    head = make("lm_head", None, default_model.hf_model.lm_head.weight.detach(), None)
-    layer = default_model.hf_model.model.layers[0]
-    down = make("down", 0, layer.mlp.down_proj.weight.detach(), None)
+    head = make("lm_head", None, default_model.weights.lm_head(), None)
+    down = make("down", 0, default_model.weights.layer(0).down, None)
     assert isinstance(head, Int4Linear) and isinstance(down, Int8Linear)
     assert set(make.built) == {"lm_head: Q8_0 from GGUF on 2 x int4", "down: int8"}
 
 
 def test_a_local_gguf_file_loads_with_its_tokenizer_and_template(default_model) -> None:
-    """`--model path/to/file.gguf`: converted once (cached under the chatstore home), the file
-    kept as the source of its quantized tensors; the embedded GGUF named by path is the default
-    model again."""
+    """`--model path/to/file.gguf`: its tokenizer converted once (cached under the chatstore
+    home), its weights read from the file; the embedded GGUF named by path is the default model
+    again."""
     from chatstore.model import load_model
     from chatstore.model.default_model import gguf_path
 
@@ -302,5 +305,4 @@ def test_a_local_gguf_file_loads_with_its_tokenizer_and_template(default_model) 
     assert loaded.tokenizer.chat_template == default_model.tokenizer.chat_template
     ids = loaded.tokenizer.encode("The capital of France is")
     assert ids == default_model.tokenizer.encode("The capital of France is")
-    hf, ref = loaded.hf_model.lm_head.weight, default_model.hf_model.lm_head.weight
-    assert torch.equal(hf.detach(), ref.detach())
+    assert torch.equal(loaded.weights.lm_head(), default_model.weights.lm_head())

@@ -16,6 +16,7 @@ from chatstore.engine.runtime import Runtime
 from chatstore.engine.vattention import create_virtual_kv
 from chatstore.model import LoadedModel
 from chatstore.model.spec import ModelSpec
+from chatstore.model.weights import as_weights
 from tests.support.tiny_models import tiny_hf_model
 
 _MODELS: dict[str, object] = {}
@@ -35,7 +36,7 @@ def tiny_runtime(
         _MODELS[arch, dtype] = tiny_hf_model(arch).to(dtype)
     hf = _MODELS[arch, dtype]
     spec = ModelSpec.from_hf_config(hf.config)
-    model = LoadedModel(hf, tokenizer, spec, Path("."), dtype, f"tiny-{arch}-{dtype}")
+    model = LoadedModel(as_weights(hf), tokenizer, spec, Path("."), dtype, f"tiny-{arch}-{dtype}")
     if layout == "vattention":
         budget = num_blocks * bytes_per_block(spec, block_size, dtype)
         vkv, slots = create_virtual_kv(spec, 32, budget, block_size, dtype)

@@ -43,7 +43,7 @@ class MiniEngine:
         self.model = model
         self.cache = PagedKVCache(model.spec, 96, BLOCK, model.dtype)
         self.pool = BlockPool(96)
-        self.runner = ModelRunner(model.hf_model, model.spec, self.cache)
+        self.runner = ModelRunner(model.weights, model.spec, self.cache)
         self.connector = connector
         self._n = 0
 
