@@ -19,6 +19,7 @@ import os
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 from chatstore.server.launcher import local_server
 
@@ -170,6 +171,30 @@ def test_streamed_tool_call_comes_whole_in_the_done_event(http):
     call = only_call(events[0])
     stored = http.get(f"/v1/sessions/{sid}").json()["messages"][-1]
     assert stored["tool_calls"] == [call]
+
+
+def test_a_websocket_turn_takes_tools_and_results(http, server):
+    """The WebSocket's message frame takes the same fields: a call comes whole in `done` (no
+    text deltas), its result goes back as a tool frame, and the step continues the stored KV."""
+    sid = new_session(http)
+    url = f"{server.ws_url}/v1/sessions/{sid}/ws"
+    with connect(url, proxy=None, open_timeout=30) as ws:
+        assert json.loads(ws.recv(timeout=60))["type"] == "ready"
+        ask = {"type": "message", "content": "Weather in Lima?", **TOOLS, **GREEDY}
+        ws.send(json.dumps(ask))
+        frames = [json.loads(ws.recv(timeout=120)) for _ in range(2)]
+        assert [f["type"] for f in frames] == ["start", "done"]
+        call, first = only_call(frames[1]), frames[1]["usage"]
+        result = {"type": "message", "role": "tool", "tool_call_id": call["id"], "content": "9 C"}
+        ws.send(json.dumps({**result, **TOOLS, **GREEDY}))
+        frames = [json.loads(ws.recv(timeout=120)) for _ in range(2)]
+        assert [f["type"] for f in frames] == ["start", "done"], frames
+    cached = frames[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == first["prompt_tokens"] + first["completion_tokens"] - 1
+    messages = http.get(f"/v1/sessions/{sid}").json()["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert messages[2]["tool_calls"] == [call]
+    assert messages[3] == {"role": "tool", "content": "9 C", "tool_call_id": call["id"]}
 
 
 @pytest.mark.parametrize(
