@@ -243,7 +243,7 @@ def populate(args: argparse.Namespace) -> dict:
         if i < pool:  # a pool chunk's first owner stores it through the store's turn save
             api.create(SessionRecord(TENANT, sid, messages=messages_of(i)))
             plan = kv.plan_turn(TENANT, ids, None, 0)
-            kv.save_turn(TENANT, sid, plan, builder(plan), len(ids) * kv.bytes_per_token)
+            kv.save_plan(TENANT, sid, plan, builder(plan), len(ids) * kv.bytes_per_token)
             chains.append([c.digest for c in plan.chain])
             if i % 16 == 15:
                 kv.flush_writes(120)
@@ -375,7 +375,7 @@ def evicting(args: argparse.Namespace) -> dict:
             return {key: SessionKV(plan.token_ids[a:b], rows[:, :, : b - a])
                     for _, key, a, b in plan.new_spans()}  # fmt: skip
 
-        kv.save_turn(TENANT, f"evicting{t:05d}", plan, build, len(ids) * kv.bytes_per_token)
+        kv.save_plan(TENANT, f"evicting{t:05d}", plan, build, len(ids) * kv.bytes_per_token)
         kv.flush_writes(120)  # its commit: the new chunk into DRAM, a DRAM victim out
         kv.flush_persist(120)  # its write-back: into LMDB, an SSD victim out
         if t >= warmup:

@@ -60,11 +60,6 @@ class KVConnector(ABC):
         """Write KV for prompt tokens [start, start + num_tokens) into the pool via block_table,
         with RoPE applied at those positions. Must finish (or raise) before the prefill runs."""
 
-    def cached_tiers(self, request: Request, start: int, num_tokens: int) -> dict[str, int]:
-        """Of the prompt tokens [start, start + num_tokens) the store supplies, how many come
-        from each of its tiers ("dram", "ssd", "remote"); {} when it does not say."""
-        return {}
-
     def start_load(
         self, request: Request, start: int, num_tokens: int, block_table: list[int]
     ) -> None:

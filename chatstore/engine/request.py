@@ -142,8 +142,9 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose KV was reused, not computed
     completion_tokens: int
-    # cached_tokens split by where that KV was when the turn opened: "device" (the engine's
-    # prefix cache), "dram", "ssd", "remote"; tiers absent count zero
+    # cached_tokens split by where that KV was: "device" (the engine's prefix cache) and
+    # "store" (the connector's); the API splits "store" into the tiers the turn found its chunks
+    # in ("dram", "ssd", "remote") from the turn's handle. Absent: zero
     cached_by_tier: dict[str, int] = field(default_factory=dict)
 
 

@@ -211,24 +211,19 @@ class Scheduler:
         if not seq.group.admitted:
             seq.group.admitted = True
             seq.group.cached_tokens = computed
-            seq.group.cached_by_tier = self._cached_by_tier(seq, hit_tokens, external)
+            seq.group.cached_by_tier = self._cached_by_tier(hit_tokens, external)
         self.add_running(seq)
         if n > 0:
             self._put(seq, n)
         return True
 
-    def _cached_by_tier(self, seq: Sequence, hit_tokens: int, external: int) -> dict[str, int]:
+    @staticmethod
+    def _cached_by_tier(hit_tokens: int, external: int) -> dict[str, int]:
         """The reused prompt tokens by where their KV was: the device prefix cache, then the
-        store's tiers as the connector reports them."""
+        connector's store (which of its tiers, the API reads from the turn's handle)."""
         split = {"device": hit_tokens} if hit_tokens else {}
-        if external and self.connector is not None:
-            try:
-                tiers = self.connector.cached_tiers(seq.request, hit_tokens, external)
-            except Exception:
-                log.exception("connector.cached_tiers failed; cached tokens left unsplit")
-                tiers = {}
-            for tier, n in tiers.items():
-                split[tier] = split.get(tier, 0) + n
+        if external:
+            split["store"] = external
         return split
 
     def _external_tokens(self, seq: Sequence, hit_tokens: int) -> int:

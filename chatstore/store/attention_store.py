@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,7 @@ from chatstore.model.spec import ModelSpec
 from chatstore.store.chunks.plan import new_chunks_of, plan_chain
 from chatstore.store.commit.turn_commit import CommitListener
 from chatstore.store.events import StoreStats
-from chatstore.store.port_values import Listener, tokens_by_tier
+from chatstore.store.port_values import HistoryRead, Listener, TurnPreparer, tokens_by_tier
 from chatstore.store.ports import (
     ChunkBuilder,
     ChunkCatalog,
@@ -151,10 +150,6 @@ class AttentionStore:
         (the handle's TurnChain) with its messages, the commit does not."""
         return self.opening.open(self.key(tenant, session_id), prompt_ids, records_turn)
 
-    def complete_load(self, opened: OpenedTurn | None) -> None:
-        if opened is not None:
-            opened.unpin()
-
     def end_turn(self, opened: OpenedTurn | None) -> None:
         if opened is None:
             return
@@ -163,12 +158,21 @@ class AttentionStore:
         if given_up is not None:
             self.committer.record_given_up(opened.key, given_up)
 
-    def stored_below(self, chunk: ChunkKey) -> bool:
-        where = self.opening.chunk_tier(chunk)
-        return any(t.name == where for t in self.tiers.slow)
-
-    def foreground_reads(self) -> AbstractContextManager[None]:
-        return self.reader.foreground()  # host memory only: no SSD, no Redis read
+    def load_history(
+        self, stored: StoredSession, start: int, end: int, opened: OpenedTurn | None
+    ) -> HistoryRead:
+        """ports.KVSource.load_history."""
+        with self.reader.foreground():  # host memory only: no SSD, no Redis read
+            got = stored.read_span(
+                lambda keys, rows: self.reader.read(keys, True, rows), start, end
+            )
+        if opened is not None:
+            opened.unpin()  # read: the parts own their rows now
+        if got.reached < end and len(self.tiers.tiers) > 1:
+            where = self.opening.chunk_tier(stored.chunks[got.reached // stored.chunk_tokens])
+            if any(t.name == where for t in self.tiers.slow):  # below host memory: bring it up
+                self.prefetcher.hint(stored.key)
+        return got
 
     def set_retention(self, tenant: str, session_id: str, retention: Retention) -> None:
         self.retainer.set(self.key(tenant, session_id), retention)
@@ -218,11 +222,6 @@ class AttentionStore:
         self.restore.ensure(key)  # not restored yet: read from its record now
         return self.session_placement.session_tier(key)
 
-    def saved_tokens(self, tenant: str, session_id: str) -> list[int]:
-        self.wait_saved(tenant, session_id)
-        record = self.records.get(self.key(tenant, session_id))
-        return list(record.token_ids) if record else []
-
     def plan_turn(
         self, tenant: str, token_ids: list[int], stored: StoredSession | None, reusable: int
     ) -> TurnPlan:
@@ -233,12 +232,30 @@ class AttentionStore:
         self,
         tenant: str,
         session_id: str,
+        token_ids: list[int],
+        stored: StoredSession | None,
+        reusable: int,
+        prepare: TurnPreparer,
+        opened_at: float | None = None,
+        opened: OpenedTurn | None = None,
+    ) -> None:
+        """ports.KVSource.save_turn."""
+        plan = self.plan_turn(tenant, token_ids, stored, reusable)
+        build, nbytes = prepare(plan)
+        self.save_plan(tenant, session_id, plan, build, nbytes, opened_at, opened)
+
+    def save_plan(
+        self,
+        tenant: str,
+        session_id: str,
         plan: TurnPlan,
         build: ChunkBuilder,
         nbytes: int,
         opened_at: float | None = None,
         opened: OpenedTurn | None = None,
     ) -> None:
+        """save_turn of a plan made already (plan_turn): tests and benchmarks that build
+        their chunks from the plan themselves."""
         chain = SessionChain(list(plan.token_ids), list(plan.chain))
         key, background = self.key(tenant, session_id), self.settings.async_save
         if opened is not None:

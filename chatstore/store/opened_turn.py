@@ -4,7 +4,8 @@
                         (what only SSD or Redis held is up in host memory and pinned there;
                         each chunk's tier as the turn found it; a borrowed prompt prefix)
     engine thread       Request(store_turn=opened): the connector's prepare_load reads the
-                        stored history through it, complete_load unpins it once read;
+                        stored history through it (and notes it: `served`, which the reply's
+                        cached tokens are split by), load_history unpins it once read;
                         save_turn completes its TurnChain when the commit has indexed the chain
     API worker thread   append_turn(record, ..., turn=opened) takes the chain and writes it
                         with the turn's messages: one record write per turn
@@ -25,6 +26,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from chatstore.store.port_values import StoredSession
 from chatstore.store.records.record import ChainRecord
 from chatstore.store.session_kv import ChunkKey, SessionKey
 
@@ -113,6 +115,9 @@ class OpenedTurn:
     chain: TurnChain | None = None
     opened_at: float = field(default_factory=time.monotonic)
     from_remote: int = 0  # chunks the opening brought up from the remote tier (Redis)
+    # The history the engine's admission was served (prepare_load, engine thread, before the
+    # request's first output): what the reply's cached tokens are split by.
+    served: StoredSession | None = None
     _unpin: Callable[[list[ChunkKey]], None] | None = field(default=None, repr=False)
     _finalizer: weakref.finalize[[list[ChunkKey]], OpenedTurn] | None = field(
         default=None, repr=False
@@ -140,6 +145,11 @@ class OpenedTurn:
             self._finalizer = None
         if unpin is not None:
             unpin(self.pinned)  # empties the list
+
+    def tokens_by_origin(self, start: int, end: int) -> dict[str, int]:
+        """The served history's tokens [start, end) by the tier their chunk was in when the turn
+        opened; {} when the engine served none."""
+        return {} if self.served is None else self.served.tokens_by_origin(start, end)
 
     def nothing_saved(self) -> None:
         """The engine ended the turn without a save (no tokens, an error): the append waits for

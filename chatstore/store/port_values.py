@@ -38,6 +38,35 @@ class StoredSession:
         """Tokens [start, end) counted by the tier their chunk was in when the turn opened."""
         return tokens_by_tier(self.chunks, self.chunk_tokens, start, end, self.origins.get)
 
+    def read_span(self, read: ReadRows, start: int, end: int) -> HistoryRead:
+        """The rows of positions [start, end) from the chunks that hold them, one `read` for
+        all of them, up to the first chunk that is gone:
+
+            chunks   [ c0 | c1 | c2 | c3 ]          C tokens each; [start, end) = [1.5 C, 3.2 C)
+            read          c1[.5C:] c2 c3[:.2C]      parts: (value, first position)
+        """
+        C = self.chunk_tokens
+        first, last = start // C, -(-end // C)
+        spans = [(max(start - i * C, 0), min(end - i * C, C)) for i in range(first, last)]
+        parts: list[tuple[SessionKV, int]] = []
+        for i, value in enumerate(read(self.chunks[first:last], spans)):
+            if value is None:
+                return HistoryRead(parts, (first + i) * C)
+            parts.append((value, (first + i) * C + spans[i][0]))
+        return HistoryRead(parts, end)
+
+
+# Reads the given rows [a, b) of each chunk (None: the chunk is gone).
+ReadRows = Callable[[list[ChunkKey], list[tuple[int, int]]], Sequence[SessionKV | None]]
+
+
+class HistoryRead(NamedTuple):
+    """A stored history's rows read: (value, its first position) per chunk, in order, and the
+    position they reach (the span's end unless a chunk was gone or out of reach)."""
+
+    parts: list[tuple[SessionKV, int]]
+    reached: int
+
 
 @dataclass(frozen=True)
 class ChunkDelta:
@@ -69,6 +98,11 @@ class TurnPlan:
         """(chain index, key, start, end) of every new chunk."""
         new = set(self.new_chunks)
         return [(i, k, *self.span(i)) for i, k in enumerate(self.chain) if k in new]
+
+
+# Given the store's plan of a turn (which chunks are new, which extend a stored one): the
+# builder of its new chunks and the bytes it will hold (KVSource.save_turn, engine thread).
+TurnPreparer = Callable[[TurnPlan], tuple[ChunkBuilder, int]]
 
 
 class KVPlacement(NamedTuple):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -43,12 +42,14 @@ from chatstore.store.port_values import (
     ChunkText,
     ContextBudget,
     EventKind,
+    HistoryRead,
     KVPlacement,
     Listener,
     StoredSession,
     StoreEvent,
     TierStats,
     TurnPlan,
+    TurnPreparer,
     store_hits,
 )
 from chatstore.store.records.record import (
@@ -128,42 +129,36 @@ class KVSource(Protocol):
         count: bool = True,
         rows: Sequence[tuple[int, int] | None] | None = None,
     ) -> list[SessionKV | None]:
-        """The chunks' KV (None: gone); rows: per chunk, only rows [start, end)."""
+        """The chunks' KV (None: gone), from any tier; rows: per chunk, only rows [start, end).
+        The loader's threads (a staged session, a load re-read after a preemption)."""
 
-    def foreground_reads(self) -> AbstractContextManager[None]:
-        """The engine thread's reads: host memory only inside (write buffer, held copies,
-        DRAM); a chunk only SSD or Redis holds reads as None there (a miss, not a wait)."""
-
-    def stored_below(self, chunk: ChunkKey) -> bool:
-        """Only SSD or Redis holds the chunk, not host memory (a foreground read cannot
-        reach it)."""
-
-    def prefetch(self, tenant: str, session_id: str) -> None:
-        """Move the session's chunks up to DRAM on the prefetch thread; returns at once."""
-
-    def complete_load(self, opened: OpenedTurn | None) -> None:
-        """The turn's stored chunks are read: unpin them (any thread; a second call does
-        nothing)."""
-
-    def plan_turn(
-        self, tenant: str, token_ids: list[int], stored: StoredSession | None, reusable: int
-    ) -> TurnPlan:
-        """token_ids' chain (the first `reusable` are `stored`'s) and its new chunks."""
+    def load_history(
+        self, stored: StoredSession, start: int, end: int, opened: OpenedTurn | None
+    ) -> HistoryRead:
+        """A turn's admission read of `stored`'s positions [start, end) on the engine thread:
+        from host memory only (write buffer, held copies, DRAM), never a disk or the network,
+        up to the first chunk that is gone or only below (SSD, Redis: the session is then
+        prefetched to DRAM for its next turn, not waited for). The turn's pins (`opened`) go
+        once read."""
 
     def save_turn(
         self,
         tenant: str,
         session_id: str,
-        plan: TurnPlan,
-        build: ChunkBuilder,
-        nbytes: int,
+        token_ids: list[int],
+        stored: StoredSession | None,
+        reusable: int,
+        prepare: TurnPreparer,
         opened_at: float | None = None,
         opened: OpenedTurn | None = None,
     ) -> None:
-        """Make plan's chain the session's history; `build()` runs once (on the writer thread
-        with async_save). Engine thread; returns once a `find` sees the new chain. A session
-        deleted after `opened_at` (monotonic; `opened`'s when given) keeps nothing. The commit
-        completes `opened.chain` (the API records it with the turn's messages)."""
+        """Make token_ids' chain the session's history (its first `reusable` are `stored`'s):
+        the store plans the chain (TurnPlan: which chunks are new, which extend a stored one)
+        and `prepare(plan)` answers the builder of the new chunks and their bytes; `build()`
+        runs once (on the writer thread with async_save). Engine thread; returns once a
+        `find` sees the new chain. A session deleted after `opened_at` (monotonic; `opened`'s
+        when given) keeps nothing. The commit completes `opened.chain` (the API records it
+        with the turn's messages)."""
 
     def yield_to(self, idle: threading.Event) -> None:
         """Background writes wait while `idle` is clear (a prefill runs). Once, at start."""
@@ -314,6 +309,7 @@ __all__ = [
     "ContextBudget",
     "EventKind",
     "HintListener",
+    "HistoryRead",
     "KVPlacement",
     "KVSource",
     "Listener",
@@ -336,6 +332,7 @@ __all__ = [
     "TierStats",
     "TurnChain",
     "TurnPlan",
+    "TurnPreparer",
     "WaitingSession",
     "store_hits",
 ]

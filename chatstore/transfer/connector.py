@@ -21,12 +21,12 @@ Load, three ways (CachedAttention §3.2.1):
     lookup still running.
 
 Chunks below DRAM (SSD, Redis): the admission read runs on the engine thread, so it reads host
-memory only (`store.foreground_reads()`: write buffer, held copies, DRAM), never a disk or the
+memory only (`store.load_history`: write buffer, held copies, DRAM), never a disk or the
 network. The API thread that opened the turn (`store.open_turn`) has brought them up and
 pinned them (pinned in DRAM, or kept beside it when DRAM cannot take them or there is no DRAM
 tier); its handle rides on the request (`Request.store_turn`, an `OpenedTurn`): the connector
 reads the stored history through it (`prepare_load`: each chunk's tier as the turn found it, a
-borrowed prompt prefix) and unpins it once the chunks are read (`complete_load`, or when the
+borrowed prompt prefix) and unpins it once the chunks are read (`load_history`, or when the
 request ends). Where a chunk only SSD or Redis holds still cuts the reuse (no turn opened it),
 the rest is recomputed and
 the session is hinted to the store's prefetch thread, which brings its chunks to DRAM for the
@@ -171,14 +171,6 @@ class StoreConnector(KVConnector):
         if pending.staged is None and (pending.kv is None or pending.kv.start > num_computed):
             pending.kv = self.admission.read_available(pending, num_computed)
         return max(0, pending.reusable - num_computed)
-
-    def cached_tiers(self, request: Request, start: int, num_tokens: int) -> dict[str, int]:
-        """The loaded tokens [start, start + num_tokens) by the tier their chunk was in when
-        the turn opened (or, for a turn the API did not open, at admission)."""
-        pending = self._pending.get(request.request_id)
-        if pending is None or pending.saved is None or num_tokens <= 0:
-            return {}
-        return pending.saved.tokens_by_origin(start, start + num_tokens)
 
     def _start(self, request: Request) -> PendingTurn:
         pending = self.admission.start(request)
@@ -333,8 +325,8 @@ class StoreConnector(KVConnector):
 
     def _drop(self, request_id: str) -> PendingTurn | None:
         pending = self._pending.pop(request_id, None)
-        if pending is not None:
-            self.store.complete_load(pending.opened)
+        if pending is not None and pending.opened is not None:
+            pending.opened.unpin()  # not read (staged, or never loaded): the pins go anyway
         if pending is not None and pending.staged is not None:
             self.read_buffer.release(pending.staged)
             pending.staged = None

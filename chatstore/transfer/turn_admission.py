@@ -8,8 +8,8 @@ history past the device prefix-cache hit, read on the engine thread from host me
       ▼
     PendingTurn  reusable = the history's common prefix with the prompt, less one token (its
                  logits give the first new token)
-      │  read_available(start): the chunks past `start`, from host memory (`foreground_reads`);
-      │                         the turn's pins go once read (`complete_load`)
+      │  read_available(start): the chunks past `start`, from host memory only
+      │                         (`store.load_history`; the turn's pins go once read)
       ▼
     ChunkedKV    what the load rotates into the pool; a chunk only SSD or Redis holds ends the
                  reuse there (recomputed) and is prefetched to DRAM for the next turn, rather
@@ -25,7 +25,6 @@ from chatstore.store.ports import KVSource, OpenedTurn, StoredSession
 from chatstore.store.session_kv import SessionKey, common_prefix_len
 from chatstore.transfer.chunked_kv import ChunkedKV
 from chatstore.transfer.read_buffer import ReadBuffer, StagedKV
-from chatstore.transfer.stored_reads import read_span
 
 
 @dataclass
@@ -64,20 +63,13 @@ class TurnAdmission:
         return PendingTurn(request, saved, reusable, staged, opened=opened)
 
     def read_available(self, pending: PendingTurn, start: int) -> ChunkedKV | None:
-        """The history [start, reusable) from host memory; `pending.reusable` shrinks to where
-        a chunk is missing (gone, corrupt, or only below host memory)."""
+        """The history [start, reusable) from host memory (`store.load_history`, which lets
+        the turn's pins go); `pending.reusable` shrinks to where a chunk is missing (gone,
+        corrupt, or only below host memory)."""
         stored = pending.saved
         assert stored is not None
-        with self.store.foreground_reads():
-            parts, reached = read_span(self.store, stored, start, pending.reusable)
-        self.store.complete_load(pending.opened)  # read: the parts own their rows now
-        if reached < pending.reusable and self._stored_below(stored, reached):
-            self.store.prefetch(stored.key.tenant, stored.key.session_id)
+        parts, reached = self.store.load_history(stored, start, pending.reusable, pending.opened)
         pending.reusable = reached  # a chunk that is gone: reuse stops where it starts
         if reached <= start:
             return None
         return ChunkedKV(parts, start, reached, stored.token_ids)
-
-    def _stored_below(self, stored: StoredSession, position: int) -> bool:
-        """The chunk at position is still stored, below host memory (SSD or Redis)."""
-        return self.store.stored_below(stored.chunks[position // stored.chunk_tokens])

@@ -1,7 +1,7 @@
-"""The end of a turn: its chain planned against what the store holds, and a builder of its new
-chunks handed to the store (`KVSource.save_turn`), from the rows the layer saver kept, the
-stored base chunk's rows (a ChunkDelta) and, for tokens the connector never saw computed (the
-device prefix cache's), the pool's blocks un-rotated.
+"""The end of a turn: its tokens handed to the store (`KVSource.save_turn`, one call), which
+plans their chain against what it holds and asks for a builder of the new chunks, made from the
+rows the layer saver kept, the stored base chunk's rows (a ChunkDelta) and, for tokens the
+connector never saw computed (the device prefix cache's), the pool's blocks un-rotated.
 """
 
 from __future__ import annotations
@@ -12,7 +12,15 @@ from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.request import Request
 from chatstore.engine.rope import RotaryEmbedding
 from chatstore.store import kv_quant
-from chatstore.store.ports import ChunkDelta, ChunkKey, KVSource, OpenedTurn, StoredSession
+from chatstore.store.ports import (
+    ChunkBuilder,
+    ChunkDelta,
+    ChunkKey,
+    KVSource,
+    OpenedTurn,
+    StoredSession,
+    TurnPlan,
+)
 from chatstore.store.session_kv import SessionKV
 from chatstore.transfer.layer_saver import TurnRows
 from chatstore.transfer.rerope import unrope
@@ -40,18 +48,34 @@ class TurnSaver:
         token_ids: list[int],
         block_table: list[int],
     ) -> None:
-        """Plan the turn's chain and hand the store a builder of its new chunks. What the
-        device pool alone holds is copied now (its blocks are freed after request_finished);
-        the builder touches only CPU tensors it owns, so it may run on another thread."""
-        spec, B = self.kv_cache.spec, self.kv_cache.block_size
+        """Hand the store the turn's tokens; for the chain it plans, a builder of the new
+        chunks (`prepare`). What the device pool alone holds is copied then (its blocks are
+        freed after request_finished); the builder touches only CPU tensors it owns, so it
+        may run on another thread."""
+        B = self.kv_cache.block_size
         n = min(len(token_ids), len(block_table) * B)
         if rows.num_rows():
             # The last sampled token is never fed back: its KV does not exist.
             n = min(n, 1 + rows.max_position())
         m = min(reusable, n) if saved is not None else 0
         ids = list(token_ids[:n])
-        store = self.store
-        plan = store.plan_turn(request.tenant, ids, saved, m)
+
+        def prepare(plan: TurnPlan) -> tuple[ChunkBuilder, int]:
+            return self._builder(plan, ids, m, rows, block_table)
+
+        assert request.session_id is not None  # request_finished saves sessions only
+        opened = OpenedTurn.of(request.store_turn)
+        self.store.save_turn(
+            request.tenant, request.session_id, ids, saved, m, prepare, request.arrival_time,
+            opened,
+        )  # fmt: skip
+
+    def _builder(
+        self, plan: TurnPlan, ids: list[int], m: int, rows: TurnRows, block_table: list[int]
+    ) -> tuple[ChunkBuilder, int]:
+        """The plan's new chunks from the turn's rows, the stored base chunks' and (tokens
+        never seen computed) the device pool's, copied now; and the bytes they will hold."""
+        spec, n, store = self.kv_cache.spec, len(ids), self.store
         spans = plan.new_spans()
         have = torch.zeros(n, dtype=torch.bool)
         have[:m] = True
@@ -89,11 +113,7 @@ class TurnSaver:
         nbytes = new_tokens * store.bytes_per_token + rows.nbytes()
         if not spans:
             rows.release()
-        assert request.session_id is not None  # request_finished saves sessions only
-        opened = OpenedTurn.of(request.store_turn)
-        store.save_turn(
-            request.tenant, request.session_id, plan, build, nbytes, request.arrival_time, opened
-        )
+        return build, nbytes
 
     def _copy_from_device(self, positions: torch.Tensor, block_table: list[int]) -> torch.Tensor:
         """Tokens the connector never saw computed (device prefix cache): un-rotated pool K and

@@ -95,7 +95,7 @@ def engine_saves(
         return {k: SessionKV(ids[a:b], value.kv[:, :, a:b].clone()) for _, k, a, b in spans}
 
     tenant, sid = opened.key.tenant, opened.key.session_id
-    store.save_turn(tenant, sid, plan, build, value.nbytes, opened=opened)
+    store.save_plan(tenant, sid, plan, build, value.nbytes, opened=opened)
 
 
 def new_session(sessions: SessionStore, sid: str) -> SessionRecord:

@@ -26,16 +26,16 @@ IDS = list(range(1, 3 * CHUNK + 3))
 
 def _save_turn_opened_at(store: AttentionStore, sid: str, ids: list[int], opened: float) -> None:
     """`turn` of test_store_chunks, for a turn that began at `opened` (monotonic)."""
-    real = store.save_turn
+    real = store.save_plan
 
-    def save_turn(tenant, session_id, plan, build, nbytes, opened_at=None):
+    def save_plan(tenant, session_id, plan, build, nbytes, opened_at=None):
         return real(tenant, session_id, plan, build, nbytes, opened)
 
-    store.save_turn = save_turn  # type: ignore[method-assign]
+    store.save_plan = save_plan  # type: ignore[method-assign]
     try:
         turn(store, "t", sid, ids)
     finally:
-        del store.save_turn
+        del store.save_plan
 
 
 @pytest.mark.parametrize("async_save", [False, True])

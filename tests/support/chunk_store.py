@@ -54,4 +54,4 @@ def turn(store: AttentionStore, tenant: str, sid: str, token_ids: list[int]) -> 
         return out
 
     new_tokens = sum(b - a for _, _, a, b in plan.new_spans())
-    store.save_turn(tenant, sid, plan, build, new_tokens * TOKEN_BYTES)
+    store.save_plan(tenant, sid, plan, build, new_tokens * TOKEN_BYTES)

@@ -73,7 +73,7 @@ def save_later(
         spans = plan.new_spans()
         return {k: SessionKV(v.token_ids[a:b], v.kv[:, :, a:b].clone()) for _, k, a, b in spans}
 
-    store.save_turn(tenant, session_id, plan, build, v.nbytes)
+    store.save_plan(tenant, session_id, plan, build, v.nbytes)
 
 
 def session_of(store: AttentionStore, chunk: ChunkKey) -> SessionKey | None:
@@ -103,3 +103,10 @@ def push_down(store: AttentionStore, tenant: str, session_id: str) -> None:
         assert store.tiers.persist(chunk), f"chunk {chunk} did not reach SSD"
         with store.tiers.lock:
             store.tier("dram").delete(chunk)
+
+
+def saved_tokens(store: AttentionStore, tenant: str, session_id: str) -> list[int]:
+    """The session's recorded token ids, once its pending write has landed."""
+    store.wait_saved(tenant, session_id)
+    record = store.records.get(store.key(tenant, session_id))
+    return list(record.token_ids) if record else []

@@ -14,6 +14,7 @@ from chatstore.model.spec import ModelSpec
 from chatstore.store.attention_store import AttentionStore
 from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector
+from tests.support.store import saved_tokens
 from tests.support.tiny_models import tiny_hf_model
 
 BLOCK = 4
@@ -63,8 +64,8 @@ def test_two_sessions_batched_then_restored(tmp_path):
     rig.conn.request_finished(r1, [*p1, 5, 9], b1)  # 9 was sampled last: it has no KV
     rig.conn.request_finished(r2, [*p2, 6], b2)
     rig.pool.free(b1 + b2)
-    assert rig.store.saved_tokens("t", "one") == [*p1, 5]
-    assert rig.store.saved_tokens("t", "two") == [*p2, 6]
+    assert saved_tokens(rig.store, "t", "one") == [*p1, 5]
+    assert saved_tokens(rig.store, "t", "two") == [*p2, 6]
 
     for sid, history in (("one", [*p1, 5]), ("two", [*p2, 6])):
         prompt = [*history, 11, 12, 13]

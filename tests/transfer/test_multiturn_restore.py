@@ -15,6 +15,7 @@ from chatstore.store.attention_store import AttentionStore
 from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector
 from tests.support.multiturn import CHUNK, MiniEngine, make_store
+from tests.support.store import saved_tokens
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -46,7 +47,7 @@ def test_history_restored_from_tier_gives_identical_tokens(
             assert got.cached >= len(prev.prompt) + len(prev.output) - 2
             assert store.stats().counters.tier(tier_name).hits > 0
         assert store.tier_of("acme", "s1") == tier_name
-    saved = store.saved_tokens("acme", "s1")
+    saved = saved_tokens(store, "acme", "s1")
     assert saved == (reference[-1].prompt + reference[-1].output)[: len(saved)]
     store.close()
 

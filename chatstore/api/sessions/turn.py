@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chatstore.api.common.errors import APIError
@@ -158,6 +158,8 @@ class Turn:
         if usage is None:
             generated = sum(len(ids) for ids in self._ids)
             usage = Usage(len(self.request.prompt_token_ids), 0, generated)
+        elif "store" in usage.cached_by_tier and self.opened is not None:
+            usage = replace(usage, cached_by_tier=split_store(usage.cached_by_tier, self.opened))
         return TurnResult(
             texts=list(self._texts),
             token_ids=[list(ids) for ids in self._ids],
@@ -169,3 +171,13 @@ class Turn:
             error=error,
             logprobs=None if self._logprobs is None else [list(lp) for lp in self._logprobs],
         )
+
+
+def split_store(by_tier: dict[str, int], opened: OpenedTurn) -> dict[str, int]:
+    """The engine's "store" share (the prompt tokens after the device hit) split by the tier
+    each chunk was in when the turn opened, read from the turn's handle."""
+    split = {tier: n for tier, n in by_tier.items() if tier != "store"}
+    start = by_tier.get("device", 0)
+    for tier, n in opened.tokens_by_origin(start, start + by_tier["store"]).items():
+        split[tier] = split.get(tier, 0) + n
+    return split

@@ -88,7 +88,10 @@ class ChunkReader:
         noted = opened.origins if opened is not None else {}
         origins = {c: noted.get(c) or self.fetch.chunk_tier(c) or "dram" for c in stored.chunks}
         C = stored.chunk_tokens
-        return StoredSession(key, stored.token_ids, stored.chunks, C, origins, version)
+        served = StoredSession(key, stored.token_ids, stored.chunks, C, origins, version)
+        if opened is not None:
+            opened.served = served  # the reply splits its cached tokens by these origins
+        return served
 
     def expired(self, key: SessionKey, chain: SessionChain) -> bool:
         ttl = self.retention.get(key).ttl(self.settings.session_ttl_s)

@@ -20,7 +20,7 @@ turn's commit then references them as its own (plan.py keeps stored chunks by ke
 Between the opening and the engine's read nothing may push the pinned chunks back down: with a
 DRAM tier smaller than the session, or shared with other turns opened meanwhile, each promotion
 would otherwise evict the chunks promoted just before it (KV moved up for nothing, then
-recomputed). The connector unpins them once read (`complete_load`), the API at the turn's end
+recomputed). The connector unpins them once read (`load_history`), the API at the turn's end
 whatever happened (`end_turn`), a collected handle by itself.
 """
 

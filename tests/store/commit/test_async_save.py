@@ -19,7 +19,7 @@ from chatstore.store.attention_store import AttentionStore
 from chatstore.store.commit.write_buffer import WriteBuffer
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.settings import StoreSettings
-from tests.support.store import TINY_SPEC, TOKEN_BYTES, save_later, three_turns, value
+from tests.support.store import TINY_SPEC, TOKEN_BYTES, save_later, saved_tokens, three_turns, value
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -41,7 +41,7 @@ def test_save_later_returns_before_the_write_and_lookup_waits(tmp_path):
     threading.Timer(0.2, gate.set).start()
     got = store.lookup("t", "s")  # waits for the pending turn: never the half-written one
     assert got is not None and got.equal(new)
-    assert store.saved_tokens("t", "s") == new.token_ids
+    assert saved_tokens(store, "t", "s") == new.token_ids
     store.close()
 
 

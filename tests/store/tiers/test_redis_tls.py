@@ -25,7 +25,7 @@ from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.redis import RedisTier, connect_redis
 from tests.support.redis_server import redis_server_binary
 from tests.support.redis_tls import TLSRedis, make_tls_files, start_tls_redis
-from tests.support.store import TINY_SPEC, TOKEN_BYTES, value
+from tests.support.store import TINY_SPEC, TOKEN_BYTES, saved_tokens, value
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -93,7 +93,7 @@ def test_a_session_round_trips_through_tls_redis_as_the_acl_user(tmp_path, tls_s
     # shares the data directory only for its secret key (encryption at rest), as replicas do.
     reader = remote_store(tmp_path, tls_server)
     assert reader.lookup("acme", "s1").equal(kv)
-    assert reader.saved_tokens("acme", "s1") == kv.token_ids
+    assert saved_tokens(reader, "acme", "s1") == kv.token_ids
     leases = session_leases(reader.records, 5.0, "r1")
     lease = leases.acquire(reader.key("acme", "s1"))
     assert lease is not None and leases.acquire(reader.key("acme", "s1")) is None
