@@ -122,10 +122,10 @@ class ModelRunner:
         bias = None if t.qkv_bias is None else torch.cat(t.qkv_bias)
         return LayerWeights(
             input_norm=t.input_norm,
-            qkv=make("qkv", index, torch.cat([t.q, t.k, t.v]), bias),
+            qkv=make("qkv", index, stacked_rows(t.q, t.k, t.v), bias),
             o_proj=make("o_proj", index, t.o, None),
             post_norm=t.post_norm,
-            gate_up=make("gate_up", index, torch.cat([t.gate, t.up]), None),
+            gate_up=make("gate_up", index, stacked_rows(t.gate, t.up), None),
             down=make("down", index, t.down, None),
             q_norm=t.q_norm,
             k_norm=t.k_norm,
@@ -192,6 +192,20 @@ class ModelRunner:
     def triton_attention(self) -> bool:
         """Whether the paged layout's attention is Triton's unified kernel (CUDA)."""
         return self.layout.name == "paged" and self.kernels.use_triton(self.device)
+
+
+def stacked_rows(*parts: torch.Tensor) -> torch.Tensor:
+    """The parts' rows as one matrix: where they already lie one after another in one buffer
+    (a GGUF source reads a layer's q, k, v so), that buffer itself; else `torch.cat`."""
+    first = parts[0]
+    at = first.storage_offset()
+    for p in parts:
+        same = p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if not (same and p.is_contiguous() and p.storage_offset() == at):
+            return torch.cat(parts)
+        at += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _norm_heads(

@@ -58,7 +58,7 @@ def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
     return blocks.view(torch.float16)[..., at // 2].float()
 
 
-def _nibbles(qs: torch.Tensor, run: int) -> torch.Tensor:
+def nibbles(qs: torch.Tensor, run: int) -> torch.Tensor:
     """[..., bytes] -> [..., 2 * bytes] codes: each `run`-byte run's low nibbles, then its high.
     (numpy: its uint8 element-wise ops are ~20x faster than torch's here.)"""
     runs = qs.numpy().reshape(*qs.shape[:-1], -1, 1, run)
@@ -68,13 +68,13 @@ def _nibbles(qs: torch.Tensor, run: int) -> torch.Tensor:
 
 def _q4_0(blocks: torch.Tensor, n: int, k: int) -> Int4Weight:
     d = _f16(blocks, 0)
-    q = _nibbles(blocks[..., 2:], 16).reshape(n, k)
+    q = nibbles(blocks[..., 2:], 16).reshape(n, k)
     return Int4Weight(q, d, torch.zeros_like(d), 32)
 
 
 def _q4_1(blocks: torch.Tensor, n: int, k: int) -> Int4Weight:
     d, m = _f16(blocks, 0), _f16(blocks, 2)
-    q = _nibbles(blocks[..., 4:], 16).reshape(n, k)
+    q = nibbles(blocks[..., 4:], 16).reshape(n, k)
     return Int4Weight(q, d, m + 8 * d, 32)
 
 
@@ -88,7 +88,7 @@ def _q4_k(blocks: torch.Tensor, n: int, k: int) -> Int4Weight:
     mn = mn.reshape(n, -1, 8).float()
     scale = (d[..., None] * sc).reshape(n, k // 32)
     zero = (8 * d[..., None] * sc - dmin[..., None] * mn).reshape(n, k // 32)
-    q = _nibbles(blocks[..., 16:], 32).reshape(n, k)
+    q = nibbles(blocks[..., 16:], 32).reshape(n, k)
     return Int4Weight(q, scale, zero, 32)
 
 

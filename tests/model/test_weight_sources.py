@@ -95,8 +95,8 @@ def test_default_gguf_spec_and_tensors_are_transformers_reading_of_the_file(defa
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0"])
 def test_tiny_gguf_read_directly_matches_transformers_dequantised(tmp_path, arch, qtype):
     """A random model of each architecture written as a GGUF (llama.cpp's layout: Llama and
-    Mistral as `llama`, q/k permuted), read by us and by transformers: the same spec, logits
-    within TOL on a 40-token prompt, the same 12 greedy tokens."""
+    Mistral as `llama`, q/k permuted), read by us and by transformers: the same spec, the same
+    tensors bit for bit, logits within TOL on a 40-token prompt, the same 12 greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_hf_model(arch, seed=3, **GGUF_OVERRIDES.get(arch, {}))
@@ -105,6 +105,12 @@ def test_tiny_gguf_read_directly_matches_transformers_dequantised(tmp_path, arch
     ref.eval()
     source = GGUFWeightSource(path)
     assert source.spec == ModelSpec.from_hf_config(ref.config)
+    for i, theirs in enumerate(ref.model.layers):  # bit for bit transformers' dequantisation
+        ours = source.layer(i)
+        for got, module in [(ours.q, theirs.self_attn.q_proj), (ours.k, theirs.self_attn.k_proj),
+                            (ours.v, theirs.self_attn.v_proj), (ours.up, theirs.mlp.up_proj),
+                            (ours.down, theirs.mlp.down_proj)]:  # fmt: skip
+            assert torch.equal(got, module.weight), (i, got.shape)
     ids = random_ids(40, source.spec.vocab_size, seed=7)
     ours = full_logits(*runner_over(source), ids)
     assert (ours - hf_logits(ref, ids)).abs().max().item() <= TOL
