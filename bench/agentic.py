@@ -4,11 +4,13 @@ and (with --vllm) vLLM-CPU, the workload a session KV store exists for (issue 36
 Each agent has a ~3K-token system prompt of its own (its instructions, the tools' definitions, a
 reference document) and the tools themselves (`tools`, `tool_choice: required`: on the embedded
 SmolLM2 chatstore's generic form, its answer constrained by xgrammar to a call; vLLM's guided
-decoding for `required`). A step is one streamed /v1/chat/completions: the model's call, at once
-the tool's result (200-2,000 tokens, seeded) appended, the next step, no think time; the official
-OpenAI loop (the whole history resent, `X-Session-ID` naming the agent's session on chatstore).
-An agent whose next step would not fit the model's context (8,192 tokens) starts its next task:
-a new conversation under the same system prompt (`conversation_resets` counts them).
+decoding for `required`, started with `--enable-auto-tool-choice --tool-call-parser hermes`,
+which it insists on; it loads the model directory with a config.json, --vllm-model). A step is
+one streamed /v1/chat/completions: the model's call, at once the tool's result (200-2,000
+tokens, seeded) appended, the next step, no think time; the official OpenAI loop (the whole
+history resent, `X-Session-ID` naming the agent's session on chatstore). An agent whose next
+step would not fit the model's context (8,192 tokens) starts its next task: a new conversation
+under the same system prompt (`conversation_resets` counts them).
 
 Measured per server, one at a time on loopback, each stopped before the next starts:
   later-step TTFT     steps >= 10 (1 with --quick): request sent -> the first chunk carrying a
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -370,6 +373,8 @@ def summary(run: AgentRun, plan: Plan) -> dict[str, float | int | None]:
         "history_reuse_share": reused / seen if seen else None,
         "later_prompt_tokens_mean": prompt / len(later) if later else None,
         "steps": len(run.steps),
+        "tool_parse_ok": sum(bool(s.calls) and s.valid_calls == len(s.calls) for s in run.steps)
+        / len(run.steps),
         "cut_by_max_tokens": sum(s.finish == "length" for s in run.steps),
         "conversation_resets": run.resets,
     }
@@ -382,7 +387,8 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 def table(rows: dict[str, dict]) -> str:
     keys = [
         "later_ttft_mean_ms", "later_ttft_p90_ms", "output_tok_s", "prefix_reuse_share",
-        "history_reuse_share", "later_prompt_tokens_mean", "steps", "cut_by_max_tokens",
+        "history_reuse_share", "later_prompt_tokens_mean", "steps", "tool_parse_ok",
+        "cut_by_max_tokens",
         "conversation_resets",
     ]  # fmt: skip
     lines = [f"{'':26}" + "".join(f"{name:>18}" for name in rows)]
@@ -402,6 +408,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]
     p.add_argument("--vllm", action="store_true", help="also vLLM-CPU (bench/peer_servers.py)")
     p.add_argument("--vllm-scripts", type=Path, default=PEER_SCRIPTS)
     p.add_argument("--vllm-dtype", default="bfloat16")
+    p.add_argument("--vllm-parser", default="hermes", help="vLLM's --tool-call-parser")
+    p.add_argument("--vllm-model", type=Path, default=None, help="HF directory (config.json)")
     p.add_argument("--no-store-off", action="store_true", help="skip the store-off server")
     args = p.parse_args(argv)
     if args.quick:
@@ -430,6 +438,17 @@ def quality(runs: dict[str, AgentRun], notes_valid: list[bool]) -> dict[str, flo
         "json_valid_rate": valid / outputs if outputs else None,
         "tool_parse_ok": parsed / len(steps) if steps else None,
     }
+
+
+def dense_model_dir(path: Path) -> Path | None:
+    """A Hugging Face directory vLLM can load: `path`, else the one serve.sh serves by default
+    (chatstore's converted safetensors: its own model directory may hold a GGUF's tokenizer
+    only)."""
+    home = Path(os.environ.get("CHATSTORE_HOME", Path.home() / ".cache" / "chatstore"))
+    for candidate in (path, home / "models" / "SmolLM2-135M-Instruct-v1"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -465,11 +484,21 @@ def main(argv: list[str] | None = None) -> None:
                     result["constrained_decode_ratio"] = constrained / free
                     result["decode_tok_s_free"] = free
                     result["decode_tok_s_constrained"] = constrained
-        if args.vllm and vllm_ready:
+        peer_model = dense_model_dir(args.vllm_model or model_dir)
+        if args.vllm and vllm_ready and peer_model is None:
+            print("--vllm: no model directory with a config.json for vLLM (--vllm-model): skipped")
+        elif args.vllm and vllm_ready and peer_model is not None:
             ensure_vllm(args.vllm_scripts)
             (root / "vllm").mkdir()
-            with vllm_server(args.vllm_scripts, args.vllm_dtype, model_dir, root / "vllm") as srv:
-                runs["vllm"] = run_agents(srv.url, plan, sizer, "vllm", sessions=False)
+            peer = vllm_server(args.vllm_scripts, args.vllm_dtype, peer_model, root / "vllm")
+            # Tool calling on: vLLM refuses `required` without a parser; under `required` its
+            # answer is its own guided JSON list of calls, whatever the parser reads.
+            peer.argv += ["--enable-auto-tool-choice", "--tool-call-parser", args.vllm_parser]
+            try:
+                with peer as srv:
+                    runs["vllm"] = run_agents(srv.url, plan, sizer, "vllm", sessions=False)
+            except RuntimeError as exc:  # the peer failed: our side is still reported
+                print(f"--vllm: vLLM failed, that side skipped: {exc}")
     rows = {name: summary(run, plan) for name, run in runs.items()}
     print(table(rows))
     ours = rows["chatstore"]["later_ttft_mean_ms"]
