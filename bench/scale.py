@@ -280,7 +280,7 @@ def probe(args: argparse.Namespace) -> dict:
     before = rss_mb()
     t0 = time.perf_counter()
     kv = create_store(config, model.spec, model.fingerprint)
-    api = SessionStore(kv)
+    api = SessionStore(kv.records, kv)
     start = time.perf_counter() - t0  # serving from here (the index restores behind)
     kv.restore.wait()
     restored = time.perf_counter() - t0

@@ -6,8 +6,8 @@ imports engine, store, transfer and kv_events together.
     connector = create_connector(kv_store, ...)          moves KV between engine and store
     engine    = AsyncEngine(runtime, engine config, connector)
     kv_store.set_waiting_queue(engine)                   look-ahead for eviction and prefetch
-    store     = SessionStore(kv_store)                   the API's SessionKVAdmin (records
-                or RecordsOnlyStore(records)             only when kv_store = "off")
+    store     = SessionStore(records, kv_store)          the API's SessionKVAdmin (no KV
+                                                         when kv_store = "off")
     events    = KVEventPublisher                         device prefix cache + store tiers over
                                                          ZMQ (config.kv_events_endpoint)
 
@@ -33,7 +33,6 @@ from chatstore.model.default_model import DEFAULT_MODEL_NAME
 from chatstore.model.loader import DEFAULT_MODEL_ALIASES
 from chatstore.store.attention_store import AttentionStore, create_store
 from chatstore.store.ports import ContextBudget, SessionKVAdmin
-from chatstore.store.records_only import RecordsOnlyStore
 from chatstore.store.session_store import SessionStore
 from chatstore.store.settings import StoreSettings
 from chatstore.store.store_parts import build_records_only
@@ -91,7 +90,7 @@ def build(config: Config, runtime: Runtime | None = None) -> Serving:
     store: SessionKVAdmin
     if kv_store is not None:
         kv_store.set_waiting_queue(engine)
-        store = SessionStore(kv_store)
+        store = SessionStore(kv_store.records, kv_store)
     else:
         store = records_only(config, ContextBudget.of(model.spec.max_context))
     name = model_name(config.model)
@@ -101,12 +100,14 @@ def build(config: Config, runtime: Runtime | None = None) -> Serving:
     return Serving(engine, store, kv_store, connector, template, events, vocab, name)
 
 
-def records_only(config: Config, context: ContextBudget) -> RecordsOnlyStore:
+def records_only(config: Config, context: ContextBudget) -> SessionStore:
     """kv_store = "off": the session records with no KV behind them."""
     settings = StoreSettings.from_config(config)
     records = build_records_only(settings)
     lease_s, replica = config.session_lease_s, config.replica_id
-    return RecordsOnlyStore(records, context, None, lease_s, replica, settings.data_dir)
+    return SessionStore(
+        records, context=context, lease_s=lease_s, replica_id=replica, data_dir=settings.data_dir
+    )
 
 
 def start_kv_events(

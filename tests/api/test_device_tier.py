@@ -14,7 +14,7 @@ from chatstore.api.common.settings import ServerSettings
 from chatstore.engine.engine_stats import EngineStats
 from chatstore.server.launcher import local_server
 from chatstore.store.ports import ContextBudget, TierStats, store_hits
-from chatstore.store.records_only import RecordsOnlyStore
+from chatstore.store.session_store import SessionStore
 
 SYSTEM = (
     "You are a careful assistant for a small bakery. Answer in one short sentence, name "
@@ -42,7 +42,7 @@ def test_the_device_line_is_the_engine_numbers():
 
 def test_kv_store_off_still_has_the_device_line_and_no_store_hit_rate():
     stats = engine_stats(num_blocks=10, free_blocks=10, block_bytes=8, prefix_hits=5)
-    records_only = RecordsOnlyStore(object(), ContextBudget(2048), leases=object())
+    records_only = SessionStore(object(), context=ContextBudget(2048), leases=object())
     (device,) = cache_tiers(stats, records_only)
     assert (device.name, device.hits, device.capacity_bytes) == ("device", 5, 80)
     assert store_hits([device]) == (0, 0)  # the overall rate is the store tiers'

@@ -75,7 +75,7 @@ def make(tmp_path) -> tuple[AttentionStore, SessionStore]:
         data_dir=tmp_path, dram_bytes=64 * 16 * TOKEN_BYTES, ssd_bytes=1 << 20, async_save=True
     )
     store = AttentionStore(settings, TINY_SPEC, "fp")
-    return store, SessionStore(store)
+    return store, SessionStore(store.records, store)
 
 
 def engine_saves(

@@ -77,7 +77,7 @@ def test_records_of_another_model_are_not_reused(tmp_path):
     )
     try:
         assert other.find("t", "s") is None
-        adapter = SessionStore(other)
+        adapter = SessionStore(other.records, other)
         port = adapter.get("t", "s")
         assert port is not None and port.token_ids == []  # messages stay, foreign ids do not
         assert adapter.match_prefix("t", IDS) is None

@@ -47,7 +47,7 @@ def create(adapter: SessionStore, sid: str, priority: int = 0, ttl_s: int = 0) -
 @pytest.mark.parametrize("policy", ["lru", "fifo", "aware"])
 def test_full_dram_keeps_the_high_priority_idle_session(tmp_path, policy):
     store = make(tmp_path, policy)
-    adapter = SessionStore(store)
+    adapter = SessionStore(store.records, store)
     evicted = evictions(store)
     dram = store.tier("dram")
     assert dram is not None
@@ -70,7 +70,7 @@ def test_full_dram_keeps_the_high_priority_idle_session(tmp_path, policy):
 
 def test_per_session_ttl_purges_that_session_only(tmp_path):
     store = make(tmp_path, session_ttl_s=3600)
-    adapter = SessionStore(store)
+    adapter = SessionStore(store.records, store)
     create(adapter, "short", ttl_s=1)
     create(adapter, "long")
     store.save(TENANT, "short", value(16, 1))
@@ -94,7 +94,7 @@ def test_per_session_ttl_purges_that_session_only(tmp_path):
 
 def test_restart_keeps_retention_and_the_policy_learns_it(tmp_path):
     store = make(tmp_path)
-    adapter = SessionStore(store)
+    adapter = SessionStore(store.records, store)
     create(adapter, "a", priority=7, ttl_s=3600)
     create(adapter, "b")
     store.save(TENANT, "a", value(16, 1))
@@ -102,7 +102,7 @@ def test_restart_keeps_retention_and_the_policy_learns_it(tmp_path):
     assert adapter.update(TENANT, "b", priority=-3) is not None
     store.close()
     again = make(tmp_path)
-    adapter = SessionStore(again)
+    adapter = SessionStore(again.records, again)
     a = adapter.get(TENANT, "a")
     assert a is not None and (a.priority, a.ttl_s) == (7, 3600)
     assert again.retention.get(key("a")) == Retention(7, 3600)

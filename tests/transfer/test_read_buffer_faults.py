@@ -112,7 +112,7 @@ def test_a_hint_whose_lookup_hangs_on_redis_stalls_no_engine_step(tmp_path, own_
         redis_timeout_s=LOOKUP_TIMEOUT_S,
     )
     engine = LLMEngine(runtime, EngineConfig(enable_prefix_cache=False), conn)
-    adapter = SessionStore(store)  # the connector is the store's hint listener
+    adapter = SessionStore(store.records, store)  # the connector is the store's hint listener
     first = {sid: prompt(seed, 20) for seed, sid in enumerate(("hot", "cold"))}
     reqs = [Request(f"{s}0", ids, greedy(4), tenant="t", session_id=s) for s, ids in first.items()]
     outs, normal = _turns(engine, reqs)

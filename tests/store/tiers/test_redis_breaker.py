@@ -242,11 +242,10 @@ def test_breaker_state_is_in_stats_admin_and_metrics(tmp_path, own_redis):
 
     from chatstore.api.admin.metrics import RemoteBreakerCollector
     from chatstore.store.ports import ContextBudget
-    from chatstore.store.records_only import RecordsOnlyStore
     from chatstore.store.session_store import SessionStore
 
     store, _ = _store(tmp_path, own_redis, redis_breaker_failures=1, redis_breaker_reset_s=60)
-    adapter = SessionStore(store)
+    adapter = SessionStore(store.records, store)
     assert adapter.remote_health() == {
         "state": "closed", "failures": 0, "opens": 0, "short_circuited": 0, "last_error": None,
     }  # fmt: skip
@@ -262,5 +261,5 @@ def test_breaker_state_is_in_stats_admin_and_metrics(tmp_path, own_redis):
     assert "chatstore_remote_breaker_open 1.0" in text
     assert "chatstore_remote_breaker_opens_total 1.0" in text
     assert "chatstore_remote_short_circuited_total" in text
-    assert RecordsOnlyStore(object(), ContextBudget(2048)).remote_health() is None
+    assert SessionStore(object(), context=ContextBudget(2048)).remote_health() is None
     store.close()
