@@ -58,6 +58,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -88,6 +89,7 @@ from chatstore.engine.forward_batch import ForwardBatch, SequenceChunk
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.runner import ModelRunner
 from chatstore.model import LoadedModel, load_model
+from chatstore.model.hf_export import hf_directory, transformers_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODE_CONTEXT = 512
@@ -140,7 +142,7 @@ class Ours:
         num_blocks = num_tokens // block_size + 64
         self.kv = PagedKVCache(model.spec, num_blocks, block_size, model.dtype)
         self.pool = BlockPool(num_blocks)
-        self.runner = ModelRunner(model.hf_model, model.spec, self.kv)
+        self.runner = ModelRunner(model.weights, model.spec, self.kv)
         self.block_size = block_size
 
     def blocks(self, num_tokens: int) -> list[int]:
@@ -165,11 +167,22 @@ class Ours:
         return out
 
 
+_HF: dict[int, Any] = {}
+
+
+def hf_of(model: LoadedModel) -> Any:
+    """transformers' model of `model` (its GGUF read by transformers, in the model's dtype),
+    built once: the server itself builds none."""
+    if id(model) not in _HF:
+        _HF[id(model)] = transformers_model(model)
+    return _HF[id(model)]
+
+
 def hf_prefill(model: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     from transformers import DynamicCache
 
     with torch.inference_mode():
-        out = model.hf_model(
+        out = hf_of(model)(
             input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1
         )
     return out.logits[:, -1].float()
@@ -181,7 +194,7 @@ def hf_decode_loop(model: LoadedModel, cache, first: torch.Tensor, steps: int) -
     with torch.inference_mode():
         for step in range(steps):
             pos = torch.tensor([DECODE_CONTEXT + step])
-            logits = model.hf_model(
+            logits = hf_of(model)(
                 input_ids=tokens,
                 past_key_values=cache,
                 use_cache=True,
@@ -220,7 +233,7 @@ def bench_history_prefill(
     table = ours.blocks(len(ids))
     ours.prefill(ids[:history].tolist(), table)
     new = SequenceChunk(ids[history:].tolist(), history, table)
-    reference = ModelRunner(model.hf_model, model.spec, ours.kv, attention="reference")
+    reference = ModelRunner(model.weights, model.spec, ours.kv, attention="reference")
     batch = ForwardBatch.build([new], ours.block_size)
     diff = float((ours.runner.forward(batch) - reference.forward(batch)).abs().max())
     t_ours = median_seconds(lambda: ours.runner.forward(batch), reps)
@@ -246,7 +259,7 @@ def bench_decode(
             ours.kv.copy_block(s, d)
     cache = DynamicCache()
     with torch.inference_mode():
-        model.hf_model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+        hf_of(model)(input_ids=ids[None], past_key_values=cache, use_cache=True)
     cache.batch_repeat_interleave(batch)
     mine = ours.decode_loop(tables, [first] * batch, steps)
     ref = hf_decode_loop(model, cache, torch.full((batch, 1), first), steps)
@@ -296,7 +309,7 @@ def compare_transformers(
     budget = max(max(plan.prefill_lens), (max(plan.decode_batches) + 1) * (DECODE_CONTEXT + 64))
     budget = max(budget, max(plan.history_lens) + HISTORY_NEW_TOKENS)
     ours = Ours(model, budget)
-    attn_impl = getattr(model.hf_model.config, "_attn_implementation", "?")
+    attn_impl = getattr(hf_of(model).config, "_attn_implementation", "?")
     print(
         f"engine_speed: {dtype}, {torch.get_num_threads()} threads, torch {torch.__version__},"
         f" transformers attention={attn_impl}, {plan.reps} reps (median)"
@@ -608,7 +621,9 @@ def main() -> None:
     compare_transformers(model, QUICK if args.quick else FULL, dtype, result)
     if args.vllm:
         plan = peer_plan(args)
-        tokenizer, model_dir = model.tokenizer, model.path
+        # vLLM loads a Hugging Face directory: the GGUF as transformers reads it, in fp32
+        model_dir = hf_directory(model.gguf) if model.gguf is not None else model.path
+        tokenizer = model.tokenizer
         del model  # the servers load their own copies; the bench keeps only the tokenizer
         gc.collect()
         ours, vllm, served, together = run_servers(

@@ -100,6 +100,7 @@ from chatstore.engine.runner import ModelRunner  # noqa: E402
 from chatstore.engine.runtime import Runtime  # noqa: E402
 from chatstore.model import LoadedModel  # noqa: E402
 from chatstore.model.spec import ModelSpec  # noqa: E402
+from chatstore.model.weights import TransformersWeights  # noqa: E402
 from chatstore.store.attention_store import AttentionStore  # noqa: E402
 from chatstore.store.session_kv import SessionKV  # noqa: E402
 from chatstore.store.settings import StoreSettings  # noqa: E402
@@ -177,7 +178,8 @@ def runtime(check: Check, shape: str, dtype: torch.dtype, tokens: int) -> Runtim
     spec = ModelSpec.from_hf_config(hf.config)
     num_blocks = -(-tokens // BLOCK) + 4
     kv = PagedKVCache(spec, num_blocks, BLOCK, dtype, check.device)
-    model = LoadedModel(hf, None, spec, Path("."), dtype, f"random-{shape}-{dtype}")
+    fingerprint = f"random-{shape}-{dtype}"
+    model = LoadedModel(TransformersWeights(hf), None, spec, Path("."), dtype, fingerprint)
     return Runtime(model, kv, BlockPool(num_blocks), ModelRunner(hf, spec, kv))
 
 
@@ -239,7 +241,7 @@ def run_turn(
 
 def exactness(check: Check) -> dict[str, Any]:
     rt = runtime(check, "smollm2", torch.float32, 4 * (check.prompt + 3 * check.greedy))
-    hf, runner = rt.model.hf_model, rt.runner
+    hf, runner = rt.model.weights.model, rt.runner  # TransformersWeights' random model
     ids = torch.randint(2, rt.model.spec.vocab_size, (check.prompt + 16,)).tolist()
     prompt, user = ids[: check.prompt], ids[check.prompt :]
     with torch.no_grad():
@@ -323,7 +325,7 @@ def speeds(check: Check, shape: str) -> dict[str, Any]:
     del graphs  # its memory pool goes back before the prefill
     params = sum(
         p.numel() * p.element_size()
-        for n, p in rt.model.hf_model.named_parameters()
+        for n, p in rt.model.weights.model.named_parameters()
         if "embed" not in n
     )
     kv_bytes = rt.kv_cache.nbytes // (rt.kv_cache.num_blocks * BLOCK) * check.contexts[0]

@@ -75,7 +75,7 @@ def in_process(model: LoadedModel, fmt: str, sizes: dict) -> dict[str, float]:
         gguf = GGUFWeights(model.gguf, model.spec)
         pack = packing_available(torch.device("cpu"), model.dtype)
         projections = Projections(fmt, model.dtype, pack, gguf)
-        ours.runner = ModelRunner(model.hf_model, model.spec, ours.kv, "auto", projections)
+        ours.runner = ModelRunner(model.weights, model.spec, ours.kv, "auto", projections)
     out = {}
     with torch.inference_mode():
         ids = torch.randint(0, model.spec.vocab_size, (sizes["prefill"],)).tolist()

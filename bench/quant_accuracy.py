@@ -64,7 +64,7 @@ def make_runner(model: LoadedModel, fmt: str, served: bool, tokens: int) -> Mode
         gguf = GGUFWeights(model.gguf, model.spec)
         pack = packing_available(torch.device("cpu"), model.dtype)
         projections = Projections(fmt, model.dtype, pack, gguf, None if served else ALWAYS_QUANT)
-    return ModelRunner(model.hf_model, model.spec, kv, "auto", projections)
+    return ModelRunner(model.weights, model.spec, kv, "auto", projections)
 
 
 def nll(runner: ModelRunner, ids: list[int]) -> tuple[float, int]:

@@ -142,12 +142,10 @@ def main() -> None:
         "dtype": config.resolved_dtype,
     }
     if "seal" in only:
-        from transformers import AutoConfig
+        from chatstore.model.default_model import gguf_path
+        from chatstore.model.gguf_source import GGUFWeightSource
 
-        from chatstore.model.default_model import default_model_dir
-        from chatstore.model.spec import ModelSpec
-
-        spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(default_model_dir()))
+        spec = GGUFWeightSource(gguf_path()).spec
         value = chunk_value(spec, config.torch_dtype, config.chunk_tokens)
         result |= seal_speed(value, 0.5 if args.quick else 5.0)
         print(f"seal+open of {len(value)} B chunks: {result['seal_gbps']} GB/s", flush=True)

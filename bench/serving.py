@@ -141,7 +141,9 @@ class HFServer:
     """transformers generate, one request at a time; service times cached per item."""
 
     def __init__(self, runtime: Runtime) -> None:
-        self.model = runtime.model.hf_model
+        from chatstore.model.hf_export import transformers_model
+
+        self.model = transformers_model(runtime.model)  # the GGUF as transformers reads it
         self.service: dict[int, float] = {}
 
     def service_time(self, i: int, item: Item) -> float:
