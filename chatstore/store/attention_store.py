@@ -113,10 +113,6 @@ class AttentionStore:
         return self.settings.replica_id
 
     @property
-    def held_bytes(self) -> int:
-        return self.opening.held_bytes
-
-    @property
     def bytes_written(self) -> int:
         return self.committer.bytes_written
 
@@ -208,9 +204,6 @@ class AttentionStore:
         rows: Sequence[tuple[int, int] | None] | None = None,
     ) -> list[SessionKV | None]:
         return self.reader.read(keys, count, rows)
-
-    def lookup(self, tenant: str, session_id: str) -> SessionKV | None:
-        return self.reader.whole(self.key(tenant, session_id))
 
     def version(self, tenant: str, session_id: str) -> int:
         return self.versions.get(self.key(tenant, session_id))

@@ -20,7 +20,7 @@ from chatstore.store.records.record import SessionRecord
 from chatstore.store.records.redis import RedisRecordStore
 from chatstore.store.session_kv import SessionKey
 from chatstore.transfer import create_connector
-from tests.support.store import TINY_SPEC, TOKEN_BYTES, make, saved_tokens, value
+from tests.support.store import TINY_SPEC, TOKEN_BYTES, lookup, make, saved_tokens, value
 
 
 @pytest.fixture(params=["lmdb", "redis"])
@@ -59,9 +59,9 @@ def test_records_expire_after_ttl(records):
 def test_save_lookup_and_record(tmp_path):
     store = make(tmp_path)
     assert store.save("acme", "s1", value(20)) == "dram"
-    assert store.lookup("acme", "s1").equal(value(20))
+    assert lookup(store, "acme", "s1").equal(value(20))
     assert saved_tokens(store, "acme", "s1") == value(20).token_ids
-    assert store.lookup("acme", "nope") is None and store.lookup("other", "s1") is None
+    assert lookup(store, "acme", "nope") is None and lookup(store, "other", "s1") is None
     store.close()
 
 
@@ -74,7 +74,7 @@ def test_delete_removes_kv_from_every_tier_and_the_record(tmp_path, redis_url):
     assert tiers == {"dram", "ssd", "remote"}
     for i in range(4):
         assert store.delete_session("acme", f"s{i}")
-        assert store.lookup("acme", f"s{i}") is None
+        assert lookup(store, "acme", f"s{i}") is None
         assert store.records.get(store.key("acme", f"s{i}")) is None
     assert all(t.used_bytes() == 0 for t in store.tiers.tiers)
     store.close(flush_dram=False)
@@ -84,7 +84,7 @@ def test_expired_session_is_forgotten(tmp_path):
     store = make(tmp_path, session_ttl_s=1)
     store.save("acme", "s1", value(8))
     time.sleep(1.1)
-    assert store.lookup("acme", "s1") is None  # reads as absent at once
+    assert lookup(store, "acme", "s1") is None  # reads as absent at once
     assert store.purge_expired() == [store.key("acme", "s1")]  # the purge timer frees it
     assert store.tier_of("acme", "s1") is None
     assert store.tiers.keys() == set()
@@ -96,7 +96,7 @@ def test_model_change_invalidates_everything(tmp_path):
     store.save("acme", "s1", value(8))
     store.close()
     other = make(tmp_path, fingerprint="another-model", dram_bytes=0)
-    assert other.lookup("acme", "s1") is None
+    assert lookup(other, "acme", "s1") is None
     assert other.tier("ssd").used_bytes() == 0
     other.close()
 
@@ -107,14 +107,14 @@ def test_graceful_close_keeps_dram_sessions_on_disk(tmp_path):
     assert store.tier_of("acme", "s1") == "dram"
     store.close()
     again = make(tmp_path)
-    assert again.lookup("acme", "s1").equal(value(8))
+    assert lookup(again, "acme", "s1").equal(value(8))
     again.close()
 
 
 def test_two_data_dirs_share_nothing(tmp_path):
     a, b = make(tmp_path / "a", dram_bytes=0), make(tmp_path / "b", dram_bytes=0)
     a.save("acme", "s1", value(8))
-    assert b.lookup("acme", "s1") is None and saved_tokens(b, "acme", "s1") == []
+    assert lookup(b, "acme", "s1") is None and saved_tokens(b, "acme", "s1") == []
     a.close()
     b.close()
 
@@ -137,7 +137,7 @@ def test_kill_9_loses_no_acknowledged_record_or_kv(tmp_path):
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=root)
     assert "acknowledged" in out.stdout and out.returncode == -9, out.stderr
     store = make(tmp_path, dram_bytes=0)
-    assert store.lookup("acme", "s1").equal(value(12, seed=3))
+    assert lookup(store, "acme", "s1").equal(value(12, seed=3))
     assert store.records.get(store.key("acme", "s1")).messages[0]["content"] == "x"
     store.close()
 
@@ -153,7 +153,7 @@ def test_fit_context_cuts_prompt_and_saved_kv(tmp_path):
     prompt = history.token_ids + list(range(500, 515))  # 45 > 40: drop 20 after the head
     cut = store.fit_context("acme", "s1", prompt, head=4, tail=15)
     assert cut == prompt[:4] + prompt[24:]
-    saved = store.lookup("acme", "s1")
+    saved = lookup(store, "acme", "s1")
     assert saved.token_ids == history.token_ids[:4] + history.token_ids[24:]
     assert torch.equal(saved.kv[:, :, 4:], history.kv[:, :, 24:])
     store.close()
@@ -164,7 +164,7 @@ def test_half_precision_storage_halves_the_bytes(tmp_path):
     full.save("t", "s", value(32))
     half.save("t", "s", value(32))
     assert half.tier("dram").used_bytes() * 2 == full.tier("dram").used_bytes()
-    assert half.lookup("t", "s").dtype == torch.float16
+    assert lookup(half, "t", "s").dtype == torch.float16
     full.close()
     half.close()
 

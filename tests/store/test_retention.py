@@ -19,7 +19,7 @@ from chatstore.store.retention import Retention
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.session_store import SessionStore
 from chatstore.store.settings import StoreSettings
-from tests.support.store import BLOCK, TINY_SPEC, evictions, value
+from tests.support.store import BLOCK, TINY_SPEC, evictions, lookup, value
 
 TENANT = "t"
 
@@ -88,7 +88,7 @@ def test_per_session_ttl_purges_that_session_only(tmp_path):
         store.index.get(key("short")) is None and store.retention.get(key("short")) == Retention()
     )
     assert store.records._load(key("short")) is None
-    assert store.lookup(TENANT, "long") is not None and adapter.get(TENANT, "long") is not None
+    assert lookup(store, TENANT, "long") is not None and adapter.get(TENANT, "long") is not None
     store.close()
 
 

@@ -110,3 +110,13 @@ def saved_tokens(store: AttentionStore, tenant: str, session_id: str) -> list[in
     store.wait_saved(tenant, session_id)
     record = store.records.get(store.key(tenant, session_id))
     return list(record.token_ids) if record else []
+
+
+def lookup(store: AttentionStore, tenant: str, session_id: str) -> SessionKV | None:
+    """The session's whole stored KV, read from wherever its chunks are (None: not stored)."""
+    return store.reader.whole(store.key(tenant, session_id))
+
+
+def held_bytes(store: AttentionStore) -> int:
+    """Bytes of the chunks opened turns hold beside DRAM (turn_opening.py)."""
+    return store.opening.held_bytes

@@ -14,7 +14,7 @@ from chatstore.model.spec import ModelSpec
 from chatstore.store.attention_store import AttentionStore
 from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector
-from tests.support.store import saved_tokens
+from tests.support.store import lookup, saved_tokens
 from tests.support.tiny_models import tiny_hf_model
 
 BLOCK = 4
@@ -91,7 +91,7 @@ def test_partial_device_prefix_and_device_fallback(tmp_path):
     rig.logits([SequenceChunk(prompt, 0, blocks)])
     rig.conn.request_finished(req, prompt, blocks)
     rig.pool.free(blocks)
-    saved = rig.store.lookup("t", "s")
+    saved = lookup(rig.store, "t", "s")
     assert saved.token_ids == prompt
     nxt = [*prompt, 1, 2]
     req2 = Request("y", nxt, tenant="t", session_id="s")

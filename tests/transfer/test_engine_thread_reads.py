@@ -36,6 +36,7 @@ from chatstore.store.session_kv import SessionKey
 from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector
 from tests.support.redis_faults import redis_sends
+from tests.support.store import held_bytes
 from tests.support.tiny_models import tiny_hf_model
 
 BLOCK = 4  # tokens per device and DRAM block
@@ -182,7 +183,7 @@ def test_no_lmdb_read_on_the_engine_thread(tmp_path, model, monkeypatch):
         assert_same_answer(replica, logits, prompt)
 
         assert reads[ENGINE] == 0, dict(reads)
-        assert not store.pins and store.held_bytes == 0
+        assert not store.pins and held_bytes(store) == 0
     finally:
         replica.close()
 
@@ -226,7 +227,7 @@ def test_a_replica_without_local_tiers_reuses_a_session_begun_on_another(
         assert cached == len(history)
         assert_same_answer(second, logits, prompt)
         assert sends[API] > 0 and sends[ENGINE] == 0, dict(sends)
-        assert not second.store.pins and second.store.held_bytes == 0
+        assert not second.store.pins and held_bytes(second.store) == 0
         if chunks_dram:
             second.store.tiers.check_capacity()
     finally:

@@ -32,6 +32,7 @@ from tests.support.engine import (
     tiny_runtime,
     tokens_of,
 )
+from tests.support.store import lookup
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -144,7 +145,7 @@ def test_a_staged_copy_older_than_the_saved_kv_is_not_used(tmp_path):
     _wait_staged(conn, "a", 2)
     # The session's KV changes after staging (here: cut to its first 8 tokens, as a
     # truncation re-save would): the staged copy is stale.
-    saved = store.lookup("t", "a")
+    saved = lookup(store, "t", "a")
     store.save("t", "a", SessionKV(saved.token_ids[:8], saved.kv[:, :, :8].clone()))
     req = Request("a-1", second, greedy(5), tenant="t", session_id="a")
     engine.add_request(req)

@@ -23,7 +23,7 @@ from chatstore.store.attention_store import AttentionStore
 from chatstore.store.chunks import ChunkHasher
 from chatstore.store.session_kv import SessionKey, SessionKV
 from tests.support.chunk_store import CHUNK, kv_of, make, turn
-from tests.support.store import TOKEN_BYTES, push_down
+from tests.support.store import TOKEN_BYTES, lookup, push_down
 
 
 def check_invariants(store: AttentionStore, expected: dict[SessionKey, list[int]]) -> None:
@@ -36,7 +36,7 @@ def check_invariants(store: AttentionStore, expected: dict[SessionKey, list[int]
         assert tier.used_bytes() <= tier.capacity
     assert set(store.index.sessions()) == set(expected)
     for key, ids in expected.items():
-        got = store.lookup(key.tenant, key.session_id)
+        got = lookup(store, key.tenant, key.session_id)
         assert got is not None and got.token_ids == ids
         assert torch.equal(got.kv, kv_of(ids)), f"{key}: bytes of another history"
 
@@ -202,7 +202,7 @@ def test_write_back_reaches_ssd_within_the_lag(tmp_path):
     assert all(store.tiers.where(k) == "dram" for k in chunks)  # still served from DRAM
     store.close(flush_dram=False)  # as a crash would: nothing more is written
     again = make(tmp_path)
-    assert again.lookup("t", "s").token_ids == list(range(20))
+    assert lookup(again, "t", "s").token_ids == list(range(20))
     again.close()
 
 
@@ -231,7 +231,7 @@ def test_turns_lookups_and_prefetches_on_threads_keep_the_invariants(tmp_path):
                 sid = f"s{rng.randrange(6)}"
                 store.find("t", sid)
                 store.prefetch("t", sid)
-                store.lookup("t", sid)
+                lookup(store, "t", sid)
         except BaseException as exc:  # reported below
             errors.append(exc)
 

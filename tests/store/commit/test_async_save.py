@@ -19,7 +19,15 @@ from chatstore.store.attention_store import AttentionStore
 from chatstore.store.commit.write_buffer import WriteBuffer
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.settings import StoreSettings
-from tests.support.store import TINY_SPEC, TOKEN_BYTES, save_later, saved_tokens, three_turns, value
+from tests.support.store import (
+    TINY_SPEC,
+    TOKEN_BYTES,
+    lookup,
+    save_later,
+    saved_tokens,
+    three_turns,
+    value,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -39,7 +47,7 @@ def test_save_later_returns_before_the_write_and_lookup_waits(tmp_path):
     save_later(store, "t", "s", new, gate)  # returns with the write held by the gate
     assert store.writer.is_pending(SessionKey("t", "s"))
     threading.Timer(0.2, gate.set).start()
-    got = store.lookup("t", "s")  # waits for the pending turn: never the half-written one
+    got = lookup(store, "t", "s")  # waits for the pending turn: never the half-written one
     assert got is not None and got.equal(new)
     assert saved_tokens(store, "t", "s") == new.token_ids
     store.close()
@@ -59,10 +67,10 @@ def test_turns_of_one_session_land_in_order_and_delete_waits(tmp_path):
     values = [value(16 + i, i) for i in range(5)]
     for v in values:
         save_later(store, "t", "s", v)
-    assert store.lookup("t", "s").equal(values[-1])
+    assert lookup(store, "t", "s").equal(values[-1])
     save_later(store, "t", "s", values[0])
     assert store.delete_session("t", "s")
-    assert store.lookup("t", "s") is None  # the pending write did not resurrect it
+    assert lookup(store, "t", "s") is None  # the pending write did not resurrect it
     store.close()
 
 
@@ -110,7 +118,7 @@ def test_close_commits_pending_writes(tmp_path):
     save_later(store, "t", "s", v)
     store.close()
     again = make(tmp_path)
-    assert again.lookup("t", "s").equal(v)
+    assert lookup(again, "t", "s").equal(v)
     again.close()
 
 
@@ -164,7 +172,7 @@ def test_kill_during_async_save_leaves_a_complete_turn(tmp_path, delay_s):
     store = AttentionStore(
         StoreSettings(data_dir=tmp_path, dram_bytes=0, ssd_bytes=1 << 28), TINY_SPEC, "fp"
     )
-    got = store.lookup("t", "s")
+    got = lookup(store, "t", "s")
     assert got is not None
     assert any(got.equal(v) for v in three_turns()), f"torn KV: {got.num_tokens} tokens"
     chain = store.index.get(SessionKey("t", "s"))

@@ -16,7 +16,7 @@ from chatstore.store.placement.policies import PolicyChooser
 from chatstore.store.port_values import StoreEvent
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.settings import StoreSettings
-from tests.support.store import BLOCK, TINY_SPEC, evictions, push_down, session_of, value
+from tests.support.store import BLOCK, TINY_SPEC, evictions, lookup, push_down, session_of, value
 
 
 def make(tmp_path, policy: str = "aware", dram_sessions: int = 2, **kw) -> AttentionStore:
@@ -156,7 +156,7 @@ def test_prefetch_hint_moves_a_session_up(tmp_path, policy):
     store.prefetch("t", "a")
     assert wait_for(lambda: store.tier_of("t", "a") == "dram")
     assert store.stats().counters.prefetches == 1
-    assert store.lookup("t", "a").equal(value(16, 1))
+    assert lookup(store, "t", "a").equal(value(16, 1))
     store.close()
 
 
@@ -207,7 +207,7 @@ def test_prefetch_races_with_lookups(tmp_path):
         n = 0
         while time.monotonic() < deadline:
             sid = str(rng.randrange(5))
-            got = store.lookup("t", sid)
+            got = lookup(store, "t", sid)
             assert got is not None and got.equal(values[sid])
             store.tiers.check_capacity()
             n += 1
@@ -243,5 +243,5 @@ def test_queued_session_from_before_a_restart_is_prefetched(tmp_path):
     store.set_waiting_queue(lambda: [key("a")])
     assert prefetch(store, "a") is True
     assert store.tier_of("t", "b") == "ssd"
-    assert store.lookup("t", "a").equal(value(16, 1))
+    assert lookup(store, "t", "a").equal(value(16, 1))
     store.close()

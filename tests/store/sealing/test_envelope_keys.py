@@ -37,7 +37,7 @@ from chatstore.store.settings import StoreSettings
 from chatstore.store.tiers import codec
 from chatstore.store.tiers.lmdb import LmdbTier
 from chatstore.store.tiers.redis import RedisTier
-from tests.support.store import TINY_SPEC
+from tests.support.store import TINY_SPEC, lookup
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -352,7 +352,7 @@ def test_a_start_whose_records_do_not_open_deletes_no_stored_chunk(tmp_path):
     mistaken.close()
     again = store(right)
     assert set(again.tier("ssd").keys()) == chunks
-    assert again.lookup("alice", "s").equal(SessionKV(ids, kv))
+    assert lookup(again, "alice", "s").equal(SessionKV(ids, kv))
     again.close()
 
 

@@ -23,7 +23,7 @@ from chatstore.store.attention_store import AttentionStore
 from chatstore.store.session_kv import ChunkKey, SessionKey, SessionKV
 from chatstore.store.sessions import restore as restore_module
 from chatstore.store.settings import StoreSettings
-from tests.support.store import TINY_SPEC
+from tests.support.store import TINY_SPEC, lookup
 
 SPEC = TINY_SPEC
 CHUNK = 16
@@ -95,7 +95,7 @@ def test_serves_while_restoring_as_a_restored_store_would(populated, gated):
         unrestored = [k for k in ALL if k not in known]
         late = unrestored[0]
         # A session the restore has not reached: found (read from its record), whole.
-        whole = store.lookup("t", late.session_id)
+        whole = lookup(store, "t", late.session_id)
         assert whole is not None and whole.equal(value(int(late.session_id[1:])))
         # Every restored session but one sharing the first chunk is deleted: the chunk's
         # only known holder left is `late`'s... and the sessions not restored yet list it too.
@@ -115,7 +115,7 @@ def test_serves_while_restoring_as_a_restored_store_would(populated, gated):
         left = [k for k in ALL if k not in known and k not in (late, gone)]
         assert set(store.index.sessions()) == set(left)
         for key in left:  # every session the restore brought in reads whole, `shared` first
-            found = store.lookup("t", key.session_id)
+            found = lookup(store, "t", key.session_id)
             assert found is not None and found.equal(value(int(key.session_id[1:])))
         # The deleted sessions' own chunks are gone once the restore ended (their deletes
         # waited); nothing any session lists is.

@@ -31,6 +31,7 @@ from chatstore.store.attention_store import AttentionStore
 from chatstore.store.session_kv import SessionKey
 from chatstore.store.settings import StoreSettings
 from chatstore.transfer import StoreConnector
+from tests.support.store import held_bytes
 from tests.support.tiny_models import tiny_hf_model
 
 BLOCK = 4  # tokens per device and DRAM block
@@ -151,7 +152,7 @@ def test_a_session_larger_than_dram_is_reused_whole_from_redis(tmp_path, redis):
         assert_reused(rig, req, cached, history)
         assert rig.store.stats().counters.bytes_up - before >= 5 * CHUNK * 2 * 2 * 2 * 16 * 4
         # Once the engine has read it, the turn holds nothing: DRAM is the policy's again.
-        assert not rig.store.pins and rig.store.held_bytes == 0
+        assert not rig.store.pins and held_bytes(rig.store) == 0
         rig.store.tiers.check_capacity()
     finally:
         rig.close()
@@ -173,7 +174,7 @@ def test_turns_opened_together_do_not_evict_each_others_chunks(tmp_path, redis):
         for sid, history in histories.items():
             req, cached = rig.admit(sid, [*history, 5, 6], opened[sid])
             assert_reused(rig, req, cached, history)
-        assert not rig.store.pins and rig.store.held_bytes == 0
+        assert not rig.store.pins and held_bytes(rig.store) == 0
     finally:
         rig.close()
 
@@ -189,13 +190,13 @@ def test_an_opened_turn_that_never_runs_lets_go_of_its_chunks(tmp_path, redis):
         rig.only_in_redis("a")
         first = rig.store.open_turn(TENANT, "a")
         second = rig.store.open_turn(TENANT, "a")
-        assert len(rig.store.pins) == 4 and rig.store.held_bytes > 0
+        assert len(rig.store.pins) == 4 and held_bytes(rig.store) > 0
 
         rig.store.end_turn(first)  # the API ends a turn the engine refused
         assert len(rig.store.pins) == 4, "the second turn's pins went with the first's"
         del second  # a caller that never ends its turn
         gc.collect()
-        assert not rig.store.pins and rig.store.held_bytes == 0
+        assert not rig.store.pins and held_bytes(rig.store) == 0
         # Nothing was lost: the chunks are still in Redis, and DRAM is no longer reserved.
         assert rig.store.find(TENANT, "a").num_tokens == len(history)
         rig.store.tiers.check_capacity()

@@ -33,7 +33,7 @@ from chatstore.store.commit.persister import Persister
 from chatstore.store.session_kv import ChunkKey
 from chatstore.store.tiers.lmdb import LmdbTier
 from tests.support.chunk_store import CHUNK, kv_of, make, turn
-from tests.support.store import TOKEN_BYTES, push_down
+from tests.support.store import TOKEN_BYTES, lookup, push_down
 
 SMALL_MAP = 64 << 10  # LMDB's own pages and three chunks of CHUNK tokens
 
@@ -64,7 +64,7 @@ def ssd_failures(store: AttentionStore) -> dict[str, int]:
 
 
 def exact(store: AttentionStore, sid: str, ids: list[int]) -> None:
-    got = store.lookup("t", sid)
+    got = lookup(store, "t", sid)
     assert got is not None and got.token_ids == ids
     assert torch.equal(got.kv, kv_of(ids)), f"{sid}: other bytes than its history's"
 
@@ -107,7 +107,7 @@ def test_a_full_kv_map_keeps_the_chunk_in_dram_counts_it_and_retries(tmp_path, k
         with store.tiers.lock:
             if ssd.contains(chunk):
                 store.tier("dram").delete(chunk)
-    got = store.lookup("t", "s")
+    got = lookup(store, "t", "s")
     assert got is not None and got.token_ids == ids[: len(got.token_ids)]
     assert torch.equal(got.kv, kv_of(got.token_ids))
     store.close()
@@ -123,7 +123,7 @@ def test_when_dram_is_full_too_the_chunk_is_a_miss_later_not_an_error(tmp_path, 
     assert ssd_failures(store).get("map_full", 0) >= 1
     assert counters.dropped > 0  # kept nowhere
     for sid, ids in (("a", a), ("b", b)):  # what is found is exact; the rest is a miss
-        got = store.lookup("t", sid)
+        got = lookup(store, "t", sid)
         if got is not None:
             assert got.token_ids == ids[: len(got.token_ids)]
             assert torch.equal(got.kv, kv_of(got.token_ids))

@@ -19,7 +19,7 @@ from chatstore.store.tiers.redis import RedisTier
 from chatstore.store.tiers.redis_client import cluster_startup_nodes, connect_redis
 from tests.support.redis_faults import redis_sends
 from tests.support.redis_server import redis_server_binary, start_local_redis_cluster
-from tests.support.store import TOKEN_BYTES, make, value
+from tests.support.store import TOKEN_BYTES, lookup, make, value
 from tests.support.tier_values import K
 from tests.support.tier_values import value as chunk
 
@@ -127,7 +127,7 @@ def test_attention_store_over_a_cluster(tmp_path, client, cluster, how):
         store.save("acme", f"s{i}", value(16, seed=i))
     assert "remote" in {store.tier_of("acme", f"s{i}") for i in range(6)}
     for i in range(6):
-        assert store.lookup("acme", f"s{i}").equal(value(16, seed=i))
+        assert lookup(store, "acme", f"s{i}").equal(value(16, seed=i))
     assert len(store.records.list_sessions("acme")) == 6
     assert sum(keys_per_master(cluster).values()) > 6  # chunks and records in the cluster
     for i in range(6):

@@ -25,7 +25,7 @@ from chatstore.store.tiers.breaker import CircuitBreaker
 from chatstore.store.tiers.redis import RedisTier, connect_redis
 from tests.support.redis_server import redis_server_binary
 from tests.support.redis_tls import TLSRedis, make_tls_files, start_tls_redis
-from tests.support.store import TINY_SPEC, TOKEN_BYTES, saved_tokens, value
+from tests.support.store import TINY_SPEC, TOKEN_BYTES, lookup, saved_tokens, value
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -92,7 +92,7 @@ def test_a_session_round_trips_through_tls_redis_as_the_acl_user(tmp_path, tls_s
     # Another store (nothing local: no DRAM, no LMDB) reads the record and the chunks back. It
     # shares the data directory only for its secret key (encryption at rest), as replicas do.
     reader = remote_store(tmp_path, tls_server)
-    assert reader.lookup("acme", "s1").equal(kv)
+    assert lookup(reader, "acme", "s1").equal(kv)
     assert saved_tokens(reader, "acme", "s1") == kv.token_ids
     leases = session_leases(reader.records, 5.0, "r1")
     lease = leases.acquire(reader.key("acme", "s1"))
@@ -140,7 +140,7 @@ def test_a_redis_cluster_over_tls(tmp_path, tls_cluster):
     kv = value(40, seed=5)
     assert writer.save("acme", "c1", kv) == "remote"
     reader = remote_store(tmp_path, tls_cluster, url=url)
-    assert reader.lookup("acme", "c1").equal(kv)
+    assert lookup(reader, "acme", "c1").equal(kv)
     assert type(reader.records.client).__name__ == "RedisCluster"
     for store in (writer, reader):
         store.close()
