@@ -185,3 +185,17 @@ def test_loading_the_default_model_builds_no_transformers_model(default_model):
     assert "transformers.modeling_utils" not in result["modeling"]
     ids = default_model.tokenizer("The capital of France is")["input_ids"]
     assert result["token"] == int(hf_logits(default_hf_model(), ids)[-1].argmax())
+
+
+def test_a_bin_checkpoint_directory_loads_tensor_by_tensor(tmp_path, default_model):
+    """An older save (pytorch_model.bin, no safetensors) is memory-mapped by torch.load and read
+    the same way: logits within TOL of transformers' forward."""
+    model = tiny_hf_model("llama", seed=6)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    default_model.tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert isinstance(loaded.weights, SafetensorsWeightSource)
+    ids = random_ids(30, loaded.spec.vocab_size, seed=9)
+    ours = full_logits(*runner_over(loaded.weights), ids)
+    assert (ours - hf_logits(model, ids)).abs().max().item() <= TOL
