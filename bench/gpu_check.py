@@ -236,7 +236,9 @@ def run_turn(
             tokens += [t for s in out.samples for t in s.token_ids]
             usage = out.usage or usage
     assert usage is not None
-    return tokens, usage.cached_by_tier
+    # the engine's "store" share, by the tier each chunk was in (read from the turn's handle)
+    start = usage.cached_by_tier.get("device", 0)
+    return tokens, opened.tokens_by_origin(start, start + usage.cached_by_tier.get("store", 0))
 
 
 def exactness(check: Check) -> dict[str, Any]:
