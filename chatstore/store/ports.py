@@ -195,11 +195,13 @@ class SessionKVAdmin(Protocol):
         kv_tokens: int = 0,
         last_token: int | None = None,
         turn: OpenedTurn | None = None,
+        lease: SessionLease | None = None,
     ) -> None:
         """Append a turn's messages on top of `record.version`, keeping the first `keep` stored
         messages (None: all), with the KV chain the turn's commit made (`turn`, as `open_turn`
         gave it); RecordConflict when the session changed meanwhile. `record` becomes what was
-        stored."""
+        stored. Then `lease` goes back, written or not (the lease guarded this write: the
+        client's next turn may go to another replica)."""
 
     def acquire_lease(self, tenant: str, session_id: str) -> SessionLease | None:
         """The session's lease for one turn or delete (shared by replicas); None when another

@@ -110,22 +110,33 @@ class SessionStore:
         kv_tokens: int = 0,
         last_token: int | None = None,
         turn: OpenedTurn | None = None,
+        lease: SessionLease | None = None,
+    ) -> None:
+        try:
+            self._append(record, new_messages, keep, kv_tokens, last_token, turn)
+        finally:
+            if lease is not None:
+                self.leases.release(lease)
+
+    def _append(
+        self,
+        record: SessionRecord,
+        new_messages: list[dict[str, Any]],
+        keep: int | None,
+        kv_tokens: int,
+        last_token: int | None,
+        turn: OpenedTurn | None,
     ) -> None:
         key = SessionKey(record.tenant, record.session_id)
         chain = None
         if turn is not None and turn.chain is not None:
             chain = turn.chain.take(WAIT_SAVED_S)  # its commit: the KV chain to record
         else:
-            self.kv_half.wait_saved(record.tenant, record.session_id)  # a turn opened elsewhere
+            self.kv_half.wait_saved(record.tenant, record.session_id)  # opened elsewhere
         saved = self.records.append_turn(
-            key,
-            record.version,
-            new_messages,
-            keep,
-            chain,
-            kv_tokens=kv_tokens,
+            key, record.version, new_messages, keep, chain, kv_tokens=kv_tokens,
             last_token=last_token,
-        )
+        )  # fmt: skip
         for f in dataclasses.fields(SessionRecord):
             setattr(record, f.name, getattr(saved, f.name))
         self.kv_half.own_model(record)

@@ -79,6 +79,11 @@ class SessionReservations:
         if lease is not None:
             self.store.release_lease(lease, wait=False)
 
+    def take_lease(self, key: SessionRef) -> SessionLease | None:
+        """The session's lease, handed to the turn's append (which gives it back)."""
+        with self._lock:
+            return self._leases.pop(key, None)
+
     def release_lease(self, key: SessionRef) -> None:
         """Give the lease back now (a worker thread), before the turn is acknowledged: the
         client's next turn may go to another replica."""

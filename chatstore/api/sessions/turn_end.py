@@ -48,7 +48,7 @@ class TurnEnd:
         except Exception as exc:
             log.error("saving session %s failed: %s", record.session_id, exc)
             raise store_error(exc) from None
-        finally:
+        finally:  # the append gave the lease back; a failure before it did not reach it
             self.reservations.release_lease((record.tenant, record.session_id))
 
     def end(self, turn: Turn) -> None:
@@ -76,11 +76,13 @@ class TurnEnd:
         tools = tool_reply(turn)
         if tools is not None:  # a session's turn with tools: its messages as tool_turn.py keeps
             kept = tools.keep(result.texts[0])
-            self.store.append_turn(record, kept, None, kv_tokens, last_token, turn.opened)
+            lease = self.reservations.take_lease((record.tenant, record.session_id))
+            self.store.append_turn(record, kept, None, kv_tokens, last_token, turn.opened, lease)
             return
         stored, sent = plain(record.messages), turn.record_messages
         if sent[: len(stored)] == stored:
             new, keep = [*sent[len(stored) :], reply], None
         else:
             new, keep = [*sent, reply], 0
-        self.store.append_turn(record, new, keep, kv_tokens, last_token, turn.opened)
+        lease = self.reservations.take_lease((record.tenant, record.session_id))
+        self.store.append_turn(record, new, keep, kv_tokens, last_token, turn.opened, lease)
