@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import cpu_isa, cpu_model
@@ -68,6 +69,8 @@ from bench.peer_servers import (
     vllm_server,
     vllm_venv,
 )
+from chatstore.config import resolve_dtype
+from chatstore.model.spec import ModelSpec
 
 PEER_SCRIPTS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm"
 TIMEOUT_S = 600
@@ -411,12 +414,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]
     p.add_argument("--vllm-parser", default="hermes", help="vLLM's --tool-call-parser")
     p.add_argument("--vllm-model", type=Path, default=None, help="HF directory (config.json)")
     p.add_argument("--no-store-off", action="store_true", help="skip the store-off server")
+    p.add_argument(
+        "--device-kv-tokens", type=int, default=12288,
+        help="both chatstore servers' device KV pool, in tokens at the served dtype (default "
+        "1.5 windows: fewer than the agents' histories, as on a server busier than one agent; "
+        "0: the server's own default)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         plan = Plan(min(args.agents, 2), min(args.steps, 3), 300, 30, 80, 80, 1, 2, 8, args.seed, 1)
     else:
         plan = Plan(args.agents, args.steps, 3000, 200, 2000, 96, 10, 8, 64, args.seed)
     return args, plan
+
+
+def device_pool_bytes(spec: ModelSpec, tokens: int) -> int:
+    """Bytes of a device KV pool of `tokens` tokens at the dtype `dtype = auto` serves here."""
+    itemsize = torch.empty(0, dtype=getattr(torch, resolve_dtype("auto"))).element_size()
+    return tokens * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * itemsize
 
 
 def served_dtype(url: str) -> str | None:
@@ -462,6 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {cpu_model()} ({cpu_isa()})", flush=True)
     model = load_model()
     tokenizer, model_dir = model.tokenizer, model.path
+    pool_bytes = device_pool_bytes(model.spec, args.device_kv_tokens)
     del model  # the servers load their own copies; the bench keeps only the tokenizer
     sizer = Sizer(tokenizer)
     runs: dict[str, AgentRun] = {}
@@ -476,6 +492,8 @@ def main(argv: list[str] | None = None) -> None:
             server = chatstore_server(root / name / "data", root / name)
             if not store:
                 server.argv += ["--kv-store", "off"]
+            if pool_bytes:
+                server.env["CHATSTORE_KV_CACHE_BYTES"] = str(pool_bytes)
             with server:
                 result.setdefault("dtype", served_dtype(server.url))
                 runs[name] = run_agents(server.url, plan, sizer, name, sessions=True)
@@ -516,6 +534,7 @@ def main(argv: list[str] | None = None) -> None:
     result |= {
         "cpu": cpu_model(), "isa": cpu_isa(), "weights": str(load_config().weights),
         "agents": plan.agents, "steps": plan.steps, "later_step": plan.later_step,
+        "device_kv_tokens": args.device_kv_tokens,
         "system_tokens": plan.system_tokens, "result_tokens": [plan.result_min, plan.result_max],
         "vllm": "vllm" in runs,
     }  # fmt: skip
