@@ -97,8 +97,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import plots, progress  # noqa: E402
 from bench.tier_bytes import TierBytes  # noqa: E402
+from chatstore.api.chat.service import ChatService, TurnSpec  # noqa: E402
 from chatstore.api.common.settings import ServerSettings  # noqa: E402
-from chatstore.api.sessions.service import ChatService, TurnSpec  # noqa: E402
 from chatstore.config import load_config  # noqa: E402
 from chatstore.engine.request import Request, SamplingParams  # noqa: E402
 from chatstore.serving import build  # noqa: E402

@@ -16,9 +16,9 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
+from chatstore.api.chat.service import ChatService
 from chatstore.api.common.app import create_app
 from chatstore.api.common.settings import ServerSettings, forget_plain_keys
-from chatstore.api.sessions.service import ChatService
 from chatstore.config import Config
 
 log = logging.getLogger("chatstore.api")

@@ -44,7 +44,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from chatstore.api.admin.history import MetricsHistory
-from chatstore.api.sessions.turn import Turn
+from chatstore.api.chat.turn import Turn
 from chatstore.engine.engine_stats import EngineStats
 from chatstore.store.ports import TierStats
 

@@ -39,10 +39,10 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from chatstore.api.admin.tiers import cache_tiers
+from chatstore.api.chat.service import ChatService
 from chatstore.api.common.auth import Principal, admin_principal
 from chatstore.api.common.errors import APIError, store_error
 from chatstore.api.sessions.bodies import session_info
-from chatstore.api.sessions.service import ChatService
 from chatstore.store.ports import RecordStoreError, SessionRecord, TierStats, store_hits
 from chatstore.store.sealing.errors import KeyUnavailable, ShredFailed
 

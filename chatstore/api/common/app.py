@@ -21,6 +21,7 @@ from chatstore.api.admin import metrics as metrics_routes
 from chatstore.api.admin import routes as admin_routes
 from chatstore.api.admin.metrics import Metrics
 from chatstore.api.admin.tiers import CacheTiers
+from chatstore.api.chat.service import ChatService
 from chatstore.api.common.chat_template import ChatTemplate
 from chatstore.api.common.engine_client import EngineClient
 from chatstore.api.common.errors import install_error_handlers
@@ -30,7 +31,6 @@ from chatstore.api.openai import routes as openai_routes
 from chatstore.api.responses import routes as responses_routes
 from chatstore.api.sessions import routes as session_routes
 from chatstore.api.sessions import ws
-from chatstore.api.sessions.service import ChatService
 from chatstore.store.ports import SessionKVAdmin, TierStats
 
 log = logging.getLogger("chatstore.api")

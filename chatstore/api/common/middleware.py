@@ -18,10 +18,10 @@ import time
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from chatstore.api.chat.turn import Turn
 from chatstore.api.common.auth import guard_metrics
 from chatstore.api.common.errors import APIError
 from chatstore.api.common.origin_policy import Headers, Incoming, policy_for
-from chatstore.api.sessions.turn import Turn
 
 access_log = logging.getLogger("chatstore.access")
 OPEN_PATHS = ("/healthz", "/readyz", "/metrics")

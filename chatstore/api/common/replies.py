@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import NotRequired, TypedDict
 
+from chatstore.api.chat.turn import TurnResult
 from chatstore.api.openai.logprobs import ChoiceLogprobs
-from chatstore.api.sessions.turn import TurnResult
 
 
 class ChoiceMessage(TypedDict):

@@ -6,7 +6,7 @@ terminal client read it.
 
 from __future__ import annotations
 
-from chatstore.api.sessions.turn import TurnResult
+from chatstore.api.chat.turn import TurnResult
 from chatstore.engine.request import Usage
 
 TIERS = ("device", "dram", "ssd", "remote")

@@ -8,12 +8,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
+from chatstore.api.chat.turn import Turn
 from chatstore.api.common.errors import error_body
 from chatstore.api.common.replies import finish_reason
 from chatstore.api.common.streaming import sse
 from chatstore.api.common.usage import usage_body
 from chatstore.api.openai.logprobs import ChoiceLogprobs, TokenBytes, choice_logprobs
-from chatstore.api.sessions.turn import Turn
 from chatstore.api.tools.formats import ToolFormat
 from chatstore.api.tools.replies import ToolDeltas
 from chatstore.engine.request import SampleDelta

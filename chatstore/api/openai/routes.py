@@ -11,6 +11,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 
+from chatstore.api.chat.service import ChatService, TurnSpec
+from chatstore.api.chat.turn import Turn, TurnResult
 from chatstore.api.common.auth import Principal, tenant_principal
 from chatstore.api.common.errors import ERRORS, APIError, bad_param
 from chatstore.api.common.protocol import SESSION_ID_PATTERN
@@ -27,8 +29,6 @@ from chatstore.api.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from chatstore.api.sessions.service import ChatService, TurnSpec
-from chatstore.api.sessions.turn import Turn, TurnResult
 from chatstore.api.tools.formats import detect_format
 from chatstore.api.tools.protocol import ToolChatMessage
 from chatstore.api.tools.rendering import render_tools

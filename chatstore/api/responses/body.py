@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+from chatstore.api.chat.turn import TurnResult
 from chatstore.api.common.usage import cached_by_tier, timings
 from chatstore.api.openai.logprobs import LogprobEntry
-from chatstore.api.sessions.turn import TurnResult
 
 STATUS = {"stop": "completed", "length": "incomplete"}  # by the engine's finish reason
 

@@ -9,14 +9,14 @@ import json
 import logging
 from dataclasses import dataclass
 
+from chatstore.api.chat.service import ChatService
+from chatstore.api.chat.turn import Turn, TurnResult
 from chatstore.api.common.errors import APIError
 from chatstore.api.openai.logprobs import LogprobEntry, TokenBytes, logprobs_content
 from chatstore.api.responses.body import ResponseHead
 from chatstore.api.responses.chain import ChainTurn
 from chatstore.api.responses.output import ReplyForm, ReplyOutput, reply_output
 from chatstore.api.responses.store import ResponseStore, StoredResponse
-from chatstore.api.sessions.service import ChatService
-from chatstore.api.sessions.turn import Turn, TurnResult
 from chatstore.engine.request import TokenLogprob
 
 log = logging.getLogger("chatstore.api")

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chatstore.api.chat.service import new_session_id, plain
 from chatstore.api.common.chat_template import Message, RichPrompt
 from chatstore.api.common.errors import APIError
 from chatstore.api.responses.items import Item, check_outputs, is_tool_item, tool_messages
 from chatstore.api.responses.store import ResponseStore
-from chatstore.api.sessions.service import new_session_id, plain
 from chatstore.api.tools.formats import ToolFormat
 from chatstore.api.tools.rendering import ToolPrompt, render_tools
 from chatstore.api.tools.request import ToolRequest

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from chatstore.api.chat.turn import TurnResult
 from chatstore.api.openai.logprobs import LogprobEntry
 from chatstore.api.responses.body import (
     FunctionCallItem,
@@ -23,7 +24,6 @@ from chatstore.api.responses.body import (
     turn_status,
 )
 from chatstore.api.responses.items import Item, call_item
-from chatstore.api.sessions.turn import TurnResult
 from chatstore.api.tools.formats import ToolFormat
 from chatstore.api.tools.protocol import ToolCall
 from chatstore.api.tools.replies import call_id

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from chatstore.api.chat.limits import check_text
 from chatstore.api.common.errors import bad_param
 from chatstore.api.common.protocol import INT64_MAX, SamplingFields
 from chatstore.api.responses.items import (
@@ -25,7 +26,6 @@ from chatstore.api.responses.items import (
     output_item,
 )
 from chatstore.api.responses.tools import MAX_TOOLS, FunctionTool
-from chatstore.api.sessions.limits import check_text
 from chatstore.api.tools.protocol import ToolCall
 from chatstore.engine.request import MAX_LOGPROBS
 

@@ -25,6 +25,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from chatstore.api.chat.limits import check_text
+from chatstore.api.chat.service import ChatService, TurnSpec, new_session_id
+from chatstore.api.chat.turn import Turn
 from chatstore.api.common.auth import Principal, tenant_principal
 from chatstore.api.common.errors import ERRORS, APIError, bad_param, not_found
 from chatstore.api.common.sampling import to_sampling
@@ -39,9 +42,6 @@ from chatstore.api.responses.protocol import RESPONSE_ID_MAX, ResponsesRequest, 
 from chatstore.api.responses.store import StoredResponse, new_response_id
 from chatstore.api.responses.stream import stream_response
 from chatstore.api.responses.tools import echo_choice, echo_tools, responses_tool_request
-from chatstore.api.sessions.limits import check_text
-from chatstore.api.sessions.service import ChatService, TurnSpec, new_session_id
-from chatstore.api.sessions.turn import Turn
 from chatstore.api.tools.formats import detect_format
 from chatstore.api.tools.request import ToolRequest
 from chatstore.engine.request import SamplingParams

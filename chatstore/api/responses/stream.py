@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from chatstore.api.chat.turn import TurnResult
 from chatstore.api.common.errors import APIError
 from chatstore.api.openai.logprobs import LogprobEntry
 from chatstore.api.responses.body import ResponseHead, message_item, turn_status
 from chatstore.api.responses.events import ResponseEvents
 from chatstore.api.responses.output import ReplyForm, ReplyOutput, function_call_id
-from chatstore.api.sessions.turn import TurnResult
 from chatstore.api.tools.protocol import ToolCall
 from chatstore.api.tools.replies import call_id
 from chatstore.api.tools.streaming import CallDone, StreamEvent, ToolStreamParser

@@ -1,2 +1,2 @@
-"""The session API (/v1/sessions, its WebSocket) and the services every surface shares: the
-chat service (a turn opened, run and saved) and the turn."""
+"""The session API: /v1/sessions (routes, its WebSocket), its request and response models and the
+bodies it answers with. The turn itself is api/chat/'s, shared with the OpenAI surfaces."""

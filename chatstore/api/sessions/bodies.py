@@ -3,11 +3,11 @@ the admin's session table share them)."""
 
 from __future__ import annotations
 
+from chatstore.api.chat.service import ChatService
+from chatstore.api.chat.tool_turn import shown, tool_reply
+from chatstore.api.chat.turn import Turn, TurnResult
 from chatstore.api.common.replies import ChoiceMessage, finish_reason, message_choices
 from chatstore.api.common.usage import timings, usage_body
-from chatstore.api.sessions.service import ChatService
-from chatstore.api.sessions.tool_turn import shown, tool_reply
-from chatstore.api.sessions.turn import Turn, TurnResult
 from chatstore.store.ports import SessionRecord
 
 

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from functools import partial
 
+from chatstore.api.chat.service import ChatService, TurnSpec
+from chatstore.api.chat.tool_turn import ToolTurn, tool_reply
+from chatstore.api.chat.turn import Turn
 from chatstore.api.common.errors import bad_param
 from chatstore.api.common.sampling import to_sampling
 from chatstore.api.openai.grammar import grammars_for, pick_constraint
 from chatstore.api.sessions.protocol import SessionMessageRequest
-from chatstore.api.sessions.service import ChatService, TurnSpec
-from chatstore.api.sessions.tool_turn import ToolTurn, tool_reply
-from chatstore.api.sessions.turn import Turn
 from chatstore.api.tools.formats import detect_format
 from chatstore.api.tools.protocol import ToolChatMessage
 from chatstore.api.tools.request import tool_request

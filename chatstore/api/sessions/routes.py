@@ -20,6 +20,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from chatstore.api.chat.service import ChatService
+from chatstore.api.chat.turn import Turn
 from chatstore.api.common.auth import Principal, tenant_principal
 from chatstore.api.common.errors import ERRORS, APIError, error_body
 from chatstore.api.common.protocol import SESSION_ID_PATTERN, Deleted
@@ -34,8 +36,6 @@ from chatstore.api.sessions.protocol import (
     SessionPatchRequest,
     SessionReply,
 )
-from chatstore.api.sessions.service import ChatService
-from chatstore.api.sessions.turn import Turn
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 Tenant = Annotated[Principal, Depends(tenant_principal)]

@@ -28,14 +28,14 @@ import time
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from chatstore.api.chat.service import ChatService
+from chatstore.api.chat.turn import Turn
 from chatstore.api.common.auth import Principal, tenant_principal
 from chatstore.api.common.errors import APIError, error_body, store_error
 from chatstore.api.common.protocol import SESSION_ID_PATTERN
 from chatstore.api.sessions.bodies import reply_body
 from chatstore.api.sessions.message import session_turn_spec, shown_deltas
 from chatstore.api.sessions.protocol import SessionMessageRequest
-from chatstore.api.sessions.service import ChatService
-from chatstore.api.sessions.turn import Turn
 from chatstore.store.ports import RecordStoreError
 
 router = APIRouter(tags=["websocket"])

@@ -38,16 +38,16 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from chatstore.api.chat.crud import SessionCrud, new_session_id, plain
+from chatstore.api.chat.refusals import draining, retry_after
+from chatstore.api.chat.reservations import SessionReservations
+from chatstore.api.chat.turn import Turn
+from chatstore.api.chat.turn_end import TurnEnd
+from chatstore.api.chat.turn_prep import TurnPreparation, TurnSpec, fit_max_tokens
 from chatstore.api.common.chat_template import ChatTemplate
 from chatstore.api.common.engine_client import EngineClient
 from chatstore.api.common.errors import APIError, bad_param
 from chatstore.api.common.settings import ServerSettings
-from chatstore.api.sessions.crud import SessionCrud, new_session_id, plain
-from chatstore.api.sessions.refusals import draining, retry_after
-from chatstore.api.sessions.reservations import SessionReservations
-from chatstore.api.sessions.turn import Turn
-from chatstore.api.sessions.turn_end import TurnEnd
-from chatstore.api.sessions.turn_prep import TurnPreparation, TurnSpec, fit_max_tokens
 from chatstore.engine.request import (
     EngineDeadError,
     EngineOverloadedError,

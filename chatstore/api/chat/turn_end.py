@@ -8,12 +8,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from chatstore.api.chat.crud import plain
+from chatstore.api.chat.reservations import SessionReservations
+from chatstore.api.chat.tool_turn import tool_reply
+from chatstore.api.chat.turn import Turn
 from chatstore.api.common.chat_template import ChatTemplate
 from chatstore.api.common.errors import APIError, store_error
-from chatstore.api.sessions.crud import plain
-from chatstore.api.sessions.reservations import SessionReservations
-from chatstore.api.sessions.tool_turn import tool_reply
-from chatstore.api.sessions.turn import Turn
 from chatstore.store.ports import SessionKVAdmin, SessionRecord
 
 log = logging.getLogger("chatstore.api")

@@ -7,12 +7,12 @@ import time
 import uuid
 from typing import Any
 
+from chatstore.api.chat.limits import check_metadata, check_retention_fields, check_text
+from chatstore.api.chat.refusals import session_exists, too_many_sessions
+from chatstore.api.chat.reservations import SessionReservations
 from chatstore.api.common.chat_template import Message
 from chatstore.api.common.errors import bad_param, not_found, store_error
 from chatstore.api.common.settings import ServerSettings
-from chatstore.api.sessions.limits import check_metadata, check_retention_fields, check_text
-from chatstore.api.sessions.refusals import session_exists, too_many_sessions
-from chatstore.api.sessions.reservations import SessionReservations
 from chatstore.store.ports import RecordStoreError, SessionKVAdmin, SessionRecord
 
 

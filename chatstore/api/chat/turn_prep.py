@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from chatstore.api.chat.crud import SessionCrud, new_session_id, plain
+from chatstore.api.chat.limits import check_text
+from chatstore.api.chat.reservations import SessionReservations
+from chatstore.api.chat.tool_turn import ToolReply, ToolTurn, has_tool_parts, render_turn
 from chatstore.api.common.chat_template import ChatTemplate, Message, RichPrompt
 from chatstore.api.common.errors import bad_param, not_found
 from chatstore.api.common.settings import ServerSettings
-from chatstore.api.sessions.crud import SessionCrud, new_session_id, plain
-from chatstore.api.sessions.limits import check_text
-from chatstore.api.sessions.reservations import SessionReservations
-from chatstore.api.sessions.tool_turn import ToolReply, ToolTurn, has_tool_parts, render_turn
 from chatstore.api.tools.formats import detect_format
 from chatstore.api.tools.protocol import ToolChatMessage
 from chatstore.engine.request import SamplingParams

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from chatstore.api.chat.turn import Turn
 from chatstore.api.common.chat_template import ChatTemplate, Message
-from chatstore.api.sessions.turn import Turn
 from chatstore.api.tools.formats import ToolFormat
 from chatstore.api.tools.protocol import ToolChatMessage
 from chatstore.api.tools.rendering import instructions, render_tools
