@@ -9,18 +9,18 @@ store as one of them, not as the class.
     kv_events ──(ChunkCatalog)► store         stored chunks per tier and their events
 
 One turn's handle, `OpenedTurn` (opened_turn.py), goes api -> engine Request -> transfer -> api:
-open_turn, prepare_load / complete_load, save_turn, append_turn, end_turn.
+open_turn, prepare_load / load_history, save_turn, append_turn, end_turn.
 
-`SessionKVAdmin` has two implementations (session_store.py): records only (kv_store = "off")
-and records over the KV store (the facade, AttentionStore). The API and transfer import from
+`SessionKVAdmin` is session_store.py's SessionStore: the records, with the KV store (the facade,
+AttentionStore) behind them or none (kv_store = "off"). The API and transfer import from
 chatstore.store this module and plain value modules (the records' value types and errors are
 re-exported here; retention's limits, encryption's errors and DRAM rows read in place are in
 their own leaf modules). Importing this module loads only its values
 (tests/test_package_layout.py pins how few).
 
 Threads. Every method is thread-safe unless its docstring names a thread. The engine thread
-never waits on the network, a disk or a pending write: it reads inside `foreground_reads()`
-(host memory only: no SSD, no remote tier), and the methods that may wait (`open_turn`,
+never waits on the network, a disk or a pending write: its reads (`load_history`) touch host
+memory only (no SSD, no remote tier), and the methods that may wait (`open_turn`,
 `delete_session`, `purge_expired`, `wait_saved`, ...) are for the API's worker threads.
 Listeners and hint listeners are called on the thread that caused the event: keep them short,
 never call back into the store from one.

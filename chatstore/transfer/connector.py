@@ -3,9 +3,9 @@
     turn n+1 prompt  [ device hit | stored chunks beyond it | new tokens ]
                                     loaded: pre-RoPE K rotated | prefill computes these; save_layer
                                     to positions, V as is      | keeps their K, V (LayerSaver)
-    request_finished: the turn's chain (store.plan_turn); only its new chunks are built, from
-                      the old tail's rows, the computed rows and (for tokens the store never
-                      saw) device blocks un-rotated -> store.save_turn
+    request_finished: the turn's tokens -> store.save_turn, which plans their chain and asks
+                      for a builder of only its new chunks: from the old tail's rows, the
+                      computed rows and (tokens the store never saw) device blocks un-rotated
 
 The lookup at admission (`find`) reads no KV: it answers from memory how many leading tokens
 the store holds. Only the chunks past the device prefix-cache hit are read, when the load runs.
