@@ -196,7 +196,7 @@ class Driver:
         self.model = model
         self.cache = PagedKVCache(model.spec, 64, BLOCK, model.dtype)
         self.pool = BlockPool(64)
-        self.runner = ModelRunner(model.hf_model, model.spec, self.cache)
+        self.runner = ModelRunner(model.weights, model.spec, self.cache)
         self._n = 0
 
     def turn(

@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import deque
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
+from chatstore.model.weights import RopeParameters
 from chatstore.store import kv_quant
 from chatstore.store.session_kv import ChunkKey, SessionKV
 from chatstore.store.tiers.base import TierFull
@@ -84,7 +84,7 @@ def read(tiers: list, start: int, end: int) -> ChunkedKV:
 
 def loader(staging: StagingRing | None = None) -> LayerLoader:
     cache = PagedKVCache(SPEC, num_blocks=16, block_size=4, dtype=torch.float32)
-    rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), D, CPU)
+    rope = RotaryEmbedding(RopeParameters(10000.0), D, CPU)
     return LayerLoader(
         cache, rope, lambda key: None, ReadBuffer(0, 0), threads=None, staging=staging
     )

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from chatstore.engine.rope import RotaryEmbedding, apply_rope
+from chatstore.model.weights import rope_from_hf_config
 from chatstore.store.session_kv import SessionKV
 from chatstore.store.sessions.truncation import (
     ContextOverflowError,
@@ -20,7 +21,7 @@ from tests.support.tiny_models import tiny_hf_model
 @pytest.fixture(scope="module")
 def rope():
     model = tiny_hf_model("llama")
-    return RotaryEmbedding(model.config, 16, torch.device("cpu"))
+    return RotaryEmbedding(rope_from_hf_config(model.config), 16, torch.device("cpu"))
 
 
 def test_rope_at_is_the_runners_rotation(rope):

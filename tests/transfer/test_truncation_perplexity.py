@@ -48,7 +48,7 @@ class Rig:
         num_blocks = 3 * (MAX_CONTEXT + HISTORY + CONTINUATION) // BLOCK
         self.cache = PagedKVCache(model.spec, num_blocks, BLOCK, model.dtype)
         self.pool = BlockPool(num_blocks)
-        self.runner = ModelRunner(model.hf_model, model.spec, self.cache)
+        self.runner = ModelRunner(model.weights, model.spec, self.cache)
         settings = StoreSettings(
             data_dir=data_dir, dram_bytes=256 << 20, ssd_bytes=0, max_context_tokens=MAX_CONTEXT
         )
