@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from chatstore.server.launcher import local_server
+from tests.support.tool_defs import WEATHER
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -19,18 +20,6 @@ CITY = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
     "required": ["city", "population"],
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
 }
 TIME = {
     "type": "function",

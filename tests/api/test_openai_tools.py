@@ -20,21 +20,10 @@ import pytest
 from chatstore.api.tools.formats import ToolFormat
 from chatstore.api.tools.replies import reply_message
 from chatstore.server.launcher import local_server
+from tests.support.tool_defs import WEATHER
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 GREEDY = {"model": "default", "temperature": 0, "max_tokens": 40}
 
 

@@ -22,22 +22,11 @@ import pytest
 from websockets.sync.client import connect
 
 from chatstore.server.launcher import local_server
+from tests.support.tool_defs import WEATHER
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
 CHROMIUM = "/usr/bin/chromium"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 TIME = {
     "type": "function",
     "function": {
