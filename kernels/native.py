@@ -55,6 +55,7 @@ SOURCES = tuple(
         "paged_prefill_bf16.c",
         "fused_ops.c",
         "int4_matmul.c",
+        "weight_dequant.c",
         "features.c",
     )
 )
@@ -103,6 +104,16 @@ FUSED_ARGTYPES = {
 # int int4_matmul(dtype, x, T, K, repeat, packed, scales, mins, N, out, n)
 INT4_MATMUL_ARGTYPES = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr]
 INT4_MATMUL_ARGTYPES += [ctypes.c_int]
+# weight_dequant.c: (name, argtypes, restype)
+_int = ctypes.c_int
+DEQUANT_ARGTYPES = {
+    # int int4pack_dequant(dtype, packed, scales_zeros, N, K, group, block_n, halves, out, n)
+    "int4pack_dequant": ([_int, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _int], _int),
+    # void int4_native_dequant(dtype, packed, scales, mins, N, K, out, n)
+    "int4_native_dequant": ([_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _int], None),
+    # void int8_dequant(dtype, q, scales, N, K, out, n)
+    "int8_dequant": ([_int, _ptr, _ptr, _i64, _i64, _ptr, _int], None),
+}
 FEATURE_BF16_DOT = 1  # bits of kernel_features() in csrc/features.c
 FEATURE_VECTOR_BITS_SHIFT = 8  # bits 8..: the width of the attention kernels' vectors
 
@@ -303,6 +314,10 @@ def _load(cflags: tuple[str, ...]) -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = argtypes
             fn.restype = None
+        for name, (argtypes, restype) in DEQUANT_ARGTYPES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = restype
     except Exception as exc:
         log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
         return None

@@ -1,0 +1,193 @@
+/* Quantized weights dequantised into a caller's 16/32-bit buffer, just in time for one GEMM
+ * (CPU, OpenMP). Prefill runs a projection over hundreds of tokens, where a blocked 16-bit GEMM
+ * beats the quantized kernels 2-2.6x; expanding the weight for that one call costs ~1/T of the
+ * GEMM and keeps no 16-bit copy resident (`kernels/weight_dequant.py`).
+ *
+ *   int4pack_dequant   torch's `_convert_weight_to_int4pack_for_cpu` layout -> W^T [K, N]
+ *   int4_native_dequant  int4_matmul.c's layout -> W [N, K]
+ *   int8_dequant       [N, K] int8 with one scale a row -> W [N, K]
+ *
+ * torch's int4 pack is block-major over N: block i (rows n0 = i * block_n ..) is K rows of nb / 2
+ * bytes at packed + n0 * K / 2, nb = min(block_n, N - n0). Inside a byte row, either
+ *   halves  (a full block on torch's AVX2 / AVX512 kernels): byte j holds row n0 + j in its low
+ *           nibble and row n0 + nb / 2 + j in its high one
+ *   pairs   (a partial block, or torch's generic kernel): byte j holds rows n0 + 2j (low) and
+ *           n0 + 2j + 1 (high)
+ * block_n and which of the two a full block takes depend on the kernel torch dispatches to here;
+ * the caller finds them by packing a probe (weight_dequant.py), so this file assumes neither.
+ * Values: w = (q - 8) * scale + zero, scale / zero bf16 in scales_zeros [K / group, N, 2]. The
+ * output [K, N] is W^T, what `x @ W^T` reads as a plain row-major [K, N] operand. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* One byte row of a block: nb values of output row k, from the group's float scales and zeros. */
+INLINE void expand_row(int dtype, const uint8_t* row_bytes, int64_t nb, int halves,
+                       const float* s, const float* m, void* out, int64_t at) {
+    const int64_t half = nb / 2;
+    if (dtype == DTYPE_BF16) {
+        uint16_t* o = (uint16_t*)out + at;
+        if (halves) {
+#pragma omp simd
+            for (int64_t j = 0; j < half; j++) {
+                o[j] = f32_to_bf16((float)((row_bytes[j] & 0x0F) - 8) * s[j] + m[j]);
+                o[half + j] = f32_to_bf16((float)((row_bytes[j] >> 4) - 8) * s[half + j] + m[half + j]);
+            }
+        } else {
+            for (int64_t j = 0; j < half; j++) {
+                o[2 * j] = f32_to_bf16((float)((row_bytes[j] & 0x0F) - 8) * s[2 * j] + m[2 * j]);
+                o[2 * j + 1] = f32_to_bf16((float)((row_bytes[j] >> 4) - 8) * s[2 * j + 1] + m[2 * j + 1]);
+            }
+        }
+    } else {
+        float* o = (float*)out + at;
+        if (halves) {
+#pragma omp simd
+            for (int64_t j = 0; j < half; j++) {
+                o[j] = (float)((row_bytes[j] & 0x0F) - 8) * s[j] + m[j];
+                o[half + j] = (float)((row_bytes[j] >> 4) - 8) * s[half + j] + m[half + j];
+            }
+        } else {
+            for (int64_t j = 0; j < half; j++) {
+                o[2 * j] = (float)((row_bytes[j] & 0x0F) - 8) * s[2 * j] + m[2 * j];
+                o[2 * j + 1] = (float)((row_bytes[j] >> 4) - 8) * s[2 * j + 1] + m[2 * j + 1];
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* 16 codes (bytes 0..15) times their scales plus zeros, as 16 floats. */
+INLINE __m512 codes_to_f32(__m128i codes, const float* s, const float* z) {
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(codes),
+                                                         _mm512_set1_epi32(8)));
+    return _mm512_fmadd_ps(q, _mm512_loadu_ps(s), _mm512_loadu_ps(z));
+}
+
+/* 16 floats rounded to bf16 (to nearest even; weights are finite) and stored. */
+INLINE void store_bf16x16(uint16_t* o, __m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(r));
+}
+
+/* A full 64-row block in halves layout: 32 bytes -> 64 values (AVX512 torch's own layout). */
+INLINE void expand_block64(int dtype, const uint8_t* bytes, const float* s, const float* z,
+                           void* out, int64_t at) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)bytes);
+    const __m256i low = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+    const __m128i parts[4] = {_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1),
+                              _mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)};
+    for (int p = 0; p < 4; p++) {
+        const __m512 v = codes_to_f32(parts[p], s + 16 * p, z + 16 * p);
+        if (dtype == DTYPE_BF16)
+            store_bf16x16((uint16_t*)out + at + 16 * p, v);
+        else
+            _mm512_storeu_ps((float*)out + at + 16 * p, v);
+    }
+}
+#endif
+
+/* out [K, N] in dtype (0 fp32, 1 bf16). Returns 0, or -1 when the per-thread scale rows cannot
+ * be allocated. Work is split by groups of K: a group's scales are widened once, then its rows. */
+int int4pack_dequant(int dtype, const uint8_t* packed, const uint16_t* scales_zeros, int64_t N,
+                     int64_t K, int64_t group, int64_t block_n, int halves, void* out,
+                     int nthreads) {
+    const int64_t groups = K / group;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float* s = malloc(sizeof(float) * (size_t)N);
+        float* m = malloc(sizeof(float) * (size_t)N);
+        if (!s || !m) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++) {
+                const uint16_t* sz = scales_zeros + g * N * 2;
+                for (int64_t n = 0; n < N; n++) {
+                    s[n] = bf16_to_f32(sz[2 * n]);
+                    m[n] = bf16_to_f32(sz[2 * n + 1]);
+                }
+                /* block by block: a block's rows of this group are one contiguous read */
+                for (int64_t n0 = 0; n0 < N; n0 += block_n) {
+                    const int64_t nb = N - n0 < block_n ? N - n0 : block_n;
+                    const int full = halves && nb == block_n;
+                    for (int64_t k = g * group; k < (g + 1) * group; k++) {
+                        const uint8_t* bytes = packed + n0 * K / 2 + k * nb / 2;
+#if defined(__AVX512F__)
+                        if (full && nb == 64) {
+                            expand_block64(dtype, bytes, s + n0, m + n0, out, k * N + n0);
+                            continue;
+                        }
+#endif
+                        if (dtype == DTYPE_BF16)
+                            expand_row(DTYPE_BF16, bytes, nb, full, s + n0, m + n0, out, k * N + n0);
+                        else
+                            expand_row(DTYPE_F32, bytes, nb, full, s + n0, m + n0, out, k * N + n0);
+                    }
+                }
+            }
+        }
+        free(s);
+        free(m);
+    }
+    return failed ? -1 : 0;
+}
+
+/* int4_matmul.c's layout (packed [N, K / 2], per block of 32 low nibbles the first 16 codes, high
+ * the last 16; w = q * scale + min, fp32 [N, K / 32]) -> out [N, K] in dtype. */
+void int4_native_dequant(int dtype, const uint8_t* packed, const float* scales, const float* mins,
+                         int64_t N, int64_t K, void* out, int nthreads) {
+    const int64_t blocks = K / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t* w = packed + (n * blocks + b) * 16;
+            const float s = scales[n * blocks + b], m = mins[n * blocks + b];
+            const int64_t at = n * K + b * 32;
+            if (dtype == DTYPE_BF16) {
+                uint16_t* o = (uint16_t*)out + at;
+#pragma omp simd
+                for (int j = 0; j < 16; j++) {
+                    o[j] = f32_to_bf16((float)(w[j] & 0x0F) * s + m);
+                    o[16 + j] = f32_to_bf16((float)(w[j] >> 4) * s + m);
+                }
+            } else {
+                float* o = (float*)out + at;
+#pragma omp simd
+                for (int j = 0; j < 16; j++) {
+                    o[j] = (float)(w[j] & 0x0F) * s + m;
+                    o[16 + j] = (float)(w[j] >> 4) * s + m;
+                }
+            }
+        }
+    }
+}
+
+/* q [N, K] int8 times a bf16 scale per row -> out [N, K] in dtype. */
+void int8_dequant(int dtype, const int8_t* q, const uint16_t* scales, int64_t N, int64_t K,
+                  void* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float s = bf16_to_f32(scales[n]);
+        const int8_t* row = q + n * K;
+        if (dtype == DTYPE_BF16) {
+            uint16_t* o = (uint16_t*)out + n * K;
+#pragma omp simd
+            for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16((float)row[k] * s);
+        } else {
+            float* o = (float*)out + n * K;
+#pragma omp simd
+            for (int64_t k = 0; k < K; k++) o[k] = (float)row[k] * s;
+        }
+    }
+}
