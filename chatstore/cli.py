@@ -10,7 +10,12 @@ import time
 from collections.abc import Sequence
 
 from chatstore.admin_cli import add_admin_parser, cmd_admin
-from chatstore.config import DTYPE_CHOICES, WEIGHTS_CHOICES, load_config
+from chatstore.config import (
+    DTYPE_CHOICES,
+    PREFILL_WEIGHTS_CHOICES,
+    WEIGHTS_CHOICES,
+    load_config,
+)
 from chatstore.keys_cli import add_keys_parser, cmd_keys
 from chatstore.model.errors import ModelLoadError
 
@@ -28,6 +33,13 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
         "--weights",
         choices=WEIGHTS_CHOICES,
         help="projection weights (auto: a GGUF's 4-bit tensors as they are, on CPU)",
+    )
+    p.add_argument(
+        "--prefill-weights",
+        choices=PREFILL_WEIGHTS_CHOICES,
+        dest="prefill_weights",
+        help="quantized weights' prefill: expand just in time, or keep a 16-bit copy (auto: "
+        "copy while the copies take <= 1 GiB)",
     )
     p.add_argument("--device", help="cpu, cuda or cuda:N")
     p.add_argument("--block-size", type=int, dest="block_size")
@@ -116,8 +128,8 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
 
 def _config_from(args: argparse.Namespace):
     keys = (
-        "model", "dtype", "weights", "device", "block_size", "kv_cache_bytes", "attention",
-        "kv_layout", "host", "port", "log_level", "data_dir", "kv_store", "redis_url",
+        "model", "dtype", "weights", "prefill_weights", "device", "block_size", "kv_cache_bytes",
+        "attention", "kv_layout", "host", "port", "log_level", "data_dir", "kv_store", "redis_url",
         "kv_storage_dtype", "secret_key_file",
     )  # fmt: skip
     return load_config(args.config, {k: getattr(args, k, None) for k in keys})

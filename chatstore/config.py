@@ -24,6 +24,9 @@ KV_STORAGE_CHOICES = (*DTYPE_CHOICES, "int8")
 # Weights the projections compute with (chatstore/engine/weight_plan.py); bf16 / fp32 name the
 # dense weights' dtype, which the compute dtype follows under dtype = auto.
 WEIGHTS_CHOICES = ("auto", "bf16", "fp32", "int8", "int4")
+# What a quantized projection's prefill multiplies (weight_plan.py): its weight expanded just in
+# time, or a 16-bit copy kept resident; auto keeps copies while they fit a budget.
+PREFILL_WEIGHTS_CHOICES = ("auto", "expand", "copy")
 _DENSE_WEIGHTS = {"bf16": "bfloat16", "fp32": "float32"}
 # CPU features with native bf16 arithmetic. Without them oneDNN emulates bf16 through fp32 and
 # a bf16 GEMM runs ~5x slower than fp32 (measured on an AVX512 Xeon without AVX512-BF16).
@@ -55,6 +58,7 @@ class Config:
     model: str = "default"
     dtype: str = "auto"
     weights: str = "auto"  # auto | bf16 | fp32 | int8 | int4 (see WEIGHTS_CHOICES)
+    prefill_weights: str = "auto"  # auto | expand | copy (see PREFILL_WEIGHTS_CHOICES)
     device: str = "cpu"
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -172,6 +176,11 @@ class Config:
         if self.weights not in WEIGHTS_CHOICES:
             raise ValueError(
                 f"weights must be one of {list(WEIGHTS_CHOICES)}, got {self.weights!r}"
+            )
+        if self.prefill_weights not in PREFILL_WEIGHTS_CHOICES:
+            raise ValueError(
+                f"prefill_weights must be one of {list(PREFILL_WEIGHTS_CHOICES)}, "
+                f"got {self.prefill_weights!r}"
             )
         dense = _DENSE_WEIGHTS.get(self.weights)
         if dense is not None and self.dtype not in ("auto", dense):

@@ -46,9 +46,17 @@ def bf16_prepack_supported() -> bool:
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
-        """weight [out, in] as transformers holds it (not copied for the `torch.mm` path)."""
-        self.weight_t = weight.detach().t()  # [in, out] view: `x @ weight_t` is F.linear's mm
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        pack: bool,
+        single_rows: bool = True,
+    ) -> None:
+        """weight [out, in] as transformers holds it (not copied for the `torch.mm` path).
+        `single_rows=False`: no call has fewer than PACKED_MIN_TOKENS rows (a quantized
+        projection's prefill copy), so once packed the plain weight is not kept."""
+        self.weight_t: torch.Tensor | None = weight.detach().t()  # [in, out] view: F.linear's mm
         self.bias = None if bias is None else bias.detach()
         self.packed: torch.Tensor | None = None
         if pack:
@@ -56,10 +64,13 @@ class Linear:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
             except RuntimeError as exc:  # an op this build lacks for the dtype: stay on mm
                 log.warning("prepacking a %s weight failed, using torch.mm: %s", weight.dtype, exc)
+        if self.packed is not None and not single_rows:
+            self.weight_t = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= PACKED_MIN_TOKENS:
+        if self.packed is not None and (x.shape[0] >= PACKED_MIN_TOKENS or self.weight_t is None):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight_t is not None
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)

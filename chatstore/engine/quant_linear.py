@@ -9,9 +9,12 @@ only the bf16 path is vectorised (measured, 1 thread, a 3072 x 576 weight, 1 / 4
 0.193; the fp32 dense GEMM 0.135 / 0.156). So a fp32 compute dtype converts at the edges: the
 input is rounded to bf16, the output (fp32-accumulated, bf16) widened back and the bias added in
 fp32. The scales (and zeros) are bf16, as the kernels require of the activations. Where a token
-count runs faster on the prepacked 16-bit GEMM (prefill: see `weight_plan.py` for the measured
-table and the choice per shape), the projection also holds a `linear.Linear` and hands those
-calls to it: `dense_from` is the first token count it takes.
+count runs faster as a 16-bit GEMM (prefill: see `weight_plan.py` for the measured table and the
+choice per shape), the call expands the weight just in time into a `DequantScratch` the runner's
+projections share and multiplies that (`kernels/weight_dequant.py`): no 16-bit copy stays
+resident. `dense_from` is the first token count that computes so. A projection may instead be
+given a `linear.Linear` for those counts (`dense`): the tied lm_head's is the embedding table
+itself, and where weights cannot be expanded here (no native kernels) it is a 16-bit copy.
 
 Int4Linear runs on one of two kernels (`int4_kernel()`, logged at start with the weights):
 
@@ -37,9 +40,15 @@ import torch
 from chatstore.engine.linear import Linear
 from chatstore.kernels import native
 from chatstore.kernels.int4_matmul import int4_matmul, int4_matmul_supported, pack_int4
+from chatstore.kernels.weight_dequant import (
+    DequantScratch,
+    int4_native_dequant,
+    int4pack_dequant,
+    int8_dequant,
+)
 from chatstore.model.quant_weights import Int4Weight, Int8Weight
 
-NEVER = 1 << 62  # dense_from for a projection without a 16-bit copy
+NEVER = 1 << 62  # dense_from for a projection that always computes quantized
 KERNEL_DTYPE = torch.bfloat16  # the activations' dtype in both kernels (see the module doc)
 
 
@@ -68,15 +77,54 @@ def kernels_available() -> bool:
     return hasattr(ops, "_weight_int8pack_mm") and hasattr(ops, "_weight_int4pack_mm_for_cpu")
 
 
+PACK_ROWS = 4096  # rows packed at a time: a multiple of every block torch packs in (64, 32)
+
+
+def pack_for_torch(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in torch's int4 layout [N, K / 2], packed a slice of rows at a time: the
+    op takes int32 codes (4 bytes a code; an 8B model's head would need 2 GB at once), and its
+    layout is block-major over rows, so a slice of whole blocks packs to the same bytes."""
+    n, k = q.shape
+    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    for start in range(0, n, PACK_ROWS):
+        rows = q[start : start + PACK_ROWS].to(torch.int32).contiguous()
+        # innerKTiles is a CUDA tiling knob; the CPU packing ignores it (any value packs alike)
+        packed[start : start + PACK_ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            rows, 2
+        )
+    return packed
+
+
 class _DenseFallback:
-    def __init__(self, bias: torch.Tensor | None, dense: Linear | None, dense_from: int) -> None:
+    """The 16-bit side of a quantized projection: calls of `dense_from` tokens and more run on
+    `dense` where one is given, else on the weight expanded into `scratch`."""
+
+    def __init__(
+        self,
+        bias: torch.Tensor | None,
+        dense: Linear | None,
+        dense_from: int,
+        scratch: DequantScratch | None,
+    ) -> None:
         self.bias = None if bias is None else bias.detach()
         self.dense = dense
-        self.dense_from = dense_from if dense is not None else NEVER
+        self.scratch = scratch
+        self.dense_from = dense_from if dense is not None or scratch is not None else NEVER
 
     def _finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         y = y.to(dtype)  # a no-op in bf16
         return y if self.bias is None else y.add_(self.bias)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense(x)
+        assert self.scratch is not None
+        w_t = self._expand(self.scratch)  # [K, N], valid until the next projection's call
+        x = x.to(w_t.dtype)
+        return torch.mm(x, w_t) if self.bias is None else torch.addmm(self.bias, x, w_t)
+
+    def _expand(self, scratch: DequantScratch) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class Int8Linear(_DenseFallback):
@@ -86,17 +134,22 @@ class Int8Linear(_DenseFallback):
         bias: torch.Tensor | None,
         dense: Linear | None = None,
         dense_from: int = NEVER,
+        scratch: DequantScratch | None = None,
     ) -> None:
-        super().__init__(bias, dense, dense_from)
+        super().__init__(bias, dense, dense_from, scratch)
         self.q = weight.q.contiguous()  # [N, K] int8
         self.scales = weight.scale.to(KERNEL_DTYPE).contiguous()  # [N]
         self.shape = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_from:
-            return self.dense(x)
+        if x.shape[0] >= self.dense_from:
+            return self._dense(x)
         y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scales)
         return self._finish(y, x.dtype)
+
+    def _expand(self, scratch: DequantScratch) -> torch.Tensor:
+        n, k = self.shape
+        return int8_dequant(self.q, self.scales, scratch.view(n, k)).t()
 
 
 class Int4Linear(_DenseFallback):
@@ -107,9 +160,14 @@ class Int4Linear(_DenseFallback):
         dense: Linear | None = None,
         dense_from: int = NEVER,
         kernel: str = "torch",
+        scratch: DequantScratch | None = None,
     ) -> None:
-        """`kernel`: torch | native (int4_kernel()); native needs groups of 32, else torch."""
-        super().__init__(bias, dense, dense_from)
+        """`kernel`: torch | native (int4_kernel()); native needs groups of 32, else torch.
+        A weight read over a repeated input (input_repeat > 1) is never expanded: only the
+        lm_head is one, and it sees a row per sequence."""
+        if weight.input_repeat > 1:
+            scratch = None
+        super().__init__(bias, dense, dense_from, scratch)
         n, k = weight.q.shape
         if not int4_supported(n, k, weight.group):
             raise ValueError(f"int4 needs N % 16 == 0 and K % group == 0, got {n}x{k}")
@@ -121,17 +179,14 @@ class Int4Linear(_DenseFallback):
             self.native = pack_int4(weight.q, weight.scale, weight.zero, weight.input_repeat)
             return
         self.kernel = "torch"
-        # innerKTiles is a CUDA tiling knob; the CPU packing ignores it (any value packs alike).
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            weight.q.to(torch.int32).contiguous(), 2
-        )  # [N, K / 2] uint8
+        self.packed = pack_for_torch(weight.q)  # [N, K / 2] uint8
         self.scales_zeros = (
             torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
         )  # [K / group, N, 2]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_from:
-            return self.dense(x)
+        if x.shape[0] >= self.dense_from:
+            return self._dense(x)
         if self.kernel == "native":
             return self._finish(int4_matmul(x, self.native), x.dtype)
         xk = x.to(KERNEL_DTYPE)
@@ -141,3 +196,9 @@ class Int4Linear(_DenseFallback):
             xk, self.packed, self.group, self.scales_zeros
         )
         return self._finish(y, x.dtype)
+
+    def _expand(self, scratch: DequantScratch) -> torch.Tensor:
+        n, k = self.shape
+        if self.kernel == "native":
+            return int4_native_dequant(self.native, scratch.view(n, k)).t()
+        return int4pack_dequant(self.packed, self.scales_zeros, self.group, scratch.view(k, n))

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from chatstore.engine.forward_batch import ForwardBatch
-from chatstore.engine.host_memory import keep_freed_memory
+from chatstore.engine.host_memory import keep_freed_memory, release_free_memory
 from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.kv_layout import AttentionKernels
 from chatstore.engine.layouts import layout_of
@@ -116,6 +116,8 @@ class ModelRunner:
             fast, self._native_prefill, self.scale, spec.num_heads // spec.num_kv_heads, triton
         )
         self.ops = elementwise_ops(self.kernels, self.device, self.dtype, spec.head_dim)
+        if self.device.type == "cpu":
+            release_free_memory()  # the file's tensors, read layer by layer and dropped
 
     @staticmethod
     def _layer_weights(t: LayerTensors, index: int, make: ProjectionFactory) -> LayerWeights:

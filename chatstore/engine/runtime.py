@@ -66,11 +66,22 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
     dtype = config.torch_dtype
     kv_cache, pool = KV_POOLS[config.kv_layout](config, model.spec)
     projections = plan_projections(
-        config.weights, dtype_setting, model, config.attention, config.device, model_given
+        config.weights,
+        dtype_setting,
+        model,
+        config.attention,
+        config.device,
+        model_given,
+        config.prefill_weights,
     )
     runner = ModelRunner(model.weights, model.spec, kv_cache, config.attention, projections)
     if projections is not None:  # stored KV of these weights is not dense weights' KV
-        model = replace(model, fingerprint=weights_fingerprint(model.fingerprint, projections.fmt))
+        model = replace(
+            model,
+            fingerprint=weights_fingerprint(
+                model.fingerprint, projections.fmt, projections.scratch is not None
+            ),
+        )
     dense = f"weights = dense ({str(dtype).removeprefix('torch.')}, weights = {config.weights})"
     log.info("%s", dense if projections is None else projections.describe())
     if config.device == "cpu":

@@ -16,8 +16,11 @@ keeps today's exact 16/32-bit path. `bf16` / `fp32` are dense weights in that dt
 dtype follows them under `dtype = auto`). Embeddings stay dense in every format: a step gathers
 T rows of the table, ~1 KB a token, against the ~70-270 MB of projections it reads.
 
-Token counts at which the prepacked 16-bit GEMM beats the quantized kernels take the 16-bit copy
-(`DENSE_FROM`, per projection; `quant_linear.py` holds both). Measured with
+Token counts at which a 16-bit GEMM beats the quantized kernels compute on a 16-bit weight: the
+quantized one expanded just in time (`prefill_weights = expand`: `DENSE_FROM`, or
+`DENSE_FROM_NATIVE` for the native int4 kernel, where expanding wins from 8 tokens) or a resident
+copy (`copy`: `DENSE_FROM_COPY`, the table below); `auto` copies while the copies take at most
+PREFILL_COPY_BUDGET (docs/models.md has the measurement). Measured with
 `bench/quant_shapes.py` on the AVX512-BF16 EPYC (bf16 activations, 2 threads, a layer's
 projection over 30 distinct weights so they stream from DRAM as in a step; ms per call, the
 fastest pass), 2026-11-25 at a quiet moment (load ~1.5 on the 2 cores; two earlier runs under
@@ -45,7 +48,8 @@ load 5-9 showed the same crossovers with stalls in single cells):
     lm_head     32     5.580   23.038   10.917   10.705   22.384
 
 What it chose, per shape:
-- qkv, o_proj, gate_up, down: the quantized weight below 16 tokens, the 16-bit copy from 16 on.
+- qkv, o_proj, gate_up, down: the quantized weight below 16 tokens, the 16-bit copy from 16 on
+  (expanding the weight costs ~0.1-0.4 ms a projection here, so it takes over from 32 tokens).
   At 1 token (decode at batch 1) int4 is 2.8-4x faster: the step reads a quarter of the bytes.
   At 8 they tie (within 11% either way). From 32 tokens on (1.7-2x), and at a 2,000-token
   prefill by 2.5-2.6x, oneDNN's blocked 16-bit GEMM wins: torch's int4/int8 kernels are
@@ -91,6 +95,7 @@ from chatstore.engine.quant_linear import (
     int4_supported,
     kernels_available,
 )
+from chatstore.kernels.weight_dequant import DequantScratch, dequant_available
 from chatstore.model.gguf_weights import GGUFWeights
 from chatstore.model.loader import LoadedModel
 from chatstore.model.quant_weights import (
@@ -100,13 +105,19 @@ from chatstore.model.quant_weights import (
     quantize_int4,
     quantize_int8,
 )
+from chatstore.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = WEIGHTS_CHOICES
 INT4_GROUP = 32  # GGUF's block: a repacked and a quantized weight share one layout
-# First token count each projection hands to its prepacked 16-bit copy (the table above).
-DENSE_FROM = {"qkv": 16, "o_proj": 16, "gate_up": 16, "down": 16, "lm_head": 2}
+# First token count each projection computes on its weight expanded to 16 bits (the tables
+# above; lm_head: on the tied embeddings), per int4 kernel.
+DENSE_FROM = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 2}
+DENSE_FROM_NATIVE = {"qkv": 8, "o_proj": 8, "gate_up": 8, "down": 8, "lm_head": 2}
+# 16-bit copies for the short-prefill counts, as before expanding: at 16 tokens on
+DENSE_FROM_COPY = {"qkv": 16, "o_proj": 16, "gate_up": 16, "down": 16, "lm_head": 2}
+PREFILL_COPY_BUDGET = 1 << 30  # prefill_weights = auto keeps copies up to this many bytes
 
 Projection = Linear | Int8Linear | Int4Linear
 # (role, layer or None for lm_head, weight [N, K] in the compute dtype, bias) -> projection
@@ -135,9 +146,11 @@ def plan_projections(
     attention: str,
     device: str,
     model_given: bool,
+    prefill_weights: str = "auto",
 ) -> Projections | None:
     """The runner's projection builder for these settings; None for dense weights (the
-    runner's default). `dtype_setting` is `dtype` as configured ("auto" or a name)."""
+    runner's default). `dtype_setting` is `dtype` as configured ("auto" or a name);
+    `prefill_weights` the `prefill_weights` setting (`prefill_mode`)."""
     fmt = resolve_format(weights, dtype_setting, device, model.gguf is not None, model_given)
     if fmt == "gguf" and weights == "auto" and not kernels_available():
         log.warning(
@@ -150,15 +163,39 @@ def plan_projections(
         return None
     gguf = GGUFWeights(model.gguf, model.spec) if model.gguf else None
     pack = attention == "auto" and packing_available(torch.device(device), model.dtype)
-    return Projections(fmt, model.dtype, pack, gguf)
+    prefill = prefill_mode(prefill_weights, model.spec, model.dtype)
+    return Projections(
+        fmt, model.dtype, pack, gguf, tied_head=model.spec.tie_word_embeddings, prefill=prefill
+    )
 
 
-def weights_fingerprint(model_fingerprint: str, fmt: str) -> str:
+def prefill_copy_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """What 16-bit (compute dtype) copies of every layer's projections take."""
+    h, d = spec.hidden_size, spec.head_dim
+    per_layer = (2 * spec.num_heads + 2 * spec.num_kv_heads) * d * h  # q, k, v, o
+    per_layer += 3 * spec.intermediate_size * h  # gate, up, down
+    return spec.num_layers * per_layer * dtype.itemsize
+
+
+def prefill_mode(setting: str, spec: ModelSpec, dtype: torch.dtype) -> str:
+    """expand | copy for `prefill_weights`: auto copies while the copies fit PREFILL_COPY_BUDGET
+    (the embedded model's take 212 MB in bf16; a 1B model's 2.3 GB, an 8B's 13 GB)."""
+    if setting not in ("auto", "expand", "copy"):
+        raise ValueError(f"prefill_weights must be auto, expand or copy, got {setting!r}")
+    if setting != "auto":
+        return setting
+    return "copy" if prefill_copy_bytes(spec, dtype) <= PREFILL_COPY_BUDGET else "expand"
+
+
+def weights_fingerprint(model_fingerprint: str, fmt: str, expanded: bool = False) -> str:
     """The store's model fingerprint for KV computed with `fmt` weights: KV of quantized
-    weights differs from dense KV, so the two never share stored chunks."""
+    weights differs from dense KV, so the two never share stored chunks; nor does a prompt's KV
+    computed on the expanded quantized weight (`expanded`) share with one computed on 16-bit
+    copies of the file's floats."""
     if fmt == "dense":
         return model_fingerprint
-    return hashlib.sha256(f"{model_fingerprint}:{fmt}".encode()).hexdigest()[:16]
+    tag = f"{model_fingerprint}:{fmt}" + (":expanded" if expanded else "")
+    return hashlib.sha256(tag.encode()).hexdigest()[:16]
 
 
 class Projections:
@@ -172,13 +209,30 @@ class Projections:
         gguf: GGUFWeights | None = None,
         dense_from: dict[str, int] | None = None,
         int4: str | None = None,
+        tied_head: bool = False,
+        prefill: str = "expand",
     ) -> None:
         """`dense_from` overrides DENSE_FROM (per role; tests use it to run the quantized
-        kernels at every token count); `int4` the int4 kernel (quant_linear.int4_kernel)."""
+        kernels at every token count); `int4` the int4 kernel (quant_linear.int4_kernel);
+        `tied_head`: the lm_head's weight is the embedding table, which the runner holds in
+        16 bits anyway, so the head's multi-row calls run on it at no cost in memory;
+        `prefill`: expand (the weight expanded just in time for a call of many tokens) or copy
+        (a 16-bit copy kept beside each quantized weight for such calls)."""
         self.fmt, self.dtype, self.pack, self.gguf = fmt, dtype, pack, gguf
         self.int4_kernel = int4_kernel(int4)
         self.int4_kernels: Counter[str] = Counter()  # what the int4 projections run on
-        self.dense_from = DENSE_FROM if dense_from is None else dense_from
+        self.tied_head = tied_head
+        # every quantized projection's prefill weight lands here (None: keep 16-bit copies)
+        expand = prefill == "expand" and fmt != "dense"
+        self.scratch = DequantScratch(dtype) if expand and dequant_available() else None
+        if expand and self.scratch is None:
+            log.warning(
+                "weights = %s: cannot expand weights here (no native kernels): "
+                "quantized projections keep a 16-bit copy for prefill",
+                fmt,
+            )
+        table = DENSE_FROM_NATIVE if self.int4_kernel == "native" else DENSE_FROM
+        self.dense_from = dense_from or (table if self.scratch is not None else DENSE_FROM_COPY)
         self.built: Counter[str] = Counter()
 
     def __call__(
@@ -191,20 +245,36 @@ class Projections:
         weight_q, label = quant
         self.built[f"{role}: {label}"] += 1
         dense_from = self.dense_from[role]
-        # the 16-bit copy for the token counts where it is faster (prefill), where there are any
-        dense = Linear(weight, bias, self.pack) if dense_from < NEVER else None
+        dense = self._dense_side(role, weight, bias, dense_from)
+        scratch = None if role == "lm_head" else self.scratch
         if isinstance(weight_q, Int4Weight):
-            built = Int4Linear(weight_q, bias, dense, dense_from, self.int4_kernel)
+            built = Int4Linear(weight_q, bias, dense, dense_from, self.int4_kernel, scratch)
             self.int4_kernels[built.kernel] += 1
             return built
-        return Int8Linear(weight_q, bias, dense, dense_from)
+        return Int8Linear(weight_q, bias, dense, dense_from, scratch)
+
+    def _dense_side(
+        self, role: str, weight: torch.Tensor, bias: torch.Tensor | None, dense_from: int
+    ) -> Linear | None:
+        """The 16-bit weight kept for the counts from `dense_from` on, where one is: with
+        copies (prefill = copy, or no expanding here) a prepacked copy, as before expanding;
+        else only the tied head's, the embeddings themselves (a view). An untied head is
+        never expanded (the whole vocabulary every step): it stays quantized at every count."""
+        if dense_from >= NEVER:
+            return None
+        if self.scratch is None:  # only calls of dense_from (>= 2) rows reach it
+            return Linear(weight, bias, self.pack, single_rows=False)
+        if role == "lm_head" and self.tied_head:
+            return Linear(weight, bias, pack=False)
+        return None
 
     def describe(self) -> str:
         """One line for the log: what each projection computes with."""
         parts = [f"{label} x{count}" for label, count in sorted(self.built.items())]
         kernels = [f"{kernel} x{count}" for kernel, count in sorted(self.int4_kernels.items())]
         tail = f"; int4 kernel: {', '.join(kernels)}" if kernels else ""
-        return f"weights = {self.fmt}: " + ", ".join(parts) + tail
+        prefill = "expanded just in time" if self.scratch is not None else "16-bit copies"
+        return f"weights = {self.fmt}: " + ", ".join(parts) + tail + f"; prefill on {prefill}"
 
     def _quantized(
         self, role: str, layer: int | None, weight: torch.Tensor

@@ -4,6 +4,8 @@ weights against runners on the dequantised weights, and a server started with we
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import numpy as np
 import pytest
@@ -18,7 +20,13 @@ from chatstore.engine.kv_cache import PagedKVCache
 from chatstore.engine.linear import Linear
 from chatstore.engine.quant_linear import NEVER, Int4Linear, Int8Linear
 from chatstore.engine.runner import ModelRunner
-from chatstore.engine.weight_plan import DENSE_FROM, Projections, resolve_format
+from chatstore.engine.weight_plan import (
+    DENSE_FROM,
+    Projections,
+    prefill_copy_bytes,
+    prefill_mode,
+    resolve_format,
+)
 from chatstore.model.gguf_repack import repack
 from chatstore.model.gguf_weights import GGUFWeights
 from chatstore.model.quant_weights import (
@@ -200,12 +208,32 @@ def test_quantized_runner_matches_the_dequantised_weights_runner(arch, fmt) -> N
     assert greedy(*ours, ids, 12) == greedy(*ref, ids, 12)
 
 
-def test_prefill_takes_the_dense_weights_and_decode_the_quantized() -> None:
-    hf = tiny_hf_model("llama", seed=5)
-    hybrid = runner_with(hf, Projections("int4", torch.float32, True, int4="torch"))
-    dense = runner_with(hf, None)
+def test_prefill_computes_on_the_expanded_quantized_weight_and_decode_on_the_kernel() -> None:
+    """From DENSE_FROM tokens on, a projection multiplies its quantized weight expanded into the
+    shared scratch (issue 35 item 2: no 16-bit copy of the float weight stays): a prompt's logits
+    are a runner's of plain fp32 matmuls over the dequantised weights, not the float model's;
+    the tied head runs on the embedding table itself; one token runs the int4 kernel."""
+    hf = tiny_hf_model("llama", seed=5, tie_word_embeddings=True)
+    quant = Projections("int4", torch.float32, True, int4="torch", tied_head=True)
+    hybrid = runner_with(hf, quant)
+
+    def expanded(role, layer, weight, bias):
+        if role == "lm_head":
+            return Linear(weight, bias, pack=False)
+        return Linear(rounded(quantize_int4(weight, 32)), bias, pack=False)
+
     ids = torch.randint(2, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
-    assert torch.equal(full_logits(*hybrid, ids), full_logits(*dense, ids))  # 40 >= DENSE_FROM
+    got, want = full_logits(*hybrid, ids), full_logits(*runner_with(hf, expanded), ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # 40 >= DENSE_FROM
+    float_model = full_logits(*runner_with(hf, None), ids)
+    assert (got - float_model).abs().max() > 100 * (got - want).abs().max()
+    runner = hybrid[0]
+    for layer in runner.layers:
+        for proj in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            assert proj.dense is None and proj.scratch is quant.scratch
+    assert runner.lm_head.dense.weight_t.data_ptr() == runner.embed.data_ptr()
+    widest = max(p.shape[0] * p.shape[1] for p in (runner.layers[0].gate_up, runner.layers[0].down))
+    assert quant.scratch.nbytes == 4 * widest  # one buffer, the largest weight's
     quant_only = runner_with(
         hf, Projections("int4", torch.float32, True, dense_from=ALWAYS_QUANT, int4="torch")
     )
@@ -272,15 +300,49 @@ def test_server_with_int4_weights_serves_a_turn(tmp_path) -> None:
     from chatstore.server.in_process import start_in_process
 
     overrides = {"weights": "int4", "data_dir": str(tmp_path), "kv_cache_bytes": 32 << 20}
+    overrides["prefill_weights"] = "expand"  # the prompt (> DENSE_FROM tokens) expands
     server = start_in_process(load_config(overrides=overrides))  # fp32: CHATSTORE_DTYPE
     try:
-        body = {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 8}
+        content = "Hi! Tell me, in a few words, what a compiler does and why it is useful."
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 8}
         reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         choice = reply.json()["choices"][0]
         assert choice["message"]["content"] and reply.json()["usage"]["completion_tokens"] > 0
+        assert reply.json()["usage"]["prompt_tokens"] >= DENSE_FROM["qkv"]
     finally:
         server.stop()
+
+
+def test_prefill_weights_setting(default_model) -> None:
+    """auto copies while the 16-bit copies fit the budget: the embedded model's (212 MB in
+    bf16) do, an 8B shape's do not; expand / copy are taken as they are; a bad value is named."""
+    spec = default_model.spec
+    assert prefill_copy_bytes(spec, torch.bfloat16) == 212_336_640
+    assert prefill_mode("auto", spec, torch.bfloat16) == "copy"
+    big = dataclasses.replace(
+        spec, num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,
+        num_kv_heads=8, head_dim=128,
+    )  # fmt: skip
+    assert prefill_mode("auto", big, torch.bfloat16) == "expand"
+    assert prefill_mode("copy", big, torch.bfloat16) == "copy"
+    assert prefill_mode("expand", spec, torch.bfloat16) == "expand"
+    assert load_config(env={"CHATSTORE_PREFILL_WEIGHTS": "expand"}).prefill_weights == "expand"
+    with pytest.raises(ValueError, match="prefill_weights must be one of"):
+        load_config(overrides={"prefill_weights": "shadow"}, env={})
+
+
+def test_prefill_on_copies_is_the_float_model_and_keeps_them() -> None:
+    """prefill = copy, as before expanding existed: a prompt runs on 16-bit copies of the float
+    weights (bit-equal to the dense runner), one token on the int4 kernel."""
+    hf = tiny_hf_model("llama", seed=5)
+    copies = Projections("int4", torch.float32, True, int4="torch", prefill="copy")
+    runner, pool = runner_with(hf, copies)
+    assert copies.scratch is None and "prefill on 16-bit copies" in copies.describe()
+    assert all(layer.gate_up.dense is not None for layer in runner.layers)
+    ids = torch.randint(2, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    dense = runner_with(hf, None)
+    assert torch.equal(full_logits(runner, pool, ids), full_logits(*dense, ids))
 
 
 def test_int8_keeps_a_gguf_q8_0_tensor_as_it_is(default_model, embedded_gguf) -> None:
