@@ -111,6 +111,12 @@ DEQUANT_ARGTYPES = {
     "int4pack_dequant": ([_int, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _int], _int),
     # void int4_native_dequant(dtype, packed, scales, mins, N, K, out, n)
     "int4_native_dequant": ([_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _int], None),
+    # int int4pack_rows(dtype, packed, scales_zeros, N, K, group, block_n, halves, ids, T,
+    #                   repeat, out, n)
+    "int4pack_rows": (
+        [_int, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _ptr, _int],
+        _int,
+    ),
     # void int8_dequant(dtype, q, scales, N, K, out, n)
     "int8_dequant": ([_int, _ptr, _ptr, _i64, _i64, _ptr, _int], None),
 }

@@ -142,6 +142,46 @@ def int4pack_dequant(
     return out
 
 
+def int4pack_rows(
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group: int,
+    shape: tuple[int, int],
+    ids: torch.Tensor,
+    repeat: int,
+    dtype: torch.dtype,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """Rows `ids` of the [N, K] weight in torch's int4 pack as [T, K / repeat] in `dtype` (an
+    embedding lookup from a quantized table; `repeat` slices of a row add up)."""
+    layout = int4pack_layout()
+    if layout is None:
+        raise RuntimeError("torch's int4 pack layout is not known on this CPU")
+    n, k = shape
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k // repeat, dtype=dtype)
+    rc = _lib(lib).int4pack_rows(
+        _NATIVE_DTYPES[dtype],
+        packed.data_ptr(),
+        scales_zeros.data_ptr(),
+        n,
+        k,
+        group,
+        layout.block_n,
+        int(layout.halves),
+        ids.data_ptr(),
+        ids.numel(),
+        repeat,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise IndexError(f"a token id is outside the table's {n} rows")
+    if rc != 0:
+        raise MemoryError("int4pack_rows: cannot allocate its row buffers")
+    return out
+
+
 def int4_native_dequant(
     w: Int4Packed, out: torch.Tensor, lib: ctypes.CDLL | None = None
 ) -> torch.Tensor:

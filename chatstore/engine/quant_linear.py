@@ -44,6 +44,7 @@ from chatstore.kernels.weight_dequant import (
     DequantScratch,
     int4_native_dequant,
     int4pack_dequant,
+    int4pack_rows,
     int8_dequant,
 )
 from chatstore.model.quant_weights import Int4Weight, Int8Weight
@@ -202,3 +203,21 @@ class Int4Linear(_DenseFallback):
         if self.kernel == "native":
             return int4_native_dequant(self.native, scratch.view(n, k)).t()
         return int4pack_dequant(self.packed, self.scales_zeros, self.group, scratch.view(k, n))
+
+
+class PackedRows:
+    """An embedding table looked up in an int4 weight's torch pack (the tied head's, or the
+    GGUF's own token_embd repacked): a step expands the rows it reads (~1 KB a token), and no
+    16-bit table stays resident. Called like `F.embedding(ids, table)`."""
+
+    def __init__(self, table: Int4Linear, dtype: torch.dtype) -> None:
+        if table.kernel != "torch":
+            raise ValueError("rows are read from torch's int4 pack only")
+        self.table, self.dtype = table, dtype
+        self.rows, self.width = table.packed.shape[0], table.packed.shape[1] * 2
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        return int4pack_rows(
+            t.packed, t.scales_zeros, t.group, (self.rows, self.width), ids, t.repeat, self.dtype
+        )

@@ -104,9 +104,19 @@ class ModelRunner:
             projections = _dense_projections(pack)
         head = self.embed if spec.tie_word_embeddings else source.lm_head()
         self.lm_head = projections("lm_head", None, head, None)
-        self.layers = [
-            self._layer_weights(source.layer(i), i, projections) for i in range(spec.num_layers)
-        ]
+        # where the weights are expanded, the embeddings are read from the file's quantized
+        # table too (`weight_plan.Projections.embedding_rows`); else a 16-bit table
+        rows_from = getattr(projections, "embedding_rows", None)
+        self.embed_rows = rows_from(self.lm_head) if rows_from is not None else None
+        if self.embed_rows is not None:
+            # the 16-bit table goes (an empty tensor of its dtype and width stays readable)
+            self.embed = self.embed.new_empty((0, self.embed.shape[1]))
+        # roles the projections take quantized from the file need no float weights read
+        takes_float = getattr(projections, "takes_float", None)
+        self.layers = []
+        for i in range(spec.num_layers):
+            unread = frozenset(r for r in ROLES if takes_float and not takes_float(r, i))
+            self.layers.append(self._layer_weights(source.layer(i, unread), i, projections))
         self.rope = RotaryEmbedding(source.rope, spec.head_dim, self.device)
         self.scale = spec.head_dim**-0.5
         self._native_prefill = fast and native_prefill_supported(
@@ -147,7 +157,10 @@ class ModelRunner:
         layer i's history is in place (StoreConnector.wait_for_layer)."""
         spec, ops, eps = self.spec, self.ops, self.spec.rms_norm_eps
         hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        h = F.embedding(batch.input_ids, self.embed)  # [T, H], the residual stream
+        if self.embed_rows is not None:
+            h = self.embed_rows(batch.input_ids)  # [T, H], the residual stream
+        else:
+            h = F.embedding(batch.input_ids, self.embed)
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         cos, sin = cos[:, 0], sin[:, 0]  # [T, D]
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
@@ -194,6 +207,9 @@ class ModelRunner:
     def triton_attention(self) -> bool:
         """Whether the paged layout's attention is Triton's unified kernel (CUDA)."""
         return self.layout.name == "paged" and self.kernels.use_triton(self.device)
+
+
+ROLES = ("qkv", "o_proj", "gate_up", "down")  # a layer's projections
 
 
 def stacked_rows(*parts: torch.Tensor) -> torch.Tensor:

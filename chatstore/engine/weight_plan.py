@@ -91,11 +91,13 @@ from chatstore.engine.quant_linear import (
     NEVER,
     Int4Linear,
     Int8Linear,
+    PackedRows,
     int4_kernel,
     int4_supported,
     kernels_available,
 )
 from chatstore.kernels.weight_dequant import DequantScratch, dequant_available
+from chatstore.model.gguf_repack import REPACKABLE
 from chatstore.model.gguf_weights import GGUFWeights
 from chatstore.model.loader import LoadedModel
 from chatstore.model.quant_weights import (
@@ -264,8 +266,42 @@ class Projections:
             return None
         if self.scratch is None:  # only calls of dense_from (>= 2) rows reach it
             return Linear(weight, bias, self.pack, single_rows=False)
-        if role == "lm_head" and self.tied_head:
+        if role == "lm_head" and self.tied_head and not self._rows_from_file:
             return Linear(weight, bias, pack=False)
+        return None
+
+    def takes_float(self, role: str, layer: int | None) -> bool:
+        """Whether building `role` reads its float weight: not where the GGUF's blocks are
+        taken as they are and nothing 16-bit is kept (expanding), so a load skips
+        dequantising them (issue 35: the load's largest cost after the repack)."""
+        if self.scratch is None or self.fmt != "gguf" or self.gguf is None or role == "lm_head":
+            return True
+        types, rows = self.gguf.types(role, layer)
+        # _from_gguf fuses the parts only where every one repacks, in one layout (Q8_0 rides
+        # on two int4 halves, the 4-bit types on one), into a shape the int4 kernel packs
+        fused = all(t in REPACKABLE for t in types) and len({t == "Q8_0" for t in types}) == 1
+        return not (fused and rows % 16 == 0)
+
+    @property
+    def _rows_from_file(self) -> bool:
+        """Whether the embeddings are read from the GGUF's quantized table (`embedding_rows`):
+        expanding the model as published (`gguf`), on torch's int4 kernel."""
+        return self.scratch is not None and self.fmt == "gguf" and self.int4_kernel == "torch"
+
+    def embedding_rows(self, head: Projection) -> PackedRows | None:
+        """The embedding lookup from the file's quantized table instead of a 16-bit one, where
+        the weights are expanded (the tied head's pack; an untied model's token_embd repacked),
+        or None: the runner keeps its 16-bit table. The file holds the embeddings quantized,
+        so reading them so is the model as published."""
+        if not self._rows_from_file or self.gguf is None:
+            return None
+        table: Projection | None = head
+        if not self.tied_head:
+            (part,) = self.gguf.parts("embeddings", None)
+            table = None if part.weight is None else Int4Linear(part.weight, None)
+        if isinstance(table, Int4Linear) and table.kernel == "torch":
+            self.built["embeddings: rows of the GGUF's quantized table"] += 1
+            return PackedRows(table, self.dtype)
         return None
 
     def describe(self) -> str:

@@ -18,6 +18,7 @@ bytes), so the repacking code reads both the same; tests/engine compare the two 
 
 from __future__ import annotations
 
+import mmap
 import struct
 from pathlib import Path
 from typing import NamedTuple
@@ -76,6 +77,15 @@ class GGUFFile:
         align = given if isinstance(given, int) and given > 0 else 32
         start = -(-at // align) * align
         self.tensors = [self._tensor(start, *info) for info in infos]
+
+    def release_pages(self) -> None:
+        """Drop the map's resident pages from this process (madvise DONTNEED; the file's bytes
+        stay readable, read again on access). Once the weights are built from the file they are
+        not read again, yet every page the load touched would count in the process's RSS: a
+        GGUF's whole size."""
+        mapped = getattr(self._map, "_mmap", None)  # np.memmap's mmap object
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
 
     @property
     def architecture(self) -> str:

@@ -61,6 +61,10 @@ class GGUFWeightSource:
         self.spec = spec_from_gguf(self.file, self.tensors)
         self.rope = self._rope()
 
+    def release_pages(self) -> None:
+        """The file's pages out of this process's RSS, once the runner is built."""
+        self.file.release_pages()
+
     def embeddings(self) -> torch.Tensor:
         return self.tensor("token_embd.weight")
 
@@ -72,7 +76,8 @@ class GGUFWeightSource:
             return self.tensor("output.weight")
         return self.embeddings()
 
-    def layer(self, index: int) -> LayerTensors:
+    def layer(self, index: int, unread: frozenset[str] = frozenset()) -> LayerTensors:
+        """`unread` roles come as [rows, 0] placeholders: not dequantised (weights.py)."""
         blk, spec = f"blk.{index}.", self.spec
         permuted = self.architecture in PERMUTED_QK
         bias = None
@@ -83,29 +88,40 @@ class GGUFWeightSource:
                 self.tensor(f"{blk}attn_v.bias"),
             )
         q_norm = f"{blk}attn_q_norm.weight"
-        q, k, v = self._stacked(
+        qkv = (
             (f"{blk}attn_q.weight", spec.num_heads if permuted else None),
             (f"{blk}attn_k.weight", spec.num_kv_heads if permuted else None),
             (f"{blk}attn_v.weight", None),
         )
-        gate, up = self._stacked((f"{blk}ffn_gate.weight", None), (f"{blk}ffn_up.weight", None))
+        q, k, v = self._stacked(*qkv, unread="qkv" in unread)
+        ffn = ((f"{blk}ffn_gate.weight", None), (f"{blk}ffn_up.weight", None))
+        gate, up = self._stacked(*ffn, unread="gate_up" in unread)
+        o, down = f"{blk}attn_output.weight", f"{blk}ffn_down.weight"
         return LayerTensors(
             input_norm=self.tensor(f"{blk}attn_norm.weight"),
             post_norm=self.tensor(f"{blk}ffn_norm.weight"),
             q=q,
             k=k,
             v=v,
-            o=self.tensor(f"{blk}attn_output.weight"),
+            o=self._placeholder(o) if "o_proj" in unread else self.tensor(o),
             gate=gate,
             up=up,
-            down=self.tensor(f"{blk}ffn_down.weight"),
+            down=self._placeholder(down) if "down" in unread else self.tensor(down),
             qkv_bias=bias,
             q_norm=self.tensor(q_norm) if q_norm in self.tensors else None,
             k_norm=self.tensor(f"{blk}attn_k_norm.weight") if q_norm in self.tensors else None,
         )
 
-    def _stacked(self, *parts: tuple[str, int | None]) -> list[torch.Tensor]:
-        """2-D tensors of one width read into one buffer: its row slices, in order."""
+    def _placeholder(self, name: str) -> torch.Tensor:
+        """[rows, 0]: a weight the caller takes quantized, not dequantised."""
+        rows, _ = self._rows_cols(self._get(name))
+        return torch.empty((rows, 0), dtype=self.dtype, device=self.device)
+
+    def _stacked(self, *parts: tuple[str, int | None], unread: bool = False) -> list[torch.Tensor]:
+        """2-D tensors of one width read into one buffer: its row slices, in order (or, where
+        `unread`, their placeholders)."""
+        if unread:
+            return [self._placeholder(name) for name, _ in parts]
         shapes = [self._rows_cols(self._get(name)) for name, _ in parts]
         cols = {c for _, c in shapes}
         if len(cols) != 1:

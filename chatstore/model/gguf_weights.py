@@ -47,8 +47,13 @@ class GGUFWeights:
         self.path = path
         self.spec = spec
         gguf = GGUFFile(path)  # tensors only: the metadata (the tokenizer's) is not built
+        self.file = gguf
         self.tensors = {t.name: t for t in gguf.tensors}
         self.architecture = gguf.architecture
+
+    def release_pages(self) -> None:
+        """The file's pages out of this process's RSS, once the projections are built."""
+        self.file.release_pages()
 
     def type_counts(self) -> dict[str, int]:
         """How many tensors of each ggml type the file holds (for the log)."""
@@ -62,7 +67,15 @@ class GGUFWeights:
         if role == "lm_head":
             name = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
             return [self._part(name, None)]
+        if role == "embeddings":
+            return [self._part("token_embd.weight", None)]
         return [self._part(f"blk.{layer}.{p}.weight", p) for p in PARTS[role]]
+
+    def types(self, role: str, layer: int | None) -> tuple[list[str], int]:
+        """The ggml types of `role`'s tensors and their rows in all, without repacking."""
+        names = [f"blk.{layer}.{p}.weight" for p in PARTS[role]]
+        tensors = [self.tensors[name] for name in names]
+        return [t.tensor_type.name for t in tensors], sum(int(t.shape[1]) for t in tensors)
 
     def _part(self, name: str, kind: str | None) -> GGUFPart:
         t = self.tensors[name]

@@ -80,8 +80,8 @@ class SafetensorsWeightSource:
             return self.embeddings()
         return self.tensor("lm_head.weight")
 
-    def layer(self, index: int) -> LayerTensors:
-        p = f"model.layers.{index}."
+    def layer(self, index: int, unread: frozenset[str] = frozenset()) -> LayerTensors:
+        p = f"model.layers.{index}."  # safetensors' weights are read whole: `unread` is ignored
 
         def get(name: str) -> torch.Tensor:
             return self.tensor(p + name)

@@ -73,7 +73,12 @@ class ModelWeights(Protocol):
         """[V, H]: the embeddings themselves where they are tied."""
         ...
 
-    def layer(self, index: int) -> LayerTensors: ...
+    def layer(self, index: int, unread: frozenset[str] = frozenset()) -> LayerTensors:
+        """Layer `index`'s tensors in the compute dtype. `unread`: projection roles (qkv,
+        o_proj, gate_up, down) whose float weights the caller will not read (it takes them
+        quantized from the file): a source may hand them as [rows, 0] placeholders and skip
+        dequantising them."""
+        ...
 
 
 def rope_from_hf_config(config: PretrainedConfig) -> RopeParameters:
@@ -117,8 +122,8 @@ class TransformersWeights:
     def lm_head(self) -> torch.Tensor:
         return self._get("lm_head.weight")
 
-    def layer(self, index: int) -> LayerTensors:
-        p = f"model.layers.{index}."
+    def layer(self, index: int, unread: frozenset[str] = frozenset()) -> LayerTensors:
+        p = f"model.layers.{index}."  # the model's tensors are in memory: `unread` saves nothing
         biases = [self._optional(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]
         q, k, v = biases
         bias = (q, k, v) if q is not None and k is not None and v is not None else None

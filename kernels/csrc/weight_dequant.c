@@ -191,3 +191,43 @@ void int8_dequant(int dtype, const int8_t* q, const uint16_t* scales, int64_t N,
         }
     }
 }
+
+/* Rows `ids` [T] of W from torch's int4 pack -> out [T, K / repeat] in dtype: an embedding
+ * lookup from the quantized table itself. With repeat > 1 (an 8-bit code carried on two 4-bit
+ * ones, read over a repeated input) a row's K / repeat wide slices add up, as in the product.
+ * Returns 0, -1 when a row buffer cannot be allocated, -2 for an id outside [0, N). */
+int int4pack_rows(int dtype, const uint8_t* packed, const uint16_t* scales_zeros, int64_t N,
+                  int64_t K, int64_t group, int64_t block_n, int halves, const int64_t* ids,
+                  int64_t T, int64_t repeat, void* out, int nthreads) {
+    const int64_t width = K / repeat;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -2;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float* row = malloc(sizeof(float) * (size_t)width);
+        if (!row) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t n = ids[t], n0 = n / block_n * block_n;
+                const int64_t nb = N - n0 < block_n ? N - n0 : block_n, j = n - n0;
+                const int full = halves && nb == block_n;
+                const int64_t at = full ? (j < nb / 2 ? j : j - nb / 2) : j / 2;
+                const int high = full ? j >= nb / 2 : (int)(j & 1);
+                const uint8_t* base = packed + n0 * K / 2 + at;
+                for (int64_t c = 0; c < width; c++) row[c] = 0.f;
+                for (int64_t k = 0; k < K; k++) {
+                    const uint8_t b = base[k * (nb / 2)];
+                    const int q = high ? b >> 4 : b & 0x0F;
+                    const uint16_t* sz = scales_zeros + ((k / group) * N + n) * 2;
+                    row[k % width] += (float)(q - 8) * bf16_to_f32(sz[0]) + bf16_to_f32(sz[1]);
+                }
+                for (int64_t c = 0; c < width; c++) store_elem(dtype, out, t * width + c, row[c]);
+            }
+        }
+        free(row);
+    }
+    return failed ? -1 : 0;
+}

@@ -145,3 +145,26 @@ def test_packing_a_slice_of_rows_at_a_time_gives_torchs_whole_pack(monkeypatch) 
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
     monkeypatch.setattr(quant_linear, "PACK_ROWS", 128)  # three slices, the last a partial one
     assert torch.equal(quant_linear.pack_for_torch(codes.to(torch.uint8)), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_rows_of_a_pack_are_the_weight_rows(dtype, repeat) -> None:
+    """An embedding lookup from torch's int4 pack: the rows of the weight the kernel computes
+    with (a repeated input's slices summed), ids across full and partial row blocks."""
+    from chatstore.kernels.weight_dequant import int4pack_rows
+
+    torch.manual_seed(repeat)
+    w = quantize_int4(torch.randn(176, 64 * repeat), 32)._replace(input_repeat=repeat)
+    lin = Int4Linear(w, None, kernel="torch")
+    ids = torch.tensor([0, 5, 63, 64, 127, 130, 175, 5])
+    want = rounded(w)[ids].to(dtype)
+    for name, lib in _variants():
+        got = int4pack_rows(
+            lin.packed, lin.scales_zeros, 32, (176, 64 * repeat), ids, repeat, dtype, lib
+        )
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+    with pytest.raises(IndexError, match="outside the table's 176 rows"):
+        int4pack_rows(
+            lin.packed, lin.scales_zeros, 32, (176, 64 * repeat), torch.tensor([176]), repeat, dtype
+        )

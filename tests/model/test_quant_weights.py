@@ -258,6 +258,7 @@ def test_embedded_model_int4_from_gguf_agrees_with_its_dequantised_weights(
     ours = runner_with(default_model.weights, quant)
     expected_kinds = {f"{role}: int4 from GGUF Q4_1" for role in ("qkv", "o_proj", "gate_up")}
     expected_kinds |= {"down: int4 from GGUF Q4_1", "lm_head: int4 from GGUF Q8_0"}
+    expected_kinds.add("embeddings: rows of the GGUF's quantized table")  # expanding: no table
     assert set(quant.built) == expected_kinds
     edges = runner_with(default_model.weights, lambda r, i, w, b: DequantisedMatmul(w, b))
     dense = runner_with(default_model.weights, None)
@@ -266,6 +267,30 @@ def test_embedded_model_int4_from_gguf_agrees_with_its_dequantised_weights(
     bf16_noise = (full_logits(*edges, ids) - expected).abs().max().item()
     assert (full_logits(*ours, ids) - expected).abs().max().item() <= 3 * bf16_noise
     assert greedy(*ours, ids, 10) == greedy(*dense, ids, 10)  # measured: all 10 agree
+
+
+def test_expanded_gguf_reads_its_embeddings_from_the_quantized_table(default_model, embedded_gguf):
+    """prefill = expand on the model as published: the embeddings are rows of the tied head's
+    Q8_0 pack (no 16-bit table stays), the file's table up to its f16 scales read as bf16 (the
+    int4 kernels' scales); the head stays quantized at every row count; the logits stay within
+    the bf16 noise of the dense runner, the greedy tokens equal."""
+    quant = Projections(
+        "gguf", torch.float32, True, embedded_gguf, int4="torch", tied_head=True, prefill="expand"
+    )
+    runner, pool = runner_with(default_model.weights, quant)
+    assert runner.embed_rows is not None and runner.embed.numel() == 0
+    assert runner.lm_head.dense is None and "embeddings: rows of the GGUF" in quant.describe()
+    # the layers' float weights were never read: the file's blocks are all the build took
+    assert not any(quant.takes_float(role, 0) for role in ("qkv", "o_proj", "gate_up", "down"))
+    dense = runner_with(default_model.weights, None)
+    ids = default_model.tokenizer.encode("The capital of France is")
+    rows = runner.embed_rows(torch.tensor(ids))
+    torch.testing.assert_close(rows, dense[0].embed[ids], rtol=2**-8, atol=1e-6)
+    expected = full_logits(*dense, ids)
+    edges = runner_with(default_model.weights, lambda r, i, w, b: DequantisedMatmul(w, b))
+    bf16_noise = (full_logits(*edges, ids) - expected).abs().max().item()
+    assert (full_logits(runner, pool, ids) - expected).abs().max().item() <= 3 * bf16_noise
+    assert greedy(runner, pool, ids, 10) == greedy(*dense, ids, 10)
 
 
 @pytest.mark.parametrize(
@@ -368,3 +393,26 @@ def test_a_local_gguf_file_loads_with_its_tokenizer_and_template(default_model) 
     ids = loaded.tokenizer.encode("The capital of France is")
     assert ids == default_model.tokenizer.encode("The capital of France is")
     assert torch.equal(loaded.weights.lm_head(), default_model.weights.lm_head())
+
+
+def test_untied_gguf_expanded_reads_token_embd_quantized(tmp_path) -> None:
+    """An untied model's own Q4_0 token_embd, repacked and read by rows: the file's table up to
+    its f16 scales read as bf16, and the runner's logits close to the dense runner's over the
+    same file (the quantized head and expanded layers compute with those same scales)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from chatstore.model.gguf_source import GGUFWeightSource
+    from tests.support.gguf_writer import write_gguf
+
+    path = write_gguf(tiny_hf_model("llama", seed=8), tmp_path / "tiny.gguf", Q.Q4_0)
+    source = GGUFWeightSource(path)
+    gguf = GGUFWeights(path, source.spec)
+    quant = Projections("gguf", torch.float32, True, gguf, int4="torch", prefill="expand")
+    runner, pool = runner_with(source, quant)
+    assert runner.embed_rows is not None and runner.embed.numel() == 0
+    ids = torch.randint(2, 256, (40,), generator=torch.Generator().manual_seed(9))
+    table = source.embeddings()
+    torch.testing.assert_close(runner.embed_rows(ids), table[ids], rtol=2**-8, atol=1e-6)
+    dense = full_logits(*runner_with(source, None), ids.tolist())
+    got = full_logits(runner, pool, ids.tolist())
+    assert (got - dense).abs().max().item() <= 2e-2 * dense.abs().max().item()
