@@ -102,6 +102,13 @@ class DequantScratch:
         return self._buf.numel() * self._buf.element_size()
 
 
+def _known_layout() -> Int4PackLayout:
+    layout = int4pack_layout()
+    if layout is None:
+        raise RuntimeError("torch's int4 pack layout is not known on this CPU")
+    return layout
+
+
 def _lib(lib: ctypes.CDLL | None) -> ctypes.CDLL:
     lib = lib or native_library()
     if lib is None:
@@ -119,9 +126,7 @@ def int4pack_dequant(
     """W^T [K, N] into `out` (fp32 or bf16) from torch's int4 pack and its bf16 scales_zeros
     [K / group, N, 2]: w = (q - 8) * scale + zero. `lib`: a particular build (default: this
     CPU's)."""
-    layout = int4pack_layout()
-    if layout is None:
-        raise RuntimeError("torch's int4 pack layout is not known on this CPU")
+    layout = _known_layout()
     k, n = out.shape
     if packed.numel() * 2 != n * k or scales_zeros.shape != (k // group, n, 2):
         raise ValueError(f"int4 pack / scales do not match a [{k}, {n}] output")
@@ -154,9 +159,7 @@ def int4pack_rows(
 ) -> torch.Tensor:
     """Rows `ids` of the [N, K] weight in torch's int4 pack as [T, K / repeat] in `dtype` (an
     embedding lookup from a quantized table; `repeat` slices of a row add up)."""
-    layout = int4pack_layout()
-    if layout is None:
-        raise RuntimeError("torch's int4 pack layout is not known on this CPU")
+    layout = _known_layout()
     n, k = shape
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), k // repeat, dtype=dtype)

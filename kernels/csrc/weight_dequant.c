@@ -26,38 +26,15 @@
 #include <immintrin.h>
 #endif
 
-/* One byte row of a block: nb values of output row k, from the group's float scales and zeros. */
-INLINE void expand_row(int dtype, const uint8_t* row_bytes, int64_t nb, int halves,
-                       const float* s, const float* m, void* out, int64_t at) {
+/* One byte row of a block: nb values of output row k, from the group's float scales and zeros
+ * (dtype is a constant at each call, so each instantiation is one plain loop). */
+INLINE void expand_row(int dtype, const uint8_t* bytes, int64_t nb, int halves, const float* s,
+                       const float* z, void* out, int64_t at) {
     const int64_t half = nb / 2;
-    if (dtype == DTYPE_BF16) {
-        uint16_t* o = (uint16_t*)out + at;
-        if (halves) {
-#pragma omp simd
-            for (int64_t j = 0; j < half; j++) {
-                o[j] = f32_to_bf16((float)((row_bytes[j] & 0x0F) - 8) * s[j] + m[j]);
-                o[half + j] = f32_to_bf16((float)((row_bytes[j] >> 4) - 8) * s[half + j] + m[half + j]);
-            }
-        } else {
-            for (int64_t j = 0; j < half; j++) {
-                o[2 * j] = f32_to_bf16((float)((row_bytes[j] & 0x0F) - 8) * s[2 * j] + m[2 * j]);
-                o[2 * j + 1] = f32_to_bf16((float)((row_bytes[j] >> 4) - 8) * s[2 * j + 1] + m[2 * j + 1]);
-            }
-        }
-    } else {
-        float* o = (float*)out + at;
-        if (halves) {
-#pragma omp simd
-            for (int64_t j = 0; j < half; j++) {
-                o[j] = (float)((row_bytes[j] & 0x0F) - 8) * s[j] + m[j];
-                o[half + j] = (float)((row_bytes[j] >> 4) - 8) * s[half + j] + m[half + j];
-            }
-        } else {
-            for (int64_t j = 0; j < half; j++) {
-                o[2 * j] = (float)((row_bytes[j] & 0x0F) - 8) * s[2 * j] + m[2 * j];
-                o[2 * j + 1] = (float)((row_bytes[j] >> 4) - 8) * s[2 * j + 1] + m[2 * j + 1];
-            }
-        }
+    for (int64_t j = 0; j < half; j++) {
+        const int64_t lo = halves ? j : 2 * j, hi = halves ? half + j : 2 * j + 1;
+        store_elem(dtype, out, at + lo, (float)((bytes[j] & 0x0F) - 8) * s[lo] + z[lo]);
+        store_elem(dtype, out, at + hi, (float)((bytes[j] >> 4) - 8) * s[hi] + z[hi]);
     }
 }
 
@@ -106,8 +83,8 @@ int int4pack_dequant(int dtype, const uint8_t* packed, const uint16_t* scales_ze
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         float* s = malloc(sizeof(float) * (size_t)N);
-        float* m = malloc(sizeof(float) * (size_t)N);
-        if (!s || !m) {
+        float* z = malloc(sizeof(float) * (size_t)N);
+        if (!s || !z) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
@@ -115,7 +92,7 @@ int int4pack_dequant(int dtype, const uint8_t* packed, const uint16_t* scales_ze
                 const uint16_t* sz = scales_zeros + g * N * 2;
                 for (int64_t n = 0; n < N; n++) {
                     s[n] = bf16_to_f32(sz[2 * n]);
-                    m[n] = bf16_to_f32(sz[2 * n + 1]);
+                    z[n] = bf16_to_f32(sz[2 * n + 1]);
                 }
                 /* block by block: a block's rows of this group are one contiguous read */
                 for (int64_t n0 = 0; n0 < N; n0 += block_n) {
@@ -125,20 +102,21 @@ int int4pack_dequant(int dtype, const uint8_t* packed, const uint16_t* scales_ze
                         const uint8_t* bytes = packed + n0 * K / 2 + k * nb / 2;
 #if defined(__AVX512F__)
                         if (full && nb == 64) {
-                            expand_block64(dtype, bytes, s + n0, m + n0, out, k * N + n0);
+                            expand_block64(dtype, bytes, s + n0, z + n0, out, k * N + n0);
                             continue;
                         }
 #endif
+                        const int64_t at = k * N + n0;
                         if (dtype == DTYPE_BF16)
-                            expand_row(DTYPE_BF16, bytes, nb, full, s + n0, m + n0, out, k * N + n0);
+                            expand_row(DTYPE_BF16, bytes, nb, full, s + n0, z + n0, out, at);
                         else
-                            expand_row(DTYPE_F32, bytes, nb, full, s + n0, m + n0, out, k * N + n0);
+                            expand_row(DTYPE_F32, bytes, nb, full, s + n0, z + n0, out, at);
                     }
                 }
             }
         }
         free(s);
-        free(m);
+        free(z);
     }
     return failed ? -1 : 0;
 }
