@@ -37,7 +37,7 @@ from chatstore.engine.weight_plan import Projection, ProjectionFactory
 from chatstore.kernels.fused_ops import NativeOps, TorchOps
 from chatstore.kernels.paged_prefill import native_prefill_supported
 from chatstore.model.spec import ModelSpec
-from chatstore.model.weights import LayerTensors, ModelWeights, as_weights
+from chatstore.model.weights import LayerTensors, ModelWeights, as_weights, release_file_pages
 
 if TYPE_CHECKING:
     from chatstore.kernels.triton.fused_ops import TritonOps
@@ -97,8 +97,6 @@ class ModelRunner:
                 f"KV cache dtype {kv_cache.dtype} differs from model dtype {self.dtype}"
             )
         fast = attention == "auto"
-        if self.device.type == "cpu":
-            keep_freed_memory()
         pack = fast and packing_available(self.device, self.dtype)
         if projections is None:
             projections = _dense_projections(pack)
@@ -117,6 +115,8 @@ class ModelRunner:
         for i in range(spec.num_layers):
             unread = frozenset(r for r in ROLES if takes_float and not takes_float(r, i))
             self.layers.append(self._layer_weights(source.layer(i, unread), i, projections))
+            # layer by layer: else the whole file is resident beside the weights at the end
+            release_file_pages(source, getattr(projections, "gguf", None))
         self.rope = RotaryEmbedding(source.rope, spec.head_dim, self.device)
         self.scale = spec.head_dim**-0.5
         self._native_prefill = fast and native_prefill_supported(
@@ -128,6 +128,10 @@ class ModelRunner:
         self.ops = elementwise_ops(self.kernels, self.device, self.dtype, spec.head_dim)
         if self.device.type == "cpu":
             release_free_memory()  # the file's tensors, read layer by layer and dropped
+            # only now: during the build glibc's default thresholds hand each large transient
+            # (a tensor read or repacked) back on free; kept in the heap they fragmented it,
+            # an 8B load peaking at 2x its steady RSS
+            keep_freed_memory()
 
     @staticmethod
     def _layer_weights(t: LayerTensors, index: int, make: ProjectionFactory) -> LayerWeights:

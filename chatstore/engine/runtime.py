@@ -75,7 +75,6 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
         config.prefill_weights,
     )
     runner = ModelRunner(model.weights, model.spec, kv_cache, config.attention, projections)
-    _release_file_pages(model.weights, projections.gguf if projections is not None else None)
     if projections is not None:  # stored KV of these weights is not dense weights' KV
         model = replace(
             model,
@@ -90,15 +89,6 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
         for warning in cpu_path_warnings(dtype):
             log.warning("%s", warning)
     return Runtime(model, kv_cache, pool, runner)
-
-
-def _release_file_pages(*sources: object) -> None:
-    """A GGUF's pages the build read are not read again but count in RSS while resident (the
-    file's whole size): sources that map a file drop them (`release_pages`)."""
-    for source in sources:
-        release = getattr(source, "release_pages", None)
-        if callable(release):
-            release()
 
 
 def runtime_config(config: Config, model: LoadedModel) -> Config:

@@ -81,6 +81,16 @@ class ModelWeights(Protocol):
         ...
 
 
+def release_file_pages(*sources: object) -> None:
+    """A mapped file's pages a build has read are not read again but count in RSS while
+    resident (a GGUF's whole size, on top of the weights built from it): sources that map a
+    file drop them (`release_pages`); others are passed over."""
+    for source in sources:
+        release = getattr(source, "release_pages", None)
+        if callable(release):
+            release()
+
+
 def rope_from_hf_config(config: PretrainedConfig) -> RopeParameters:
     params = rope_parameters(config)
     theta = params.get("rope_theta", 10000.0)
