@@ -11,6 +11,8 @@ the server's start builds no transformers model: the module that defines one is 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -199,3 +201,30 @@ def test_a_bin_checkpoint_directory_loads_tensor_by_tensor(tmp_path, default_mod
     ids = random_ids(30, loaded.spec.vocab_size, seed=9)
     ours = full_logits(*runner_over(loaded.weights), ids)
     assert (ours - hf_logits(model, ids)).abs().max().item() <= TOL
+
+
+def _mapped_rss_kb(path) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's smaps")
+def test_a_gguf_source_gives_its_read_pages_back(default_model) -> None:
+    """Every page a build reads stays resident in the process's map until released: a GGUF's
+    whole size beside the weights built from it. release_pages drops them (the file stays
+    readable: a tensor read again reads the same bytes)."""
+    others = _mapped_rss_kb(default_model.gguf)  # other maps of the file in this process
+    source = GGUFWeightSource(default_model.gguf)
+    before = source.tensor("blk.3.ffn_down.weight")
+    for index in range(source.spec.num_layers):
+        source.layer(index)
+    assert _mapped_rss_kb(default_model.gguf) - others > 50_000  # the layers' blocks, read
+    source.release_pages()
+    assert _mapped_rss_kb(default_model.gguf) - others < 1_000
+    assert torch.equal(source.tensor("blk.3.ffn_down.weight"), before)
