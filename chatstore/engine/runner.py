@@ -89,7 +89,12 @@ class ModelRunner:
         self.attention = attention
         self.device = kv_cache.device
         source = as_weights(weights)
-        self.embed = source.embeddings()
+        # a table the projections read from the file's quantized blocks is not read as floats
+        takes_float = getattr(projections, "takes_float", None)
+        if takes_float is None or takes_float("embeddings", None):
+            self.embed = source.embeddings()
+        else:
+            self.embed = torch.empty((spec.vocab_size, 0), dtype=source.dtype, device=self.device)
         self.final_norm = source.final_norm()
         self.dtype = self.embed.dtype
         if kv_cache.dtype != self.dtype:
@@ -110,7 +115,6 @@ class ModelRunner:
             # the 16-bit table goes (an empty tensor of its dtype and width stays readable)
             self.embed = self.embed.new_empty((0, self.embed.shape[1]))
         # roles the projections take quantized from the file need no float weights read
-        takes_float = getattr(projections, "takes_float", None)
         self.layers = []
         for i in range(spec.num_layers):
             unread = frozenset(r for r in ROLES if takes_float and not takes_float(r, i))

@@ -274,6 +274,8 @@ class Projections:
         """Whether building `role` reads its float weight: not where the GGUF's blocks are
         taken as they are and nothing 16-bit is kept (expanding), so a load skips
         dequantising them (issue 35: the load's largest cost after the repack)."""
+        if role == "embeddings":
+            return not self._table_from_file()
         if self.scratch is None or self.fmt != "gguf" or self.gguf is None or role == "lm_head":
             return True
         types, rows = self.gguf.types(role, layer)
@@ -288,21 +290,31 @@ class Projections:
         expanding the model as published (`gguf`), on torch's int4 kernel."""
         return self.scratch is not None and self.fmt == "gguf" and self.int4_kernel == "torch"
 
+    def _table_from_file(self) -> bool:
+        """Whether `embedding_rows` reads the table from the file: expanding the model as
+        published, and the table (the tied head's tensor, or token_embd) repacks to int4."""
+        if not self._rows_from_file or self.gguf is None:
+            return False
+        (kind,), rows = self.gguf.types("lm_head" if self.tied_head else "embeddings", None)
+        return kind in REPACKABLE and rows % 16 == 0
+
     def embedding_rows(self, head: Projection) -> PackedRows | None:
         """The embedding lookup from the file's quantized table instead of a 16-bit one, where
         the weights are expanded (the tied head's pack; an untied model's token_embd repacked),
-        or None: the runner keeps its 16-bit table. The file holds the embeddings quantized,
-        so reading them so is the model as published."""
-        if not self._rows_from_file or self.gguf is None:
+        or None: the runner keeps its 16-bit table (and must have read it: `takes_float`).
+        The file holds the embeddings quantized, so reading them so is the model as published."""
+        if not self._table_from_file():
             return None
-        table: Projection | None = head
+        assert self.gguf is not None
+        table = head
         if not self.tied_head:
             (part,) = self.gguf.parts("embeddings", None)
-            table = None if part.weight is None else Int4Linear(part.weight, None)
-        if isinstance(table, Int4Linear) and table.kernel == "torch":
-            self.built["embeddings: rows of the GGUF's quantized table"] += 1
-            return PackedRows(table, self.dtype)
-        return None
+            assert part.weight is not None
+            table = Int4Linear(part.weight, None)
+        if not isinstance(table, Int4Linear) or table.kernel != "torch":
+            raise RuntimeError(f"the embedding table cannot be read by rows from {table!r}")
+        self.built["embeddings: rows of the GGUF's quantized table"] += 1
+        return PackedRows(table, self.dtype)
 
     def describe(self) -> str:
         """One line for the log: what each projection computes with."""

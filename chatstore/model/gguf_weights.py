@@ -63,19 +63,22 @@ class GGUFWeights:
         return counts
 
     def parts(self, role: str, layer: int | None) -> list[GGUFPart]:
-        """The GGUF tensors making up projection `role` of `layer` (None for lm_head)."""
-        if role == "lm_head":
-            name = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
-            return [self._part(name, None)]
-        if role == "embeddings":
-            return [self._part("token_embd.weight", None)]
-        return [self._part(f"blk.{layer}.{p}.weight", p) for p in PARTS[role]]
+        """The GGUF tensors making up projection `role` of `layer` (None for lm_head and the
+        embeddings), repacked where their type allows."""
+        return [self._part(name, kind) for name, kind in self._names(role, layer)]
 
     def types(self, role: str, layer: int | None) -> tuple[list[str], int]:
         """The ggml types of `role`'s tensors and their rows in all, without repacking."""
-        names = [f"blk.{layer}.{p}.weight" for p in PARTS[role]]
-        tensors = [self.tensors[name] for name in names]
+        tensors = [self.tensors[name] for name, _ in self._names(role, layer)]
         return [t.tensor_type.name for t in tensors], sum(int(t.shape[1]) for t in tensors)
+
+    def _names(self, role: str, layer: int | None) -> list[tuple[str, str | None]]:
+        if role == "lm_head":
+            name = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+            return [(name, None)]
+        if role == "embeddings":
+            return [("token_embd.weight", None)]
+        return [(f"blk.{layer}.{p}.weight", p) for p in PARTS[role]]
 
     def _part(self, name: str, kind: str | None) -> GGUFPart:
         t = self.tensors[name]
