@@ -59,7 +59,7 @@ from chatstore.config import cpu_has_fast_bf16, resolve_dtype  # noqa: E402
 from chatstore.engine.linear import packing_available  # noqa: E402
 from chatstore.engine.quant_linear import int4_kernel  # noqa: E402
 from chatstore.engine.runner import ModelRunner  # noqa: E402
-from chatstore.engine.weight_plan import Projections  # noqa: E402
+from chatstore.engine.weight_plan import Projections, prefill_mode  # noqa: E402
 from chatstore.model import LoadedModel, load_model  # noqa: E402
 from chatstore.model.gguf_weights import GGUFWeights  # noqa: E402
 
@@ -74,7 +74,14 @@ def in_process(model: LoadedModel, fmt: str, sizes: dict) -> dict[str, float]:
     if fmt != "dense":
         gguf = GGUFWeights(model.gguf, model.spec)
         pack = packing_available(torch.device("cpu"), model.dtype)
-        projections = Projections(fmt, model.dtype, pack, gguf)
+        projections = Projections(
+            fmt,
+            model.dtype,
+            pack,
+            gguf,
+            tied_head=model.spec.tie_word_embeddings,
+            prefill=prefill_mode("auto", model.spec, model.dtype),
+        )  # as served: the prefill weights auto picks
         ours.runner = ModelRunner(model.weights, model.spec, ours.kv, "auto", projections)
     out = {}
     with torch.inference_mode():

@@ -40,7 +40,7 @@ from chatstore.engine.kv_cache import PagedKVCache  # noqa: E402
 from chatstore.engine.linear import packing_available  # noqa: E402
 from chatstore.engine.quant_linear import NEVER  # noqa: E402
 from chatstore.engine.runner import ModelRunner  # noqa: E402
-from chatstore.engine.weight_plan import DENSE_FROM, Projections  # noqa: E402
+from chatstore.engine.weight_plan import DENSE_FROM, Projections, prefill_mode  # noqa: E402
 from chatstore.model import LoadedModel, load_model  # noqa: E402
 from chatstore.model.gguf_weights import GGUFWeights  # noqa: E402
 
@@ -63,7 +63,15 @@ def make_runner(model: LoadedModel, fmt: str, served: bool, tokens: int) -> Mode
     if fmt != "dense":
         gguf = GGUFWeights(model.gguf, model.spec)
         pack = packing_available(torch.device("cpu"), model.dtype)
-        projections = Projections(fmt, model.dtype, pack, gguf, None if served else ALWAYS_QUANT)
+        projections = Projections(
+            fmt,
+            model.dtype,
+            pack,
+            gguf,
+            None if served else ALWAYS_QUANT,
+            tied_head=model.spec.tie_word_embeddings,
+            prefill=prefill_mode("auto", model.spec, model.dtype),
+        )  # as served: the prefill weights auto picks
     return ModelRunner(model.weights, model.spec, kv, "auto", projections)
 
 
