@@ -13,8 +13,9 @@
 the compute dtype is left to `dtype = auto`; anything else serves dense weights, so an explicit
 `dtype` (the tests' servers run `CHATSTORE_DTYPE=float32`) or a model handed in already loaded
 keeps today's exact 16/32-bit path. `bf16` / `fp32` are dense weights in that dtype (the compute
-dtype follows them under `dtype = auto`). Embeddings stay dense in every format: a step gathers
-T rows of the table, ~1 KB a token, against the ~70-270 MB of projections it reads.
+dtype follows them under `dtype = auto`). Embeddings stay a dense table (a step gathers T rows
+of it, ~1 KB a token), except where `gguf` weights are expanded: there the rows are read from the
+file's own quantized table (`embedding_rows`), and no 16-bit table is held.
 
 Token counts at which a 16-bit GEMM beats the quantized kernels compute on a 16-bit weight: the
 quantized one expanded just in time (`prefill_weights = expand`: `DENSE_FROM`, or
