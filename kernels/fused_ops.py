@@ -19,9 +19,7 @@ import ctypes
 
 import torch
 
-from chatstore.kernels.native import native_library
-
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from chatstore.kernels.native import NATIVE_DTYPES, native_library
 
 
 class TorchOps:
@@ -96,7 +94,7 @@ class NativeOps:
     def applies(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
         return (
             device.type == "cpu"
-            and dtype in _NATIVE_DTYPES
+            and dtype in NATIVE_DTYPES
             and head_dim <= 512
             and native_library() is not None
         )
@@ -106,7 +104,7 @@ class NativeOps:
         out = torch.empty_like(x)
         rows, width = x.shape
         self._lib.rms_norm(
-            _NATIVE_DTYPES[x.dtype],
+            NATIVE_DTYPES[x.dtype],
             x.data_ptr(),
             weight.data_ptr(),
             out.data_ptr(),
@@ -124,7 +122,7 @@ class NativeOps:
         out = torch.empty_like(h)
         rows, width = h.shape
         self._lib.add_rms_norm(
-            _NATIVE_DTYPES[h.dtype],
+            NATIVE_DTYPES[h.dtype],
             h.data_ptr(),
             delta.data_ptr(),
             weight.data_ptr(),
@@ -156,7 +154,7 @@ class NativeOps:
         if want_kv:
             k_out = torch.empty((rows, num_kv_heads, head_dim), dtype=qkv.dtype)
         self._lib.rope_store_kv(
-            _NATIVE_DTYPES[qkv.dtype],
+            NATIVE_DTYPES[qkv.dtype],
             qkv.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
@@ -179,6 +177,6 @@ class NativeOps:
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype, device=gate_up.device)
         self._lib.silu_mul(
-            _NATIVE_DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, width // 2
+            NATIVE_DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, width // 2
         )
         return out

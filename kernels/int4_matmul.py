@@ -17,10 +17,9 @@ from typing import NamedTuple
 
 import torch
 
-from chatstore.kernels.native import native_library
+from chatstore.kernels.native import NATIVE_DTYPES, native_library
 
 QBLOCK = 32
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class Int4Packed(NamedTuple):
@@ -63,7 +62,7 @@ def int4_matmul(x: torch.Tensor, w: Int4Packed, lib: ctypes.CDLL | None = None) 
     k = 2 * w.packed.shape[1]
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
     rc = lib.int4_matmul(
-        _NATIVE_DTYPES[x.dtype],
+        NATIVE_DTYPES[x.dtype],
         x.data_ptr(),
         x.shape[0],
         k,

@@ -41,7 +41,7 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-import torch  # noqa: F401  (loads torch's libgomp.so.1 before ours is linked to it)
+import torch  # also loads torch's libgomp.so.1 before ours is linked to it
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ X86_VARIANTS = (
 )
 NATIVE_VARIANT = IsaVariant("native", ("-march=native",), frozenset())  # not x86-64
 
+# The kernels' dtype argument: common.h's DTYPE_F32 / DTYPE_BF16.
+NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # int paged_decode(dtype, q, k, v, tables, table_width, ctx_lens, S, Hq, Hkv, D, B, scale, out, n)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 PAGED_DECODE_ARGTYPES = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]

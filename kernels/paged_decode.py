@@ -29,9 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from chatstore.kernels.native import native_library
-
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from chatstore.kernels.native import NATIVE_DTYPES, native_library
 
 
 class BlockSegments(NamedTuple):
@@ -91,7 +89,7 @@ def paged_decode(
 def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
-        and q.dtype in _NATIVE_DTYPES
+        and q.dtype in NATIVE_DTYPES
         and k_cache.dtype == q.dtype == v_cache.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -119,7 +117,7 @@ def paged_decode_native(
     tables, ctx = plan.block_tables, plan.context_lens
     out = torch.empty_like(q)
     rc = lib.paged_decode(
-        _NATIVE_DTYPES[q.dtype],
+        NATIVE_DTYPES[q.dtype],
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

@@ -17,10 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from chatstore.kernels.native import native_library
+from chatstore.kernels.native import NATIVE_DTYPES, native_library
 from chatstore.kernels.paged_attention import paged_attention_reference
-
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,7 @@ def native_prefill_supported(dtype: torch.dtype, device: torch.device, head_dim:
     """Whether the native kernel serves a model of this dtype, device and head size."""
     return (
         device.type == "cpu"
-        and dtype in _NATIVE_DTYPES
+        and dtype in NATIVE_DTYPES
         and head_dim % 16 == 0
         and native_library() is not None
     )
@@ -113,7 +111,7 @@ def paged_prefill_native(
     out = torch.empty(q.shape, dtype=q.dtype)  # [T, Hq, D], packed
     tables = plan.block_tables
     rc = lib.paged_prefill(
-        _NATIVE_DTYPES[q.dtype],
+        NATIVE_DTYPES[q.dtype],
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),

@@ -24,9 +24,7 @@ from typing import NamedTuple
 import torch
 
 from chatstore.kernels.int4_matmul import Int4Packed
-from chatstore.kernels.native import native_library
-
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from chatstore.kernels.native import NATIVE_DTYPES, native_library
 
 
 class Int4PackLayout(NamedTuple):
@@ -87,7 +85,7 @@ class DequantScratch:
     projections run one at a time, so a view is valid until the next projection's call."""
 
     def __init__(self, dtype: torch.dtype) -> None:
-        if dtype not in _NATIVE_DTYPES:
+        if dtype not in NATIVE_DTYPES:
             raise ValueError(f"dequantised weights are fp32 or bf16, not {dtype}")
         self.dtype = dtype
         self._buf = torch.empty(0, dtype=dtype)
@@ -131,7 +129,7 @@ def int4pack_dequant(
     if packed.numel() * 2 != n * k or scales_zeros.shape != (k // group, n, 2):
         raise ValueError(f"int4 pack / scales do not match a [{k}, {n}] output")
     rc = _lib(lib).int4pack_dequant(
-        _NATIVE_DTYPES[out.dtype],
+        NATIVE_DTYPES[out.dtype],
         packed.data_ptr(),
         scales_zeros.data_ptr(),
         n,
@@ -164,7 +162,7 @@ def int4pack_rows(
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), k // repeat, dtype=dtype)
     rc = _lib(lib).int4pack_rows(
-        _NATIVE_DTYPES[dtype],
+        NATIVE_DTYPES[dtype],
         packed.data_ptr(),
         scales_zeros.data_ptr(),
         n,
@@ -193,7 +191,7 @@ def int4_native_dequant(
     if w.repeat != 1 or w.packed.shape != (n, k // 2):
         raise ValueError(f"an Int4Packed of repeat 1 and shape [{n}, {k}] is needed")
     _lib(lib).int4_native_dequant(
-        _NATIVE_DTYPES[out.dtype],
+        NATIVE_DTYPES[out.dtype],
         w.packed.data_ptr(),
         w.scales.data_ptr(),
         w.mins.data_ptr(),
@@ -213,7 +211,7 @@ def int8_dequant(
     if q.shape != (n, k) or scales.shape != (n,) or scales.dtype != torch.bfloat16:
         raise ValueError(f"int8 codes [{n}, {k}] and bf16 scales [{n}] are needed")
     _lib(lib).int8_dequant(
-        _NATIVE_DTYPES[out.dtype],
+        NATIVE_DTYPES[out.dtype],
         q.data_ptr(),
         scales.data_ptr(),
         n,
