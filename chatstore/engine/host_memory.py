@@ -39,13 +39,8 @@ def keep_freed_memory() -> bool:
     (another libc, or CHATSTORE_MALLOC_TUNING=0)."""
     if os.environ.get("CHATSTORE_MALLOC_TUNING", "1").lower() in ("0", "false", "no", "off"):
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -61,14 +56,21 @@ def release_free_memory() -> bool:
     tensors are read from the file in the compute dtype, repacked and dropped, and with the
     thresholds above that memory would otherwise stay resident (measured on the embedded model:
     ~40-180 MB). False where it does not apply."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
+    trim = _libc_function("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
     trim(0)
     return True
+
+
+def _libc_function(name: str) -> ctypes._NamedFuncPointer | None:
+    """The C library's function `name`, or None where there is no such libc or function."""
+    lib = ctypes.util.find_library("c")
+    if lib is None:
+        return None
+    try:
+        return getattr(ctypes.CDLL(lib), name)
+    except (OSError, AttributeError):
+        return None
