@@ -149,16 +149,15 @@ def int4pack_rows(
     packed: torch.Tensor,
     scales_zeros: torch.Tensor,
     group: int,
-    shape: tuple[int, int],
     ids: torch.Tensor,
     repeat: int,
     dtype: torch.dtype,
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    """Rows `ids` of the [N, K] weight in torch's int4 pack as [T, K / repeat] in `dtype` (an
-    embedding lookup from a quantized table; `repeat` slices of a row add up)."""
+    """Rows `ids` of the [N, K] weight in torch's int4 pack ([N, K / 2]) as [T, K / repeat] in
+    `dtype` (an embedding lookup from a quantized table; `repeat` slices of a row add up)."""
     layout = _known_layout()
-    n, k = shape
+    n, k = packed.shape[0], packed.shape[1] * 2
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), k // repeat, dtype=dtype)
     rc = _lib(lib).int4pack_rows(

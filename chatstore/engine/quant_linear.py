@@ -214,10 +214,7 @@ class PackedRows:
         if table.kernel != "torch":
             raise ValueError("rows are read from torch's int4 pack only")
         self.table, self.dtype = table, dtype
-        self.rows, self.width = table.packed.shape[0], table.packed.shape[1] * 2
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
-        return int4pack_rows(
-            t.packed, t.scales_zeros, t.group, (self.rows, self.width), ids, t.repeat, self.dtype
-        )
+        return int4pack_rows(t.packed, t.scales_zeros, t.group, ids, t.repeat, self.dtype)

@@ -160,11 +160,7 @@ def test_rows_of_a_pack_are_the_weight_rows(dtype, repeat) -> None:
     ids = torch.tensor([0, 5, 63, 64, 127, 130, 175, 5])
     want = rounded(w)[ids].to(dtype)
     for name, lib in _variants():
-        got = int4pack_rows(
-            lin.packed, lin.scales_zeros, 32, (176, 64 * repeat), ids, repeat, dtype, lib
-        )
+        got = int4pack_rows(lin.packed, lin.scales_zeros, 32, ids, repeat, dtype, lib)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
     with pytest.raises(IndexError, match="outside the table's 176 rows"):
-        int4pack_rows(
-            lin.packed, lin.scales_zeros, 32, (176, 64 * repeat), torch.tensor([176]), repeat, dtype
-        )
+        int4pack_rows(lin.packed, lin.scales_zeros, 32, torch.tensor([176]), repeat, dtype)
