@@ -1,7 +1,10 @@
 """What machine a benchmark ran on: CPU model, instruction sets, the kernel variant serving and
-torch's vector width. Every benchmark that claims a number names these (issue 32)."""
+torch's vector width (every benchmark that claims a number names these, issue 32), and what a
+process holds in memory."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -42,3 +45,11 @@ def describe() -> str:
         f"{m['cpu_model']} ({m['cpu_isa']}), kernels {m['kernel_variant']}, torch "
         f"{m['torch_cpu_capability']}, {m['threads']} threads"
     )
+
+
+def proc_status_mb(pid: int | str = "self", key: str = "VmRSS") -> float:
+    """A memory line of /proc/PID/status (VmRSS, VmHWM, ...) in MiB; 0.0 where it is absent."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0

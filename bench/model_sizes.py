@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 from peer_servers import PromptMaker, ServerProcess, decode_prompts, free_port  # noqa: E402
 from quant import PEERS, llamacpp_ready, ratio, timed_stream  # noqa: E402
 
-from bench.machine import machine_report  # noqa: E402
+from bench.machine import machine_report, proc_status_mb  # noqa: E402
 
 
 class Shape(NamedTuple):
@@ -187,13 +187,6 @@ def llamacpp_server(model: Path, log_dir: Path, threads: int) -> ServerProcess:
     return ServerProcess("llama.cpp", argv, env, port, "/v1/models", log_dir / "llama.log", 1800)
 
 
-def _status_mb(pid: int, key: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def measure(server: ServerProcess, maker: PromptMaker, reps: int, tokens: int) -> dict:
     start = time.perf_counter()
     with server, httpx.Client(trust_env=False, timeout=3600) as http:
@@ -206,8 +199,8 @@ def measure(server: ServerProcess, maker: PromptMaker, reps: int, tokens: int) -
         fills = [timed_stream(http, url, p, 1) for p in prompts]
         decodes = [timed_stream(http, url, decode_prompts(1, r)[0], tokens) for r in range(reps)]
         assert server.proc is not None
-        peak = _status_mb(server.proc.pid, "VmHWM")
-        steady = _status_mb(server.proc.pid, "VmRSS")
+        peak = proc_status_mb(server.proc.pid, "VmHWM")
+        steady = proc_status_mb(server.proc.pid, "VmRSS")
     counts = [t.prompt_tokens or maker.count(p) for t, p in zip(fills, prompts, strict=True)]
     return {
         "load_s": round(load_s, 2),

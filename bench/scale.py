@@ -104,7 +104,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import progress  # noqa: E402
-from bench.machine import cpu_model  # noqa: E402
+from bench.machine import cpu_model, proc_status_mb  # noqa: E402
 from tests.chaos.clients import sse_events  # noqa: E402
 from tests.chaos.harness import free_port, http_client  # noqa: E402
 
@@ -159,10 +159,7 @@ def label(size: int) -> str:
 
 
 def rss_mb(pid: int | str = "self") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return proc_status_mb(pid, "VmRSS")
 
 
 def child_env(data_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
