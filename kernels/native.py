@@ -56,6 +56,7 @@ SOURCES = tuple(
         "fused_ops.c",
         "int4_matmul.c",
         "weight_dequant.c",
+        "gguf_pack.c",
         "features.c",
     )
 )
@@ -106,7 +107,7 @@ FUSED_ARGTYPES = {
 # int int4_matmul(dtype, x, T, K, repeat, packed, scales, mins, N, out, n)
 INT4_MATMUL_ARGTYPES = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr]
 INT4_MATMUL_ARGTYPES += [ctypes.c_int]
-# weight_dequant.c: (name, argtypes, restype)
+# weight_dequant.c and gguf_pack.c: (name, argtypes, restype)
 _int = ctypes.c_int
 DEQUANT_ARGTYPES = {
     # int int4pack_dequant(dtype, packed, scales_zeros, N, K, group, block_n, halves, out, n)
@@ -121,6 +122,9 @@ DEQUANT_ARGTYPES = {
     ),
     # void int8_dequant(dtype, q, scales, N, K, out, n)
     "int8_dequant": ([_int, _ptr, _ptr, _i64, _i64, _ptr, _int], None),
+    # gguf_pack.c: int gguf_to_int4pack(row_addr, row_type, N, K_out, block_n, halves, packed,
+    #                                    scales_zeros, n)
+    "gguf_to_int4pack": ([_ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _int], _int),
 }
 FEATURE_BF16_DOT = 1  # bits of kernel_features() in csrc/features.c
 FEATURE_VECTOR_BITS_SHIFT = 8  # bits 8..: the width of the attention kernels' vectors

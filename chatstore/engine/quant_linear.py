@@ -47,7 +47,7 @@ from chatstore.kernels.weight_dequant import (
     int4pack_rows,
     int8_dequant,
 )
-from chatstore.model.quant_weights import Int4Weight, Int8Weight
+from chatstore.model.quant_weights import Int4Weight, Int8Weight, PackedInt4Weight
 
 NEVER = 1 << 62  # dense_from for a projection that always computes quantized
 KERNEL_DTYPE = torch.bfloat16  # the activations' dtype in both kernels (see the module doc)
@@ -156,7 +156,7 @@ class Int8Linear(_DenseFallback):
 class Int4Linear(_DenseFallback):
     def __init__(
         self,
-        weight: Int4Weight,
+        weight: Int4Weight | PackedInt4Weight,
         bias: torch.Tensor | None,
         dense: Linear | None = None,
         dense_from: int = NEVER,
@@ -165,17 +165,22 @@ class Int4Linear(_DenseFallback):
     ) -> None:
         """`kernel`: torch | native (int4_kernel()); native needs groups of 32, else torch.
         A weight read over a repeated input (input_repeat > 1) is never expanded: only the
-        lm_head is one, and it sees a row per sequence."""
+        lm_head is one, and it sees a row per sequence. A PackedInt4Weight is torch's pack
+        already (built from a GGUF's blocks): it runs on torch's kernel."""
         if weight.input_repeat > 1:
             scratch = None
         super().__init__(bias, dense, dense_from, scratch)
-        n, k = weight.q.shape
+        n, k = weight.shape[0], weight.shape[1] * weight.input_repeat
         if not int4_supported(n, k, weight.group):
             raise ValueError(f"int4 needs N % 16 == 0 and K % group == 0, got {n}x{k}")
         self.group = weight.group
         self.repeat = weight.input_repeat
         self.shape = weight.shape
         self.kernel = kernel
+        if isinstance(weight, PackedInt4Weight):
+            self.kernel = "torch"
+            self.packed, self.scales_zeros = weight.packed, weight.scales_zeros
+            return
         if kernel == "native" and int4_matmul_supported(k, weight.group, weight.input_repeat):
             self.native = pack_int4(weight.q, weight.scale, weight.zero, weight.input_repeat)
             return

@@ -103,6 +103,7 @@ from chatstore.model.gguf_weights import GGUFWeights
 from chatstore.model.loader import LoadedModel
 from chatstore.model.quant_weights import (
     Int4Weight,
+    PackedInt4Weight,
     QuantWeight,
     cat_int4_rows,
     quantize_int4,
@@ -250,7 +251,7 @@ class Projections:
         dense_from = self.dense_from[role]
         dense = self._dense_side(role, weight, bias, dense_from)
         scratch = None if role == "lm_head" else self.scratch
-        if isinstance(weight_q, Int4Weight):
+        if isinstance(weight_q, Int4Weight | PackedInt4Weight):
             built = Int4Linear(weight_q, bias, dense, dense_from, self.int4_kernel, scratch)
             self.int4_kernels[built.kernel] += 1
             return built
@@ -277,7 +278,9 @@ class Projections:
         dequantising them (issue 35: the load's largest cost after the repack)."""
         if role == "embeddings":
             return not self._table_from_file()
-        if self.scratch is None or self.fmt != "gguf" or self.gguf is None or role == "lm_head":
+        if self.scratch is None or self.fmt != "gguf" or self.gguf is None:
+            return True
+        if role == "lm_head" and self.tied_head:  # the table: read as `embeddings` says
             return True
         types, rows = self.gguf.types(role, layer)
         # _from_gguf fuses the parts only where every one repacks, in one layout (Q8_0 rides
@@ -309,9 +312,13 @@ class Projections:
         assert self.gguf is not None
         table = head
         if not self.tied_head:
-            (part,) = self.gguf.parts("embeddings", None)
-            assert part.weight is not None
-            table = Int4Linear(part.weight, None)
+            packed = self.gguf.torch_pack("embeddings", None)
+            if packed is None:
+                (part,) = self.gguf.parts("embeddings", None)
+                assert part.weight is not None
+                table = Int4Linear(part.weight, None)
+            else:
+                table = Int4Linear(packed, None)
         if not isinstance(table, Int4Linear) or table.kernel != "torch":
             raise RuntimeError(f"the embedding table cannot be read by rows from {table!r}")
         self.built["embeddings: rows of the GGUF's quantized table"] += 1
@@ -327,7 +334,7 @@ class Projections:
 
     def _quantized(
         self, role: str, layer: int | None, weight: torch.Tensor
-    ) -> tuple[QuantWeight, str] | None:
+    ) -> tuple[QuantWeight | PackedInt4Weight, str] | None:
         if self.fmt == "int8":  # a GGUF's own 8-bit (Q8_0) tensors as they are, else int8
             exact = self._gguf_q8_0(role, layer)
             return exact if exact is not None else (quantize_int8(weight), "int8")
@@ -341,21 +348,31 @@ class Projections:
             return None
         return quantize_int4(weight, INT4_GROUP), "int4 (quantized)"
 
-    def _gguf_q8_0(self, role: str, layer: int | None) -> tuple[QuantWeight, str] | None:
+    def _gguf_q8_0(
+        self, role: str, layer: int | None
+    ) -> tuple[QuantWeight | PackedInt4Weight, str] | None:
         if self.gguf is None:
             return None
-        parts = self.gguf.parts(role, layer)
-        if any(p.type_name != "Q8_0" for p in parts):
+        if any(t != "Q8_0" for t in self.gguf.types(role, layer)[0]):
             return None
+        packed = self.gguf.torch_pack(role, layer) if self.int4_kernel == "torch" else None
+        if packed is not None:
+            return packed, "Q8_0 from GGUF on 2 x int4"
+        parts = self.gguf.parts(role, layer)
         weights = [p.weight for p in parts if p.weight is not None]  # Q8_0 always repacks
         return cat_int4_rows(weights), "Q8_0 from GGUF on 2 x int4"
 
     def _from_gguf(
         self, role: str, layer: int | None, weight: torch.Tensor
-    ) -> tuple[QuantWeight, str] | None:
+    ) -> tuple[QuantWeight | PackedInt4Weight, str] | None:
         """The GGUF's own blocks; with `int4`, parts it cannot repack (or that do not fuse with
         the rest) are quantized from the float weight, with `gguf` the projection stays dense."""
         assert self.gguf is not None
+        if self.int4_kernel == "torch":  # the file's blocks straight into torch's pack
+            packed = self.gguf.torch_pack(role, layer)
+            if packed is not None:
+                types = "+".join(sorted(set(self.gguf.types(role, layer)[0])))
+                return packed, f"int4 from GGUF {types}"
         parts = self.gguf.parts(role, layer)
         weights = [p.weight for p in parts]
         types = "+".join(sorted({p.type_name for p in parts}))

@@ -19,10 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from chatstore.model.gguf_repack import REPACKABLE, repack
-from chatstore.model.quant_weights import Int4Weight, permute_rows
+from chatstore.model.gguf_repack import BLOCK_VALUES, GROUP, REPACKABLE, input_repeat, repack
+from chatstore.model.quant_weights import Int4Weight, PackedInt4Weight, permute_rows
 from chatstore.model.spec import ModelSpec
 
 PARTS = {
@@ -72,6 +73,50 @@ class GGUFWeights:
         tensors = [self.tensors[name] for name, _ in self._names(role, layer)]
         return [t.tensor_type.name for t in tensors], sum(int(t.shape[1]) for t in tensors)
 
+    def torch_pack(self, role: str, layer: int | None) -> PackedInt4Weight | None:
+        """`role`'s tensors fused and packed straight into torch's int4 CPU layout, as
+        `Int4Linear` would pack `parts()` fused (the same bytes, one pass, no codes tensor);
+        None where they do not fuse so (a type without repacking, Q8_0 beside 4-bit types,
+        rows not a multiple of 16), where the native kernels are missing or torch's layout is
+        not known here: the caller then takes `parts()`."""
+        from chatstore.kernels.gguf_pack import ROW_TYPES, gguf_to_int4pack
+        from chatstore.kernels.native import native_library
+        from chatstore.kernels.weight_dequant import int4pack_layout
+
+        names = self._names(role, layer)
+        tensors = [self.tensors[name] for name, _ in names]
+        types = [t.tensor_type.name for t in tensors]
+        widths = {int(t.shape[0]) for t in tensors}
+        repeats = {input_repeat(t) for t in types}
+        rows = sum(int(t.shape[1]) for t in tensors)
+        if not all(t in REPACKABLE for t in types) or len(widths) != 1 or len(repeats) != 1:
+            return None
+        (k,), (repeat,) = widths, repeats
+        # a K its blocks do not divide: parts() says so
+        if rows % 16 or any(k % BLOCK_VALUES[t] for t in types):
+            return None
+        layout = int4pack_layout()
+        if layout is None or native_library() is None:
+            return None
+        addr, kinds = [], []
+        for (_, kind), t in zip(names, tensors, strict=True):
+            n = int(t.shape[1])
+            order = self._row_order(kind, n)
+            index = np.arange(n, dtype=np.int64) if order is None else order.numpy()
+            addr.append(t.data.ctypes.data + index * int(t.data.shape[1]))
+            kinds.append(np.full(n, ROW_TYPES[t.tensor_type.name], dtype=np.int8))
+        packed, scales_zeros = gguf_to_int4pack(
+            np.concatenate(addr), np.concatenate(kinds), k * repeat, layout
+        )
+        return PackedInt4Weight(packed, scales_zeros, GROUP, repeat)
+
+    def _row_order(self, kind: str | None, rows: int) -> torch.Tensor | None:
+        """The order Llama's q/k rows are read in (see the module doc), else None."""
+        if self.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
+            heads = self.spec.num_heads if kind == "attn_q" else self.spec.num_kv_heads
+            return unpermute_order(rows, heads)
+        return None
+
     def _names(self, role: str, layer: int | None) -> list[tuple[str, str | None]]:
         if role == "lm_head":
             name = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
@@ -87,9 +132,9 @@ class GGUFWeights:
         if type_name not in REPACKABLE:
             return GGUFPart(name, type_name, n, None)
         weight = repack(type_name, t.data, n, k)
-        if self.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
-            heads = self.spec.num_heads if kind == "attn_q" else self.spec.num_kv_heads
-            weight = permute_rows(weight, unpermute_order(n, heads))
+        order = self._row_order(kind, n)
+        if order is not None:
+            weight = permute_rows(weight, order)
         return GGUFPart(name, type_name, n, weight)
 
 

@@ -59,6 +59,22 @@ class Int4Weight(NamedTuple):
         return n, k // self.input_repeat
 
 
+class PackedInt4Weight(NamedTuple):
+    """An Int4Weight whose codes are already in torch's int4 CPU pack (the bytes
+    `_convert_weight_to_int4pack_for_cpu` makes of them on this CPU): a GGUF's blocks packed in
+    one pass (`GGUFWeights.torch_pack`), its codes never a tensor."""
+
+    packed: torch.Tensor  # [N, K / 2] uint8
+    scales_zeros: torch.Tensor  # [K / group, N, 2] bf16: the kernel's (Int4Weight's, rounded)
+    group: int
+    input_repeat: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, half = self.packed.shape
+        return n, 2 * half // self.input_repeat
+
+
 QuantWeight = Int8Weight | Int4Weight
 AnyQuantWeight = TypeVar("AnyQuantWeight", Int8Weight, Int4Weight)  # the kind given is returned
 FUSE_ERROR = "cannot fuse int4 weights of different layouts, or with int8 ones"

@@ -1,0 +1,189 @@
+/* GGUF's 4/8-bit blocks packed straight into torch's int4 CPU layout (CPU, OpenMP): what
+ * `_convert_weight_to_int4pack_for_cpu` produces from the same codes, without the [N, K] byte
+ * codes, their int32 copy (4 bytes a code) and the op's own pass that the Python path made at
+ * load (issue 35: 5.4 of a 1B model's 7.8 s load). The integer codes are copied as they are
+ * (`chatstore/model/gguf_repack.py` gives the scales, the formats and the Python reference):
+ *
+ *   Q4_0  18 B a block of 32: d f16, 16 B (codes 0..15 low nibbles, 16..31 high)
+ *   Q4_1  20 B: d, m f16, 16 B as Q4_0
+ *   Q4_K  144 B a block of 256: d, dmin f16, 12 B of 6-bit scales, 128 B in 4 runs of 32 B:
+ *         run j holds codes 64j..64j+31 in its low nibbles, 64j+32..64j+63 in its high ones
+ *   Q8_0  34 B a block of 32: d f16, 32 int8; a code q rides on two 4-bit codes, (q >> 4) + 8
+ *         in the first K columns and q & 15 in the last K (K_out = 2 K; see gguf_repack.py)
+ *
+ * Each group of 32 codes gets its scale and zero in torch's scales_and_zeros ([K_out / 32, N, 2]
+ * bf16, w = (q - 8) s + z), from the block's f16 fields in fp32 as gguf_repack.py computes them
+ * (Q4_0 s = d, z = 0; Q4_1 s = d, z = m + 8 d; Q4_K s = d sc, z = 8 d sc - dmin mn; Q8_0 s = 16 d,
+ * z = 0 on the high halves, s = d, z = 8 d on the low), then rounded to bf16 as torch rounds.
+ *
+ * Each output row comes from its own address and type (`row_addr`, `row_type`), so a fused
+ * projection (q/k/v, gate/up: several tensors, possibly of different 4-bit types) and Llama's
+ * q/k row order (a permutation) pack in one pass. torch's layout (csrc/weight_dequant.c has the
+ * picture): block-major over rows, block i = K rows of nb / 2 bytes; a full block in `halves`
+ * holds rows j and nb / 2 + j in byte j's low and high nibbles, else rows 2j and 2j + 1. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+enum { GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q4_K = 2, GGUF_Q8_0 = 3 };
+
+/* IEEE half -> float, exactly (subnormals, infinities and NaN included; no F16C needed). */
+INLINE float f16_to_f32(const uint8_t* at) {
+    const uint16_t h = (uint16_t)(at[0] | (at[1] << 8));
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t u;
+    if (exp == 0x1F) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else { /* zero or subnormal: man * 2^-24, exact in fp32 */
+        float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Q4_K's zero as gguf_repack.py computes it in fp32: two products rounded, then subtracted (no
+ * fused multiply-add, which -ffp-contract=fast would otherwise make of it). */
+__attribute__((optimize("fp-contract=off"))) static float q4_k_zero(float d, float sc, float dmin,
+                                                                    float mn) {
+    const float a = 8.0f * d * sc, b = dmin * mn;
+    return a - b;
+}
+
+/* Row `src`'s scale and zero of each group of 32 codes, in bf16 at sz[g * stride] (s) and
+ * sz[g * stride + 1] (z). */
+static void row_scales(int type, const uint8_t* src, int64_t k_out, uint16_t* sz,
+                       int64_t stride) {
+    switch (type) {
+        case GGUF_Q4_0:
+        case GGUF_Q4_1: {
+            const int64_t size = type == GGUF_Q4_0 ? 18 : 20;
+            for (int64_t b = 0; b < k_out / 32; b++) {
+                const float d = f16_to_f32(src + b * size);
+                const float z = type == GGUF_Q4_0 ? 0.f : f16_to_f32(src + b * size + 2) + 8 * d;
+                sz[b * stride] = f32_to_bf16(d);
+                sz[b * stride + 1] = f32_to_bf16(z);
+            }
+            break;
+        }
+        case GGUF_Q4_K:
+            for (int64_t b = 0; b < k_out / 256; b++) {
+                const uint8_t* block = src + b * 144;
+                const uint8_t* s = block + 4; /* 12 bytes of 6-bit scales and mins */
+                const float d = f16_to_f32(block), dmin = f16_to_f32(block + 2);
+                for (int j = 0; j < 8; j++) {
+                    /* gguf's get_scale_min: sub-blocks 4..7 take 4 bits from bytes 8..11 and
+                     * their top 2 from the top of bytes 0..3 (scales) or 4..7 (mins) */
+                    const int sc = j < 4 ? s[j] & 63
+                                         : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+                    const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+                    const int64_t g = 8 * b + j;
+                    sz[g * stride] = f32_to_bf16(d * (float)sc);
+                    sz[g * stride + 1] = f32_to_bf16(q4_k_zero(d, (float)sc, dmin, (float)mn));
+                }
+            }
+            break;
+        case GGUF_Q8_0: {
+            const int64_t blocks = k_out / 64; /* K / 32: the low halves' groups follow */
+            for (int64_t b = 0; b < blocks; b++) {
+                const float d = f16_to_f32(src + b * 34);
+                sz[b * stride] = f32_to_bf16(16 * d);
+                sz[b * stride + 1] = f32_to_bf16(0.f);
+                sz[(blocks + b) * stride] = f32_to_bf16(d);
+                sz[(blocks + b) * stride + 1] = f32_to_bf16(8 * d);
+            }
+            break;
+        }
+    }
+}
+
+/* The 16 bytes at qs: codes lo[0..15] = low nibbles, hi[0..15] = high nibbles. */
+INLINE void split_nibbles(const uint8_t* qs, int64_t n, uint8_t* lo, uint8_t* hi) {
+    for (int64_t i = 0; i < n; i++) {
+        lo[i] = qs[i] & 0x0F;
+        hi[i] = qs[i] >> 4;
+    }
+}
+
+/* Row `src` of type `type` as k_out codes 0..15 into `codes`. */
+static void decode_row(int type, const uint8_t* src, int64_t k_out, uint8_t* codes) {
+    switch (type) {
+        case GGUF_Q4_0:
+        case GGUF_Q4_1: {
+            const int64_t head = type == GGUF_Q4_0 ? 2 : 4, size = head + 16;
+            for (int64_t b = 0; b < k_out / 32; b++)
+                split_nibbles(src + b * size + head, 16, codes + 32 * b, codes + 32 * b + 16);
+            break;
+        }
+        case GGUF_Q4_K:
+            for (int64_t b = 0; b < k_out / 256; b++)
+                for (int64_t j = 0; j < 4; j++)
+                    split_nibbles(src + b * 144 + 16 + 32 * j, 32, codes + 256 * b + 64 * j,
+                                  codes + 256 * b + 64 * j + 32);
+            break;
+        case GGUF_Q8_0: {
+            const int64_t k = k_out / 2;
+            for (int64_t b = 0; b < k / 32; b++) {
+                const int8_t* q = (const int8_t*)(src + b * 34 + 2);
+                for (int64_t i = 0; i < 32; i++) {
+                    codes[32 * b + i] = (uint8_t)((q[i] >> 4) + 8); /* arithmetic: -8..7 */
+                    codes[k + 32 * b + i] = (uint8_t)(q[i] & 0x0F);
+                }
+            }
+            break;
+        }
+    }
+}
+
+#define K_TILE 256 /* columns a block's rows are interleaved in at a time (codes stay in L1) */
+
+/* packed [N, K_out / 2] in torch's layout and scales_zeros [K_out / 32, N, 2] bf16. Returns 0, -1 when a thread's code rows cannot be
+ * allocated, -2 for an unknown row type or a K_out its type does not divide. */
+int gguf_to_int4pack(const int64_t* row_addr, const int8_t* row_type, int64_t N, int64_t k_out,
+                     int64_t block_n, int halves, uint8_t* packed, uint16_t* scales_zeros,
+                     int nthreads) {
+    for (int64_t n = 0; n < N; n++) {
+        const int t = row_type[n];
+        const int64_t unit = t == GGUF_Q4_K ? 256 : t == GGUF_Q8_0 ? 64 : 32;
+        if (t < GGUF_Q4_0 || t > GGUF_Q8_0 || k_out % unit) return -2;
+    }
+    const int64_t blocks = (N + block_n - 1) / block_n;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        uint8_t* codes = malloc((size_t)(block_n * k_out));
+        if (!codes) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < blocks; i++) {
+                const int64_t n0 = i * block_n, nb = N - n0 < block_n ? N - n0 : block_n;
+                const int64_t half = nb / 2;
+                const int full = halves && nb == block_n;
+                for (int64_t r = 0; r < nb; r++) {
+                    const uint8_t* src = (const uint8_t*)(intptr_t)row_addr[n0 + r];
+                    decode_row(row_type[n0 + r], src, k_out, codes + r * k_out);
+                    row_scales(row_type[n0 + r], src, k_out, scales_zeros + 2 * (n0 + r), 2 * N);
+                }
+                uint8_t* dst = packed + n0 * k_out / 2;
+                for (int64_t k0 = 0; k0 < k_out; k0 += K_TILE) {
+                    const int64_t k1 = k0 + K_TILE < k_out ? k0 + K_TILE : k_out;
+                    for (int64_t j = 0; j < half; j++) {
+                        const uint8_t* lo = codes + (full ? j : 2 * j) * k_out;
+                        const uint8_t* hi = codes + (full ? half + j : 2 * j + 1) * k_out;
+                        for (int64_t k = k0; k < k1; k++)
+                            dst[k * half + j] = (uint8_t)(lo[k] | (hi[k] << 4));
+                    }
+                }
+            }
+        }
+        free(codes);
+    }
+    return failed ? -1 : 0;
+}
