@@ -105,7 +105,12 @@ class ModelRunner:
         pack = fast and packing_available(self.device, self.dtype)
         if projections is None:
             projections = _dense_projections(pack)
-        head = self.embed if spec.tie_word_embeddings else source.lm_head()
+        if spec.tie_word_embeddings:
+            head = self.embed
+        elif takes_float is None or takes_float("lm_head", None):
+            head = source.lm_head()
+        else:  # an untied head taken quantized from the file (an 8B's: 2 GB of fp32 unread)
+            head = torch.empty((spec.vocab_size, 0), dtype=self.dtype, device=self.device)
         self.lm_head = projections("lm_head", None, head, None)
         # where the weights are expanded, the embeddings are read from the file's quantized
         # table too (`weight_plan.Projections.embedding_rows`); else a 16-bit table
