@@ -125,6 +125,8 @@ DEQUANT_ARGTYPES = {
     # gguf_pack.c: int gguf_to_int4pack(row_addr, row_type, N, K_out, block_n, halves, packed,
     #                                    scales_zeros, n)
     "gguf_to_int4pack": ([_ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _int], _int),
+    # int gguf_to_int4_native(row_addr, row_type, N, K_out, packed, scales, mins, n)
+    "gguf_to_int4_native": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
 }
 FEATURE_BF16_DOT = 1  # bits of kernel_features() in csrc/features.c
 FEATURE_VECTOR_BITS_SHIFT = 8  # bits 8..: the width of the attention kernels' vectors

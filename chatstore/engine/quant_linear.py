@@ -39,7 +39,13 @@ import torch
 
 from chatstore.engine.linear import Linear
 from chatstore.kernels import native
-from chatstore.kernels.int4_matmul import int4_matmul, int4_matmul_supported, pack_int4
+from chatstore.kernels.int4_matmul import (
+    QBLOCK,
+    Int4Packed,
+    int4_matmul,
+    int4_matmul_supported,
+    pack_int4,
+)
 from chatstore.kernels.weight_dequant import (
     DequantScratch,
     int4_native_dequant,
@@ -156,7 +162,7 @@ class Int8Linear(_DenseFallback):
 class Int4Linear(_DenseFallback):
     def __init__(
         self,
-        weight: Int4Weight | PackedInt4Weight,
+        weight: Int4Weight | PackedInt4Weight | Int4Packed,
         bias: torch.Tensor | None,
         dense: Linear | None = None,
         dense_from: int = NEVER,
@@ -165,30 +171,33 @@ class Int4Linear(_DenseFallback):
     ) -> None:
         """`kernel`: torch | native (int4_kernel()); native needs groups of 32, else torch.
         A weight read over a repeated input (input_repeat > 1) is never expanded: only the
-        lm_head is one, and it sees a row per sequence. A PackedInt4Weight is torch's pack
-        already (built from a GGUF's blocks): it runs on torch's kernel."""
-        if weight.input_repeat > 1:
-            scratch = None
-        super().__init__(bias, dense, dense_from, scratch)
-        n, k = weight.shape[0], weight.shape[1] * weight.input_repeat
-        if not int4_supported(n, k, weight.group):
+        lm_head is one, and it sees a row per sequence. A weight already in a kernel's layout
+        (built from a GGUF's blocks: PackedInt4Weight torch's, Int4Packed the native one's)
+        runs on that kernel."""
+        if isinstance(weight, Int4Packed):
+            group, repeat = QBLOCK, weight.repeat
+        else:
+            group, repeat = weight.group, weight.input_repeat
+        super().__init__(bias, dense, dense_from, scratch if repeat == 1 else None)
+        n, k = weight.shape[0], weight.shape[1] * repeat
+        if not int4_supported(n, k, group):
             raise ValueError(f"int4 needs N % 16 == 0 and K % group == 0, got {n}x{k}")
-        self.group = weight.group
-        self.repeat = weight.input_repeat
-        self.shape = weight.shape
-        self.kernel = kernel
-        if isinstance(weight, PackedInt4Weight):
-            self.kernel = "torch"
+        self.group, self.repeat, self.shape = group, repeat, weight.shape
+        self.kernel = "native" if isinstance(weight, Int4Packed) else "torch"
+        if isinstance(weight, Int4Packed):
+            self.native = weight
+        elif isinstance(weight, PackedInt4Weight):
             self.packed, self.scales_zeros = weight.packed, weight.scales_zeros
-            return
-        if kernel == "native" and int4_matmul_supported(k, weight.group, weight.input_repeat):
-            self.native = pack_int4(weight.q, weight.scale, weight.zero, weight.input_repeat)
-            return
-        self.kernel = "torch"
-        self.packed = pack_for_torch(weight.q)  # [N, K / 2] uint8
-        self.scales_zeros = (
-            torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
-        )  # [K / group, N, 2]
+        elif kernel == "native" and int4_matmul_supported(k, group, repeat):
+            self.kernel = "native"
+            self.native = pack_int4(weight.q, weight.scale, weight.zero, repeat)
+        else:
+            self.packed = pack_for_torch(weight.q)  # [N, K / 2] uint8
+            self.scales_zeros = (
+                torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)
+                .to(KERNEL_DTYPE)
+                .contiguous()
+            )  # [K / group, N, 2]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_from:

@@ -97,6 +97,7 @@ from chatstore.engine.quant_linear import (
     int4_supported,
     kernels_available,
 )
+from chatstore.kernels.int4_matmul import Int4Packed
 from chatstore.kernels.weight_dequant import DequantScratch, dequant_available
 from chatstore.model.gguf_repack import REPACKABLE
 from chatstore.model.gguf_weights import GGUFWeights
@@ -251,7 +252,7 @@ class Projections:
         dense_from = self.dense_from[role]
         dense = self._dense_side(role, weight, bias, dense_from)
         scratch = None if role == "lm_head" else self.scratch
-        if isinstance(weight_q, Int4Weight | PackedInt4Weight):
+        if isinstance(weight_q, Int4Weight | PackedInt4Weight | Int4Packed):
             built = Int4Linear(weight_q, bias, dense, dense_from, self.int4_kernel, scratch)
             self.int4_kernels[built.kernel] += 1
             return built
@@ -334,7 +335,7 @@ class Projections:
 
     def _quantized(
         self, role: str, layer: int | None, weight: torch.Tensor
-    ) -> tuple[QuantWeight | PackedInt4Weight, str] | None:
+    ) -> tuple[QuantWeight | PackedInt4Weight | Int4Packed, str] | None:
         if self.fmt == "int8":  # a GGUF's own 8-bit (Q8_0) tensors as they are, else int8
             exact = self._gguf_q8_0(role, layer)
             return exact if exact is not None else (quantize_int8(weight), "int8")
@@ -350,12 +351,12 @@ class Projections:
 
     def _gguf_q8_0(
         self, role: str, layer: int | None
-    ) -> tuple[QuantWeight | PackedInt4Weight, str] | None:
+    ) -> tuple[QuantWeight | PackedInt4Weight | Int4Packed, str] | None:
         if self.gguf is None:
             return None
         if any(t != "Q8_0" for t in self.gguf.types(role, layer)[0]):
             return None
-        packed = self.gguf.torch_pack(role, layer) if self.int4_kernel == "torch" else None
+        packed = self.gguf.kernel_pack(self.int4_kernel, role, layer)
         if packed is not None:
             return packed, "Q8_0 from GGUF on 2 x int4"
         parts = self.gguf.parts(role, layer)
@@ -364,15 +365,14 @@ class Projections:
 
     def _from_gguf(
         self, role: str, layer: int | None, weight: torch.Tensor
-    ) -> tuple[QuantWeight | PackedInt4Weight, str] | None:
+    ) -> tuple[QuantWeight | PackedInt4Weight | Int4Packed, str] | None:
         """The GGUF's own blocks; with `int4`, parts it cannot repack (or that do not fuse with
         the rest) are quantized from the float weight, with `gguf` the projection stays dense."""
         assert self.gguf is not None
-        if self.int4_kernel == "torch":  # the file's blocks straight into torch's pack
-            packed = self.gguf.torch_pack(role, layer)
-            if packed is not None:
-                types = "+".join(sorted(set(self.gguf.types(role, layer)[0])))
-                return packed, f"int4 from GGUF {types}"
+        packed = self.gguf.kernel_pack(self.int4_kernel, role, layer)
+        if packed is not None:
+            types = "+".join(sorted(set(self.gguf.types(role, layer)[0])))
+            return packed, f"int4 from GGUF {types}"
         parts = self.gguf.parts(role, layer)
         weights = [p.weight for p in parts]
         types = "+".join(sorted({p.type_name for p in parts}))

@@ -22,6 +22,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from chatstore.kernels.gguf_pack import ROW_TYPES, gguf_to_int4_native, gguf_to_int4pack
+from chatstore.kernels.int4_matmul import Int4Packed
+from chatstore.kernels.native import native_library
+from chatstore.kernels.weight_dequant import int4pack_layout
 from chatstore.model.gguf_repack import BLOCK_VALUES, GROUP, REPACKABLE, input_repeat, repack
 from chatstore.model.quant_weights import Int4Weight, PackedInt4Weight, permute_rows
 from chatstore.model.spec import ModelSpec
@@ -39,6 +43,16 @@ class GGUFPart(NamedTuple):
     type_name: str  # its ggml type (Q4_1, Q8_0, F16, ...)
     rows: int  # N: output features
     weight: Int4Weight | None  # repacked, or None where the type has no repacking
+
+
+class FileRows(NamedTuple):
+    """Where a fused projection's rows lie in the mapped file (`kernels/gguf_pack.py` reads
+    them): valid while the GGUFWeights that made it is alive."""
+
+    addr: np.ndarray  # [N] int64: each output row's first byte
+    kinds: np.ndarray  # [N] int8: its type (gguf_pack.ROW_TYPES)
+    k_out: int  # codes a row (K, or 2 K for Q8_0's halves)
+    repeat: int  # input_repeat of the weight
 
 
 class GGUFWeights:
@@ -73,16 +87,37 @@ class GGUFWeights:
         tensors = [self.tensors[name] for name, _ in self._names(role, layer)]
         return [t.tensor_type.name for t in tensors], sum(int(t.shape[1]) for t in tensors)
 
+    def kernel_pack(
+        self, kernel: str, role: str, layer: int | None
+    ) -> PackedInt4Weight | Int4Packed | None:
+        """`role` packed from the file's blocks straight into int4 `kernel`'s layout (torch |
+        native: `quant_linear.int4_kernel`), or None where it cannot be."""
+        return self.native_pack(role, layer) if kernel == "native" else self.torch_pack(role, layer)
+
     def torch_pack(self, role: str, layer: int | None) -> PackedInt4Weight | None:
         """`role`'s tensors fused and packed straight into torch's int4 CPU layout, as
         `Int4Linear` would pack `parts()` fused (the same bytes, one pass, no codes tensor);
-        None where they do not fuse so (a type without repacking, Q8_0 beside 4-bit types,
-        rows not a multiple of 16), where the native kernels are missing or torch's layout is
-        not known here: the caller then takes `parts()`."""
-        from chatstore.kernels.gguf_pack import ROW_TYPES, gguf_to_int4pack
-        from chatstore.kernels.native import native_library
-        from chatstore.kernels.weight_dequant import int4pack_layout
+        None where they do not fuse so (`_file_rows`), where the native kernels are missing or
+        torch's layout is not known here: the caller then takes `parts()`."""
+        rows = self._file_rows(role, layer)
+        layout = int4pack_layout()
+        if rows is None or layout is None:
+            return None
+        packed, scales_zeros = gguf_to_int4pack(rows.addr, rows.kinds, rows.k_out, layout)
+        return PackedInt4Weight(packed, scales_zeros, GROUP, rows.repeat)
 
+    def native_pack(self, role: str, layer: int | None) -> Int4Packed | None:
+        """`torch_pack` for the native int4 kernel: `pack_int4`'s bytes of `parts()` fused."""
+        rows = self._file_rows(role, layer)
+        if rows is None:
+            return None
+        return gguf_to_int4_native(rows.addr, rows.kinds, rows.k_out, rows.repeat)
+
+    def _file_rows(self, role: str, layer: int | None) -> FileRows | None:
+        """Where each output row of `role` lies in the file, or None where its tensors do not
+        fuse into one int4 weight: a type without repacking, Q8_0 beside 4-bit types (another
+        input_repeat), widths that differ or that a type's blocks do not divide, rows not a
+        multiple of 16 (`parts()` says which), or no native kernels here."""
         names = self._names(role, layer)
         tensors = [self.tensors[name] for name, _ in names]
         types = [t.tensor_type.name for t in tensors]
@@ -92,11 +127,7 @@ class GGUFWeights:
         if not all(t in REPACKABLE for t in types) or len(widths) != 1 or len(repeats) != 1:
             return None
         (k,), (repeat,) = widths, repeats
-        # a K its blocks do not divide: parts() says so
-        if rows % 16 or any(k % BLOCK_VALUES[t] for t in types):
-            return None
-        layout = int4pack_layout()
-        if layout is None or native_library() is None:
+        if rows % 16 or any(k % BLOCK_VALUES[t] for t in types) or native_library() is None:
             return None
         addr, kinds = [], []
         for (_, kind), t in zip(names, tensors, strict=True):
@@ -105,10 +136,7 @@ class GGUFWeights:
             index = np.arange(n, dtype=np.int64) if order is None else order.numpy()
             addr.append(t.data.ctypes.data + index * int(t.data.shape[1]))
             kinds.append(np.full(n, ROW_TYPES[t.tensor_type.name], dtype=np.int8))
-        packed, scales_zeros = gguf_to_int4pack(
-            np.concatenate(addr), np.concatenate(kinds), k * repeat, layout
-        )
-        return PackedInt4Weight(packed, scales_zeros, GROUP, repeat)
+        return FileRows(np.concatenate(addr), np.concatenate(kinds), k * repeat, repeat)
 
     def _row_order(self, kind: str | None, rows: int) -> torch.Tensor | None:
         """The order Llama's q/k rows are read in (see the module doc), else None."""

@@ -1,7 +1,11 @@
-/* GGUF's 4/8-bit blocks packed straight into torch's int4 CPU layout (CPU, OpenMP): what
- * `_convert_weight_to_int4pack_for_cpu` produces from the same codes, without the [N, K] byte
- * codes, their int32 copy (4 bytes a code) and the op's own pass that the Python path made at
- * load (issue 35: 5.4 of a 1B model's 7.8 s load). The integer codes are copied as they are
+/* GGUF's 4/8-bit blocks packed straight into an int4 kernel's layout (CPU, OpenMP):
+ *
+ *   gguf_to_int4pack     torch's `_weight_int4pack_mm_for_cpu` layout: the bytes
+ *                        `_convert_weight_to_int4pack_for_cpu` makes of the same codes
+ *   gguf_to_int4_native  int4_matmul.c's layout (`pack_int4`'s bytes)
+ *
+ * without the [N, K] byte codes, their int32 copy (4 bytes a code) and the op's own pass that the
+ * Python path made at load (issue 35: 5.4 of a 1B model's 7.8 s load). The integer codes are copied as they are
  * (`chatstore/model/gguf_repack.py` gives the scales, the formats and the Python reference):
  *
  *   Q4_0  18 B a block of 32: d f16, 16 B (codes 0..15 low nibbles, 16..31 high)
@@ -56,36 +60,32 @@ __attribute__((optimize("fp-contract=off"))) static float q4_k_zero(float d, flo
     return a - b;
 }
 
-/* Row `src`'s scale and zero of each group of 32 codes, in bf16 at sz[g * stride] (s) and
- * sz[g * stride + 1] (z). */
-static void row_scales(int type, const uint8_t* src, int64_t k_out, uint16_t* sz,
-                       int64_t stride) {
+/* Row `src`'s scale and zero of each group of 32 codes, fp32, into s[g] and z[g]. */
+static void row_scales(int type, const uint8_t* src, int64_t k_out, float* s, float* z) {
     switch (type) {
         case GGUF_Q4_0:
         case GGUF_Q4_1: {
             const int64_t size = type == GGUF_Q4_0 ? 18 : 20;
             for (int64_t b = 0; b < k_out / 32; b++) {
                 const float d = f16_to_f32(src + b * size);
-                const float z = type == GGUF_Q4_0 ? 0.f : f16_to_f32(src + b * size + 2) + 8 * d;
-                sz[b * stride] = f32_to_bf16(d);
-                sz[b * stride + 1] = f32_to_bf16(z);
+                s[b] = d;
+                z[b] = type == GGUF_Q4_0 ? 0.f : f16_to_f32(src + b * size + 2) + 8 * d;
             }
             break;
         }
         case GGUF_Q4_K:
             for (int64_t b = 0; b < k_out / 256; b++) {
                 const uint8_t* block = src + b * 144;
-                const uint8_t* s = block + 4; /* 12 bytes of 6-bit scales and mins */
+                const uint8_t* m = block + 4; /* 12 bytes of 6-bit scales and mins */
                 const float d = f16_to_f32(block), dmin = f16_to_f32(block + 2);
                 for (int j = 0; j < 8; j++) {
                     /* gguf's get_scale_min: sub-blocks 4..7 take 4 bits from bytes 8..11 and
                      * their top 2 from the top of bytes 0..3 (scales) or 4..7 (mins) */
-                    const int sc = j < 4 ? s[j] & 63
-                                         : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
-                    const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-                    const int64_t g = 8 * b + j;
-                    sz[g * stride] = f32_to_bf16(d * (float)sc);
-                    sz[g * stride + 1] = f32_to_bf16(q4_k_zero(d, (float)sc, dmin, (float)mn));
+                    const int sc = j < 4 ? m[j] & 63
+                                         : (m[j + 4] & 0x0F) | ((m[j - 4] >> 2) & 0x30);
+                    const int mn = j < 4 ? m[j + 4] & 63 : (m[j + 4] >> 4) | ((m[j] >> 2) & 0x30);
+                    s[8 * b + j] = d * (float)sc;
+                    z[8 * b + j] = q4_k_zero(d, (float)sc, dmin, (float)mn);
                 }
             }
             break;
@@ -93,10 +93,10 @@ static void row_scales(int type, const uint8_t* src, int64_t k_out, uint16_t* sz
             const int64_t blocks = k_out / 64; /* K / 32: the low halves' groups follow */
             for (int64_t b = 0; b < blocks; b++) {
                 const float d = f16_to_f32(src + b * 34);
-                sz[b * stride] = f32_to_bf16(16 * d);
-                sz[b * stride + 1] = f32_to_bf16(0.f);
-                sz[(blocks + b) * stride] = f32_to_bf16(d);
-                sz[(blocks + b) * stride + 1] = f32_to_bf16(8 * d);
+                s[b] = 16 * d;
+                z[b] = 0.f;
+                s[blocks + b] = d;
+                z[blocks + b] = 8 * d;
             }
             break;
         }
@@ -143,22 +143,30 @@ static void decode_row(int type, const uint8_t* src, int64_t k_out, uint8_t* cod
 
 #define K_TILE 256 /* columns a block's rows are interleaved in at a time (codes stay in L1) */
 
-/* packed [N, K_out / 2] in torch's layout and scales_zeros [K_out / 32, N, 2] bf16. Returns 0, -1 when a thread's code rows cannot be
- * allocated, -2 for an unknown row type or a K_out its type does not divide. */
-int gguf_to_int4pack(const int64_t* row_addr, const int8_t* row_type, int64_t N, int64_t k_out,
-                     int64_t block_n, int halves, uint8_t* packed, uint16_t* scales_zeros,
-                     int nthreads) {
+/* Whether every row's type is known and its blocks divide k_out. */
+static int rows_valid(const int8_t* row_type, int64_t N, int64_t k_out) {
     for (int64_t n = 0; n < N; n++) {
         const int t = row_type[n];
         const int64_t unit = t == GGUF_Q4_K ? 256 : t == GGUF_Q8_0 ? 64 : 32;
-        if (t < GGUF_Q4_0 || t > GGUF_Q8_0 || k_out % unit) return -2;
+        if (t < GGUF_Q4_0 || t > GGUF_Q8_0 || k_out % unit) return 0;
     }
-    const int64_t blocks = (N + block_n - 1) / block_n;
+    return 1;
+}
+
+/* packed [N, K_out / 2] in torch's layout and scales_zeros [K_out / 32, N, 2] bf16. Returns 0,
+ * -1 when a thread's buffers cannot be allocated, -2 for an unknown row type or a K_out its
+ * type does not divide. */
+int gguf_to_int4pack(const int64_t* row_addr, const int8_t* row_type, int64_t N, int64_t k_out,
+                     int64_t block_n, int halves, uint8_t* packed, uint16_t* scales_zeros,
+                     int nthreads) {
+    if (!rows_valid(row_type, N, k_out)) return -2;
+    const int64_t blocks = (N + block_n - 1) / block_n, groups = k_out / 32;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         uint8_t* codes = malloc((size_t)(block_n * k_out));
-        if (!codes) {
+        float* s = malloc(sizeof(float) * (size_t)(2 * groups));
+        if (!codes || !s) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)
@@ -169,7 +177,12 @@ int gguf_to_int4pack(const int64_t* row_addr, const int8_t* row_type, int64_t N,
                 for (int64_t r = 0; r < nb; r++) {
                     const uint8_t* src = (const uint8_t*)(intptr_t)row_addr[n0 + r];
                     decode_row(row_type[n0 + r], src, k_out, codes + r * k_out);
-                    row_scales(row_type[n0 + r], src, k_out, scales_zeros + 2 * (n0 + r), 2 * N);
+                    row_scales(row_type[n0 + r], src, k_out, s, s + groups);
+                    uint16_t* sz = scales_zeros + 2 * (n0 + r);
+                    for (int64_t g = 0; g < groups; g++) {
+                        sz[g * 2 * N] = f32_to_bf16(s[g]);
+                        sz[g * 2 * N + 1] = f32_to_bf16(s[groups + g]);
+                    }
                 }
                 uint8_t* dst = packed + n0 * k_out / 2;
                 for (int64_t k0 = 0; k0 < k_out; k0 += K_TILE) {
@@ -184,6 +197,43 @@ int gguf_to_int4pack(const int64_t* row_addr, const int8_t* row_type, int64_t N,
             }
         }
         free(codes);
+        free(s);
+    }
+    return failed ? -1 : 0;
+}
+
+/* int4_matmul.c's layout: packed [N, K_out / 2] (per block of 32 codes, byte i holds code i in
+ * its low nibble and code 16 + i in its high one), fp32 scales and mins [N, K_out / 32] (w =
+ * q s + min, min = z - 8 s: as kernels/int4_matmul.pack_int4 computes them). Returns as above. */
+int gguf_to_int4_native(const int64_t* row_addr, const int8_t* row_type, int64_t N,
+                        int64_t k_out, uint8_t* packed, float* scales, float* mins,
+                        int nthreads) {
+    if (!rows_valid(row_type, N, k_out)) return -2;
+    const int64_t groups = k_out / 32;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        uint8_t* codes = malloc((size_t)k_out);
+        float* z = malloc(sizeof(float) * (size_t)groups);
+        if (!codes || !z) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                const uint8_t* src = (const uint8_t*)(intptr_t)row_addr[n];
+                decode_row(row_type[n], src, k_out, codes);
+                float* s = scales + n * groups;
+                row_scales(row_type[n], src, k_out, s, z);
+                for (int64_t g = 0; g < groups; g++) {
+                    mins[n * groups + g] = z[g] - 8 * s[g];
+                    uint8_t* dst = packed + n * k_out / 2 + 16 * g;
+                    for (int i = 0; i < 16; i++)
+                        dst[i] = (uint8_t)(codes[32 * g + i] | (codes[32 * g + 16 + i] << 4));
+                }
+            }
+        }
+        free(codes);
+        free(z);
     }
     return failed ? -1 : 0;
 }

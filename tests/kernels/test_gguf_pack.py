@@ -13,7 +13,8 @@ from gguf.quants import quantize
 
 from chatstore.engine.quant_linear import pack_for_torch
 from chatstore.kernels import native
-from chatstore.kernels.gguf_pack import ROW_TYPES, gguf_to_int4pack
+from chatstore.kernels.gguf_pack import ROW_TYPES, gguf_to_int4_native, gguf_to_int4pack
+from chatstore.kernels.int4_matmul import pack_int4
 from chatstore.kernels.weight_dequant import Int4PackLayout, int4pack_layout, unpack_int4pack
 from chatstore.model.gguf_repack import codes, input_repeat, scales_zeros
 from tests.model.test_quant_weights import random_q4_k
@@ -60,6 +61,23 @@ def test_rows_pack_to_the_files_codes_under_every_layout(type_name, layout, vari
     assert torch.equal(unpack_int4pack(packed, n, k_out, layout), want)
     scale, zero = (t[rows] for t in scales_zeros(type_name, data, n, k))
     assert torch.equal(sz, torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("type_name", list(ROW_TYPES))
+def test_rows_pack_to_the_native_kernels_layout(type_name, variant_lib) -> None:
+    """The bytes, fp32 scales and mins `pack_int4` makes of the reference codes and scales."""
+    n, k = 48, 512
+    data = gguf_tensor(type_name, n, k, seed=3)
+    order = np.random.default_rng(2).permutation(n)
+    repeat = input_repeat(type_name)
+    kinds = np.full(n, ROW_TYPES[type_name], dtype=np.int8)
+    got = gguf_to_int4_native(row_addresses(data, order), kinds, k * repeat, repeat, variant_lib)
+    rows = torch.from_numpy(order)
+    scale, zero = (t[rows] for t in scales_zeros(type_name, data, n, k))
+    want = pack_int4(codes(type_name, data, n, k)[rows], scale, zero, repeat)
+    assert got.repeat == want.repeat and got.shape == want.shape
+    for name in ("packed", "scales", "mins"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 def test_mixed_rows_match_torchs_own_pack_of_their_codes() -> None:

@@ -1,5 +1,6 @@
-"""A GGUF's projections packed straight from the file (`GGUFWeights.torch_pack`, issue 35) are
-what packing its repacked parts gave before: the same pack bytes and bf16 scales for every role,
+"""A GGUF's projections packed straight from the file (`GGUFWeights.torch_pack` and
+`native_pack`, issue 35) are what packing its repacked parts gave before, for both int4
+kernels: the same pack bytes and scales for every role,
 Llama's permuted q/k rows included, and the same products; types without repacking are left to
 the other path."""
 
@@ -24,14 +25,20 @@ ROLES = [("qkv", 1), ("o_proj", 1), ("gate_up", 0), ("down", 1), ("lm_head", Non
 
 
 def assert_packs_like_its_parts(gguf: GGUFWeights, role: str, layer: int | None) -> None:
-    packed = gguf.torch_pack(role, layer)
-    assert packed is not None, role
+    """Both kernels' layouts: torch's pack and scales_zeros, the native kernel's Int4Packed."""
+    packed, native = gguf.torch_pack(role, layer), gguf.native_pack(role, layer)
+    assert packed is not None and native is not None, role
     fused = cat_int4_rows([p.weight for p in gguf.parts(role, layer)])  # type: ignore[misc]
+    x = torch.randn(3, fused.shape[1], generator=torch.Generator().manual_seed(0))
     direct, before = Int4Linear(packed, None), Int4Linear(fused, None, kernel="torch")
     assert direct.shape == before.shape and direct.repeat == before.repeat
     assert torch.equal(direct.packed, before.packed), role
     assert torch.equal(direct.scales_zeros, before.scales_zeros), role
-    x = torch.randn(3, direct.shape[1], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(direct(x), before(x)), role
+    direct, before = Int4Linear(native, None), Int4Linear(fused, None, kernel="native")
+    assert direct.kernel == before.kernel == "native" and direct.shape == before.shape
+    for name in ("packed", "scales", "mins"):
+        assert torch.equal(getattr(direct.native, name), getattr(before.native, name)), role
     assert torch.equal(direct(x), before(x)), role
 
 
@@ -53,4 +60,4 @@ def test_llama_gguf_packs_its_permuted_rows_like_its_parts(tmp_path, qtype) -> N
 def test_a_type_without_repacking_is_left_to_the_other_path(tmp_path) -> None:
     path = write_gguf(tiny_hf_model("llama", seed=5), tmp_path / "f32.gguf", Q.F32)
     gguf = GGUFWeights(path, GGUFWeightSource(path).spec)
-    assert gguf.torch_pack("qkv", 0) is None
+    assert gguf.torch_pack("qkv", 0) is None and gguf.native_pack("qkv", 0) is None
