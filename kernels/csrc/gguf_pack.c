@@ -31,11 +31,19 @@
 
 #include "common.h"
 
+#if defined(__SSE2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 enum { GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q4_K = 2, GGUF_Q8_0 = 3 };
 
-/* IEEE half -> float, exactly (subnormals, infinities and NaN included; no F16C needed). */
+/* IEEE half -> float, exactly (subnormals, infinities and NaN included): F16C's conversion
+ * where the build has it, else the bits by hand. */
 INLINE float f16_to_f32(const uint8_t* at) {
     const uint16_t h = (uint16_t)(at[0] | (at[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
     uint32_t u;
     if (exp == 0x1F) {
@@ -50,6 +58,7 @@ INLINE float f16_to_f32(const uint8_t* at) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+#endif
 }
 
 /* Q4_K's zero as gguf_repack.py computes it in fp32: two products rounded, then subtracted (no
@@ -143,6 +152,82 @@ static void decode_row(int type, const uint8_t* src, int64_t k_out, uint8_t* cod
 
 #define K_TILE 256 /* columns a block's rows are interleaved in at a time (codes stay in L1) */
 
+#if defined(__SSE2__)
+/* x[r] byte c -> x[BITREV4[c]] byte r: four rounds of unpacking pairs (lo to i, hi to i + 8),
+ * each moving one bit of the column index into the vector index, reversed. */
+static const int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+INLINE void transpose16x16(__m128i x[16]) {
+    __m128i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[i] = _mm_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
+        t[i + 8] = _mm_unpackhi_epi8(x[2 * i], x[2 * i + 1]);
+    }
+    for (int i = 0; i < 8; i++) {
+        x[i] = _mm_unpacklo_epi16(t[2 * i], t[2 * i + 1]);
+        x[i + 8] = _mm_unpackhi_epi16(t[2 * i], t[2 * i + 1]);
+    }
+    for (int i = 0; i < 8; i++) {
+        t[i] = _mm_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+        t[i + 8] = _mm_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+    }
+    for (int i = 0; i < 8; i++) {
+        x[i] = _mm_unpacklo_epi64(t[2 * i], t[2 * i + 1]);
+        x[i + 8] = _mm_unpackhi_epi64(t[2 * i], t[2 * i + 1]);
+    }
+}
+
+/* A block of nb rows of Q4_0 / Q4_1 (half = nb / 2 a multiple of 16) straight from the qs
+ * bytes, no codes buffer: for 16 byte-rows j and one block of 32 columns, the low rows' qs L
+ * and the high rows' H give the 16 output rows of columns 0..15 as (L & 15) | (H << 4) and of
+ * columns 16..31 as (L >> 4) | (H & 0xF0), transposed 16 x 16 (most of a large model's load). */
+static void pack_q4_block(const int64_t* row_addr, const int8_t* row_type, int64_t half,
+                          int full, int64_t k_out, uint8_t* dst) {
+    const __m128i low = _mm_set1_epi8(0x0F), high = _mm_set1_epi8((char)0xF0);
+    for (int64_t j0 = 0; j0 < half; j0 += 16) {
+        const uint8_t* lo_src[16];
+        const uint8_t* hi_src[16];
+        int64_t lo_size[16], hi_size[16];
+        for (int r = 0; r < 16; r++) {
+            const int64_t j = j0 + r, lo = full ? j : 2 * j, hi = full ? half + j : 2 * j + 1;
+            lo_src[r] = (const uint8_t*)(intptr_t)row_addr[lo] + (row_type[lo] ? 4 : 2);
+            hi_src[r] = (const uint8_t*)(intptr_t)row_addr[hi] + (row_type[hi] ? 4 : 2);
+            lo_size[r] = row_type[lo] ? 20 : 18;
+            hi_size[r] = row_type[hi] ? 20 : 18;
+        }
+        for (int64_t b = 0; b < k_out / 32; b++) {
+            __m128i a[16], c[16];
+            for (int r = 0; r < 16; r++) {
+                const __m128i l = _mm_loadu_si128((const __m128i*)(lo_src[r] + b * lo_size[r]));
+                const __m128i h = _mm_loadu_si128((const __m128i*)(hi_src[r] + b * hi_size[r]));
+                a[r] = _mm_or_si128(_mm_and_si128(l, low), _mm_and_si128(_mm_slli_epi16(h, 4), high));
+                c[r] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(l, 4), low), _mm_and_si128(h, high));
+            }
+            transpose16x16(a);
+            transpose16x16(c);
+            for (int col = 0; col < 16; col++) {
+                _mm_storeu_si128((__m128i*)(dst + (32 * b + col) * half + j0), a[BITREV4[col]]);
+                _mm_storeu_si128((__m128i*)(dst + (32 * b + 16 + col) * half + j0),
+                                 c[BITREV4[col]]);
+            }
+        }
+    }
+}
+#endif
+
+/* Whether rows [n0, n0 + nb) take pack_q4_block: all Q4_0 / Q4_1, a multiple of 32 rows. */
+INLINE int q4_block(const int8_t* row_type, int64_t n0, int64_t nb) {
+#if defined(__SSE2__)
+    if (nb % 32) return 0;
+    for (int64_t r = n0; r < n0 + nb; r++)
+        if (row_type[r] != GGUF_Q4_0 && row_type[r] != GGUF_Q4_1) return 0;
+    return 1;
+#else
+    (void)row_type, (void)n0, (void)nb;
+    return 0;
+#endif
+}
+
 /* Whether every row's type is known and its blocks divide k_out. */
 static int rows_valid(const int8_t* row_type, int64_t N, int64_t k_out) {
     for (int64_t n = 0; n < N; n++) {
@@ -174,9 +259,10 @@ int gguf_to_int4pack(const int64_t* row_addr, const int8_t* row_type, int64_t N,
                 const int64_t n0 = i * block_n, nb = N - n0 < block_n ? N - n0 : block_n;
                 const int64_t half = nb / 2;
                 const int full = halves && nb == block_n;
+                const int fast = q4_block(row_type, n0, nb);
                 for (int64_t r = 0; r < nb; r++) {
                     const uint8_t* src = (const uint8_t*)(intptr_t)row_addr[n0 + r];
-                    decode_row(row_type[n0 + r], src, k_out, codes + r * k_out);
+                    if (!fast) decode_row(row_type[n0 + r], src, k_out, codes + r * k_out);
                     row_scales(row_type[n0 + r], src, k_out, s, s + groups);
                     uint16_t* sz = scales_zeros + 2 * (n0 + r);
                     for (int64_t g = 0; g < groups; g++) {
@@ -185,6 +271,12 @@ int gguf_to_int4pack(const int64_t* row_addr, const int8_t* row_type, int64_t N,
                     }
                 }
                 uint8_t* dst = packed + n0 * k_out / 2;
+#if defined(__SSE2__)
+                if (fast) {
+                    pack_q4_block(row_addr + n0, row_type + n0, half, full, k_out, dst);
+                    continue;
+                }
+#endif
                 for (int64_t k0 = 0; k0 < k_out; k0 += K_TILE) {
                     const int64_t k1 = k0 + K_TILE < k_out ? k0 + K_TILE : k_out;
                     for (int64_t j = 0; j < half; j++) {

@@ -44,13 +44,15 @@ def row_addresses(data: np.ndarray, order: np.ndarray | None = None) -> np.ndarr
     return data.ctypes.data + index.astype(np.int64) * data.shape[1]
 
 
+@pytest.mark.parametrize("n", [176, 160])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize("type_name", list(ROW_TYPES))
-def test_rows_pack_to_the_files_codes_under_every_layout(type_name, layout, variant_lib) -> None:
-    """176 rows (partial last blocks under 64 and 32), read in a shuffled order: the codes the
+def test_rows_pack_to_the_files_codes_under_every_layout(n, type_name, layout, variant_lib) -> None:
+    """176 rows (partial last blocks under 64 and 32) and 160 (a partial block of 32, which the
+    4-bit types pack 16 x 16 at a time), read in a shuffled order: the codes the
     reference reader finds in the pack, and the scales and zeros gguf_repack computes, in bf16
     bit for bit (Q4_K's zero is two products and a difference: no fused multiply-add)."""
-    n, k = 176, 256
+    k = 256
     data = gguf_tensor(type_name, n, k, seed=len(type_name))
     order = np.random.default_rng(1).permutation(n)
     k_out = k * input_repeat(type_name)
