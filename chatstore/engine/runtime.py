@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from chatstore.config import Config
@@ -16,6 +17,7 @@ from chatstore.engine.vattention import create_virtual_kv_for
 from chatstore.engine.vattention.layout import VAttentionLayout
 from chatstore.engine.weight_plan import plan_projections, weights_fingerprint
 from chatstore.model import LoadedModel, load_model
+from chatstore.model.loader import load_tokenizer
 from chatstore.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -58,11 +60,21 @@ def create_runtime(config: Config, model: LoadedModel | None = None) -> Runtime:
     runner in the model's dtype: a model passed in decides the dtype when `dtype = "auto"`.
     The projections compute with `config.weights` (`weight_plan.py`: `auto` serves a GGUF's
     4-bit tensors as they are on a CPU when the dtype is auto and the model is loaded here)."""
-    dtype_setting, model_given = config.dtype, model is not None
-    if model is None:
-        model = load_model(config.model, dtype=config.torch_dtype, device=config.device)
-    else:
-        config = runtime_config(config, model)
+    if model is not None:
+        return _runtime_over(runtime_config(config, model), model, config.dtype, True)
+    model = load_model(config.model, config.torch_dtype, config.device, tokenizer=False)
+    # The tokenizer (importing transformers: ~1.3 s) loads while the weights are packed: that
+    # work is in C (ctypes lets go of the GIL) and torch, so the two overlap.
+    with ThreadPoolExecutor(1, thread_name_prefix="chatstore-tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, model.path)
+        runtime = _runtime_over(config, model, config.dtype, False)
+        runtime.model = replace(runtime.model, tokenizer=tokenizer.result())
+    return runtime
+
+
+def _runtime_over(
+    config: Config, model: LoadedModel, dtype_setting: str, model_given: bool
+) -> Runtime:
     dtype = config.torch_dtype
     kv_cache, pool = KV_POOLS[config.kv_layout](config, model.spec)
     projections = plan_projections(

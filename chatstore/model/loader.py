@@ -86,7 +86,10 @@ def load_model(
     name_or_path: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    tokenizer: bool = True,
 ) -> LoadedModel:
+    """The model's weight source, spec and tokenizer. `tokenizer=False` leaves the tokenizer
+    None, for a caller that loads it (`load_tokenizer(model.path)`) beside the weights' build."""
     path, gguf = resolve_model_source(name_or_path)
     weights: GGUFWeightSource | SafetensorsWeightSource
     if gguf is not None:
@@ -102,10 +105,10 @@ def load_model(
                 f"{path} has no tokenizer (expected one of: {', '.join(TOKENIZER_FILES)})"
             )
         weights = SafetensorsWeightSource(weight_files, config, dtype, device)
-    tokenizer = load_tokenizer(path)
+    loaded = load_tokenizer(path) if tokenizer else None
     digest = _weights_digest(weight_files)
     fingerprint = weights.spec.fingerprint(digest, str(dtype).removeprefix("torch."))
-    return LoadedModel(weights, tokenizer, weights.spec, path, dtype, fingerprint, gguf)
+    return LoadedModel(weights, loaded, weights.spec, path, dtype, fingerprint, gguf)
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
