@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from chatstore.engine.host_memory import zeros_on_demand
 from chatstore.model.spec import ModelSpec
 
 
@@ -47,7 +48,10 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.device.type == "cpu":
+            self.kv = zeros_on_demand(shape, dtype)  # pages resident as blocks are used
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
 
     @property
     def nbytes(self) -> int:

@@ -67,3 +67,25 @@ def test_tuning_can_be_turned_off(monkeypatch):
         assert host_memory.keep_freed_memory() is False
     finally:
         host_memory.keep_freed_memory.cache_clear()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
+
+
+def test_zeros_on_demand_reads_zero_and_is_resident_only_where_written():
+    """The CPU KV pool: zeros, shaped and typed as asked, writable; its pages come when a block
+    is first written (a 256 MiB pool adds far less than that to RSS until then)."""
+    import torch
+
+    before = _rss_mb()
+    pool = host_memory.zeros_on_demand((4, 2, 4096, 16, 8, 64), torch.bfloat16)  # 256 MiB
+    assert pool.shape == (4, 2, 4096, 16, 8, 64) and pool.dtype == torch.bfloat16
+    assert _rss_mb() - before < 64
+    assert not pool[0, 0, 0].any()
+    pool[1].fill_(1.5)  # a quarter of it written
+    assert _rss_mb() - before >= 48
+    assert pool[1].float().mean().item() == 1.5 and not pool[2].any()
+    assert host_memory.zeros_on_demand((0, 3), torch.float32).shape == (0, 3)
