@@ -50,7 +50,8 @@ load 5-9 showed the same crossovers with stalls in single cells):
 
 What it chose, per shape:
 - qkv, o_proj, gate_up, down: the quantized weight below 16 tokens, the 16-bit copy from 16 on
-  (expanding the weight costs ~0.1-0.4 ms a projection here, so it takes over from 32 tokens).
+  (expanding the weight costs ~0.1-0.4 ms a projection here, so it takes over from 24 tokens:
+  measured on whole forwards at DENSE_FROM).
   At 1 token (decode at batch 1) int4 is 2.8-4x faster: the step reads a quarter of the bytes.
   At 8 they tie (within 11% either way). From 32 tokens on (1.7-2x), and at a 2,000-token
   prefill by 2.5-2.6x, oneDNN's blocked 16-bit GEMM wins: torch's int4/int8 kernels are
@@ -116,9 +117,15 @@ log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = WEIGHTS_CHOICES
 INT4_GROUP = 32  # GGUF's block: a repacked and a quantized weight share one layout
-# First token count each projection computes on its weight expanded to 16 bits (the tables
-# above; lm_head: on the tied embeddings), per int4 kernel.
-DENSE_FROM = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 2}
+# First token count each projection computes on its weight expanded to 16 bits (lm_head: on the
+# tied embeddings), per int4 kernel. torch's: a whole forward of T tokens on the Xeon (AVX512-
+# BF16 + AMX, bf16, 2 threads; the fastest of 2), int4 kernel vs expanded, in seconds:
+#   1B-shape Q4_0   T 16: 0.31 vs 0.45   24: 0.44 vs 0.41   31: 0.62 vs 0.45
+#   8B-shape Q4_0   T  8: 1.14 vs 3.57   16: 2.28 vs 3.46   31: 3.90 vs 2.82
+#   embedded 135M   T 16: 0.035 vs 0.027 24: 0.045 vs 0.034 (expanding wins from below 16)
+# The int4 kernel's cost grows with T, expanding's is nearly flat (the dequant): 24 serves all
+# three (the first turn's ~30-token prompt of an 8B: 2.8 s instead of 3.9).
+DENSE_FROM = {"qkv": 24, "o_proj": 24, "gate_up": 24, "down": 24, "lm_head": 2}
 DENSE_FROM_NATIVE = {"qkv": 8, "o_proj": 8, "gate_up": 8, "down": 8, "lm_head": 2}
 # 16-bit copies for the short-prefill counts, as before expanding: at 16 tokens on
 DENSE_FROM_COPY = {"qkv": 16, "o_proj": 16, "gate_up": 16, "down": 16, "lm_head": 2}
