@@ -3,9 +3,11 @@ and (with --vllm) vLLM-CPU, the workload a session KV store exists for (issue 36
 
 Each agent has a ~3K-token system prompt of its own (its instructions, the tools' definitions, a
 reference document) and the tools themselves (`tools`, `tool_choice: required`: on the embedded
-SmolLM2 chatstore's generic form, its answer constrained by xgrammar to a call; vLLM's guided
-decoding for `required`, started with `--enable-auto-tool-choice --tool-call-parser hermes`,
-which it insists on; it loads the model directory with a config.json, --vllm-model). A step is
+SmolLM2 chatstore's generic form, its answer constrained by xgrammar to a call. vLLM gets the
+same work: SmolLM2's template drops `tools`, so the client renders that generic form itself and
+sends its answer schema as a strict `response_format` (bench/generic_tools.py: the same prompt
+tokens, the same grammar, compact JSON on both); it loads the model directory with a
+config.json, --vllm-model). A step is
 one streamed /v1/chat/completions: the model's call, at once the tool's result (200-2,000
 tokens, seeded) appended, the next step, no think time; the official OpenAI loop (the whole
 history resent, `X-Session-ID` naming the agent's session on chatstore). An agent whose next
@@ -59,6 +61,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.generic_tools import answer_calls, generic_request
 from bench.machine import cpu_isa, cpu_model
 from bench.peer_servers import (
     BAN_EOS,
@@ -251,7 +254,11 @@ class AgentRun:
     wall_s: float = 0.0
 
 
-def run_agents(url: str, plan: Plan, sizer: Sizer, name: str, sessions: bool) -> AgentRun:
+def run_agents(
+    url: str, plan: Plan, sizer: Sizer, name: str, sessions: bool, client_tools: bool = False
+) -> AgentRun:
+    """`client_tools`: the generic tool form rendered and constrained by the client
+    (bench/generic_tools.py), for a peer whose model's template knows no tools."""
     barrier = threading.Barrier(plan.agents)
     limits = httpx.Limits(max_connections=plan.agents + 2)
     tools = [{"type": "function", "function": t} for t in TOOLS]
@@ -276,7 +283,14 @@ def run_agents(url: str, plan: Plan, sizer: Sizer, name: str, sessions: bool) ->
                 "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
             }  # fmt: skip
             headers = {"X-Session-ID": f"agent-{i}-task-{task}"} if sessions else {}
-            step = stream_step(http, url, body, headers)
+            if client_tools:
+                step = stream_step(http, url, generic_request(body), headers)
+                step.calls = answer_calls(step.text, f"call-{i}-{s}")
+                step.valid_calls = sum(
+                    valid_json(str(c["arguments"]), SCHEMAS.get(str(c["name"]))) for c in step.calls
+                )
+            else:
+                step = stream_step(http, url, body, headers)
             step.agent, step.step, step.task = i, s, task
             done.append(step)
             size = step.prompt_tokens + step.completion_tokens
@@ -411,7 +425,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]
     p.add_argument("--vllm", action="store_true", help="also vLLM-CPU (bench/peer_servers.py)")
     p.add_argument("--vllm-scripts", type=Path, default=PEER_SCRIPTS)
     p.add_argument("--vllm-dtype", default="bfloat16")
-    p.add_argument("--vllm-parser", default="hermes", help="vLLM's --tool-call-parser")
     p.add_argument("--vllm-model", type=Path, default=None, help="HF directory (config.json)")
     p.add_argument("--no-store-off", action="store_true", help="skip the store-off server")
     p.add_argument(
@@ -509,12 +522,16 @@ def main(argv: list[str] | None = None) -> None:
             ensure_vllm(args.vllm_scripts)
             (root / "vllm").mkdir()
             peer = vllm_server(args.vllm_scripts, args.vllm_dtype, peer_model, root / "vllm")
-            # Tool calling on: vLLM refuses `required` without a parser; under `required` its
-            # answer is its own guided JSON list of calls, whatever the parser reads.
-            peer.argv += ["--enable-auto-tool-choice", "--tool-call-parser", args.vllm_parser]
+            # The same work as ours: SmolLM2's template drops `tools`, so the client renders
+            # the generic form chatstore renders and sends its answer schema; compact JSON, as
+            # chatstore's grammar allows (xgrammar's any_whitespace=False there).
+            compact = {"backend": "xgrammar", "disable_any_whitespace": True}
+            peer.argv += ["--structured-outputs-config", json.dumps(compact)]
             try:
                 with peer as srv:
-                    runs["vllm"] = run_agents(srv.url, plan, sizer, "vllm", sessions=False)
+                    runs["vllm"] = run_agents(
+                        srv.url, plan, sizer, "vllm", sessions=False, client_tools=True
+                    )
             except RuntimeError as exc:  # the peer failed: our side is still reported
                 print(f"--vllm: vLLM failed, that side skipped: {exc}")
     rows = {name: summary(run, plan) for name, run in runs.items()}
