@@ -120,6 +120,11 @@ DEQUANT_ARGTYPES = {
         [_int, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _ptr, _int],
         _int,
     ),
+    # int int4_native_rows(dtype, packed, scales, mins, N, K, ids, T, repeat, out, n)
+    "int4_native_rows": (
+        [_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _int],
+        _int,
+    ),
     # void int8_dequant(dtype, q, scales, N, K, out, n)
     "int8_dequant": ([_int, _ptr, _ptr, _i64, _i64, _ptr, _int], None),
     # gguf_pack.c: int gguf_to_int4pack(row_addr, row_type, N, K_out, block_n, halves, packed,

@@ -7,6 +7,7 @@ one at a time), then multiplied:
 
     int4pack_dequant(packed, scales_zeros, group, out)   torch's int4 pack -> W^T [K, N]
     int4_native_dequant(w, out)                           int4_matmul's Int4Packed -> W [N, K]
+    int4pack_rows / int4_native_rows                      rows of either: an embedding lookup
     int8_dequant(q, scales, out)                          int8 + a scale a row -> W [N, K]
 
 torch's int4 pack is not one layout: it depends on the kernel ATen dispatches to on this CPU
@@ -179,6 +180,34 @@ def int4pack_rows(
         raise IndexError(f"a token id is outside the table's {n} rows")
     if rc != 0:
         raise MemoryError("int4pack_rows: cannot allocate its row buffers")
+    return out
+
+
+def int4_native_rows(
+    w: Int4Packed, ids: torch.Tensor, dtype: torch.dtype, lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """Rows `ids` of the native kernel's weight as [T, K / repeat] in `dtype` (an embedding
+    lookup from the quantized table, as `int4pack_rows` reads torch's pack)."""
+    n, k = w.packed.shape[0], w.packed.shape[1] * 2
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k // w.repeat, dtype=dtype)
+    rc = _lib(lib).int4_native_rows(
+        NATIVE_DTYPES[dtype],
+        w.packed.data_ptr(),
+        w.scales.data_ptr(),
+        w.mins.data_ptr(),
+        n,
+        k,
+        ids.data_ptr(),
+        ids.numel(),
+        w.repeat,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise IndexError(f"a token id is outside the table's {n} rows")
+    if rc != 0:
+        raise MemoryError("int4_native_rows: cannot allocate its row buffers")
     return out
 
 

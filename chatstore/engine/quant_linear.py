@@ -49,6 +49,7 @@ from chatstore.kernels.int4_matmul import (
 from chatstore.kernels.weight_dequant import (
     DequantScratch,
     int4_native_dequant,
+    int4_native_rows,
     int4pack_dequant,
     int4pack_rows,
     int8_dequant,
@@ -220,15 +221,15 @@ class Int4Linear(_DenseFallback):
 
 
 class PackedRows:
-    """An embedding table looked up in an int4 weight's torch pack (the tied head's, or the
-    GGUF's own token_embd repacked): a step expands the rows it reads (~1 KB a token), and no
-    16-bit table stays resident. Called like `F.embedding(ids, table)`."""
+    """An embedding table looked up in an int4 weight's pack, either kernel's (the tied head's,
+    or the GGUF's own token_embd packed): a step expands the rows it reads (~1 KB a token), and
+    no 16-bit table stays resident. Called like `F.embedding(ids, table)`."""
 
     def __init__(self, table: Int4Linear, dtype: torch.dtype) -> None:
-        if table.kernel != "torch":
-            raise ValueError("rows are read from torch's int4 pack only")
         self.table, self.dtype = table, dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
+        if t.kernel == "native":
+            return int4_native_rows(t.native, ids, self.dtype)
         return int4pack_rows(t.packed, t.scales_zeros, t.group, ids, t.repeat, self.dtype)

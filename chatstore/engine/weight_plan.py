@@ -299,8 +299,8 @@ class Projections:
     @property
     def _rows_from_file(self) -> bool:
         """Whether the embeddings are read from the GGUF's quantized table (`embedding_rows`):
-        expanding the model as published (`gguf`), on torch's int4 kernel."""
-        return self.scratch is not None and self.fmt == "gguf" and self.int4_kernel == "torch"
+        expanding the model as published (`gguf`), on either int4 kernel."""
+        return self.scratch is not None and self.fmt == "gguf"
 
     def _table_from_file(self) -> bool:
         """Whether `embedding_rows` reads the table from the file: expanding the model as
@@ -320,14 +320,14 @@ class Projections:
         assert self.gguf is not None
         table = head
         if not self.tied_head:
-            packed = self.gguf.torch_pack("embeddings", None)
+            packed = self.gguf.kernel_pack(self.int4_kernel, "embeddings", None)
             if packed is None:
                 (part,) = self.gguf.parts("embeddings", None)
                 assert part.weight is not None
-                table = Int4Linear(part.weight, None)
+                table = Int4Linear(part.weight, None, kernel=self.int4_kernel)
             else:
                 table = Int4Linear(packed, None)
-        if not isinstance(table, Int4Linear) or table.kernel != "torch":
+        if not isinstance(table, Int4Linear):
             raise RuntimeError(f"the embedding table cannot be read by rows from {table!r}")
         self.built["embeddings: rows of the GGUF's quantized table"] += 1
         return PackedRows(table, self.dtype)

@@ -209,3 +209,40 @@ int int4pack_rows(int dtype, const uint8_t* packed, const uint16_t* scales_zeros
     }
     return failed ? -1 : 0;
 }
+
+/* Rows `ids` [T] of W from int4_matmul.c's layout (w = q * scale + min per block of 32) -> out
+ * [T, K / repeat] in dtype, the slices of a repeated row added up (as int4pack_rows). Returns
+ * 0, -1 when a row buffer cannot be allocated, -2 for an id outside [0, N). */
+int int4_native_rows(int dtype, const uint8_t* packed, const float* scales, const float* mins,
+                     int64_t N, int64_t K, const int64_t* ids, int64_t T, int64_t repeat,
+                     void* out, int nthreads) {
+    const int64_t width = K / repeat, blocks = K / 32;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -2;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float* row = malloc(sizeof(float) * (size_t)width);
+        if (!row) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t n = ids[t];
+                for (int64_t c = 0; c < width; c++) row[c] = 0.f;
+                for (int64_t b = 0; b < blocks; b++) {
+                    const uint8_t* w = packed + (n * blocks + b) * 16;
+                    const float s = scales[n * blocks + b], m = mins[n * blocks + b];
+                    const int64_t at = (b * 32) % width;
+                    for (int j = 0; j < 16; j++) {
+                        row[at + j] += (float)(w[j] & 0x0F) * s + m;
+                        row[at + 16 + j] += (float)(w[j] >> 4) * s + m;
+                    }
+                }
+                for (int64_t c = 0; c < width; c++) store_elem(dtype, out, t * width + c, row[c]);
+            }
+        }
+        free(row);
+    }
+    return failed ? -1 : 0;
+}

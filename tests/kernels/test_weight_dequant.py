@@ -164,3 +164,23 @@ def test_rows_of_a_pack_are_the_weight_rows(dtype, repeat) -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
     with pytest.raises(IndexError, match="outside the table's 176 rows"):
         int4pack_rows(lin.packed, lin.scales_zeros, 32, torch.tensor([176]), repeat, dtype)
+
+
+@pytest.mark.parametrize("repeat", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_a_native_pack_are_its_expanded_rows(dtype, repeat) -> None:
+    """The native kernel's table read by rows: the rows `int4_native_dequant` expands (fp32
+    scales and mins, q * s + min), a repeated input's slices summed."""
+    from chatstore.kernels.weight_dequant import int4_native_rows
+
+    torch.manual_seed(10 + repeat)
+    w = quantize_int4(torch.randn(96, 64 * repeat), 32)
+    packed = pack_int4(w.q, w.scale, w.zero, repeat)
+    full = int4_native_dequant(packed._replace(repeat=1), torch.empty(96, 64 * repeat))
+    want = full.reshape(96, repeat, 64).sum(dim=1)  # fp32, the slices added as the kernel adds
+    ids = torch.tensor([0, 7, 95, 40, 7])
+    for name, lib in _variants():
+        got = int4_native_rows(packed, ids, dtype, lib)
+        torch.testing.assert_close(got, want[ids].to(dtype), rtol=1e-6, atol=1e-6, msg=name)
+    with pytest.raises(IndexError, match="outside the table's 96 rows"):
+        int4_native_rows(packed, torch.tensor([-1]), dtype)

@@ -293,6 +293,20 @@ def test_expanded_gguf_reads_its_embeddings_from_the_quantized_table(default_mod
     assert greedy(runner, pool, ids, 10) == greedy(*dense, ids, 10)
 
 
+def test_native_kernel_reads_the_tied_heads_rows_too(default_model, embedded_gguf):
+    """On the native int4 kernel (CPUs without AVX512-BF16) the embeddings are rows of the tied
+    Q8_0 head's native pack: the file's table (fp32 scales: within fp32 rounding of it)."""
+    quant = Projections(
+        "gguf", torch.float32, True, embedded_gguf, int4="native", tied_head=True, prefill="expand"
+    )
+    runner, _ = runner_with(default_model.weights, quant)
+    assert runner.embed_rows is not None and runner.embed.numel() == 0
+    assert runner.embed_rows.table.kernel == "native"
+    ids = torch.tensor(default_model.tokenizer.encode("The capital of France is"))
+    table = runner_with(default_model.weights, None)[0].embed
+    torch.testing.assert_close(runner.embed_rows(ids), table[ids], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("weights", "dtype", "device", "from_gguf", "given", "expected"),
     [
@@ -395,10 +409,12 @@ def test_a_local_gguf_file_loads_with_its_tokenizer_and_template(default_model) 
     assert torch.equal(loaded.weights.lm_head(), default_model.weights.lm_head())
 
 
-def test_untied_gguf_expanded_reads_token_embd_quantized(tmp_path) -> None:
-    """An untied model's own Q4_0 token_embd, repacked and read by rows: the file's table up to
-    its f16 scales read as bf16, and the runner's logits close to the dense runner's over the
-    same file (the quantized head and expanded layers compute with those same scales)."""
+@pytest.mark.parametrize("int4", ["torch", "native"])
+def test_untied_gguf_expanded_reads_token_embd_quantized(tmp_path, int4) -> None:
+    """An untied model's own Q4_0 token_embd, packed for either int4 kernel and read by rows:
+    the file's table up to its f16 scales read as bf16 (torch's pack; the native one keeps them
+    in fp32), and the runner's logits close to the dense runner's over the same file (the
+    quantized head and expanded layers compute with those same scales)."""
     from gguf import GGMLQuantizationType as Q
 
     from chatstore.model.gguf_source import GGUFWeightSource
@@ -407,12 +423,13 @@ def test_untied_gguf_expanded_reads_token_embd_quantized(tmp_path) -> None:
     path = write_gguf(tiny_hf_model("llama", seed=8), tmp_path / "tiny.gguf", Q.Q4_0)
     source = GGUFWeightSource(path)
     gguf = GGUFWeights(path, source.spec)
-    quant = Projections("gguf", torch.float32, True, gguf, int4="torch", prefill="expand")
+    quant = Projections("gguf", torch.float32, True, gguf, int4=int4, prefill="expand")
     read_head = source.lm_head  # the head too is taken from the file, its floats never read
     source.lm_head = lambda: pytest.fail("the untied head's float weight was read")  # type: ignore[method-assign]
     runner, pool = runner_with(source, quant)
     source.lm_head = read_head  # type: ignore[method-assign]
     assert runner.embed_rows is not None and runner.embed.numel() == 0
+    assert runner.embed_rows.table.kernel == int4
     ids = torch.randint(2, 256, (40,), generator=torch.Generator().manual_seed(9))
     table = source.embeddings()
     torch.testing.assert_close(runner.embed_rows(ids), table[ids], rtol=2**-8, atol=1e-6)
