@@ -100,7 +100,6 @@ from chatstore.engine.quant_linear import (
 )
 from chatstore.kernels.int4_matmul import Int4Packed
 from chatstore.kernels.weight_dequant import DequantScratch, dequant_available
-from chatstore.model.gguf_repack import REPACKABLE
 from chatstore.model.gguf_weights import GGUFWeights
 from chatstore.model.loader import LoadedModel
 from chatstore.model.quant_weights import (
@@ -290,11 +289,7 @@ class Projections:
             return True
         if role == "lm_head" and self.tied_head:  # the table: read as `embeddings` says
             return True
-        types, rows = self.gguf.types(role, layer)
-        # _from_gguf fuses the parts only where every one repacks, in one layout (Q8_0 rides
-        # on two int4 halves, the 4-bit types on one), into a shape the int4 kernel packs
-        fused = all(t in REPACKABLE for t in types) and len({t == "Q8_0" for t in types}) == 1
-        return not (fused and rows % 16 == 0)
+        return not self.gguf.fuses(role, layer)  # else _from_gguf takes the blocks alone
 
     @property
     def _rows_from_file(self) -> bool:
@@ -307,8 +302,7 @@ class Projections:
         published, and the table (the tied head's tensor, or token_embd) repacks to int4."""
         if not self._rows_from_file or self.gguf is None:
             return False
-        (kind,), rows = self.gguf.types("lm_head" if self.tied_head else "embeddings", None)
-        return kind in REPACKABLE and rows % 16 == 0
+        return self.gguf.fuses("lm_head" if self.tied_head else "embeddings", None)
 
     def embedding_rows(self, head: Projection) -> PackedRows | None:
         """The embedding lookup from the file's quantized table instead of a 16-bit one, where

@@ -113,22 +113,30 @@ class GGUFWeights:
             return None
         return gguf_to_int4_native(rows.addr, rows.kinds, rows.k_out, rows.repeat)
 
-    def _file_rows(self, role: str, layer: int | None) -> FileRows | None:
-        """Where each output row of `role` lies in the file, or None where its tensors do not
-        fuse into one int4 weight: a type without repacking, Q8_0 beside 4-bit types (another
-        input_repeat), widths that differ or that a type's blocks do not divide, rows not a
-        multiple of 16 (`parts()` says which), or no native kernels here."""
-        names = self._names(role, layer)
-        tensors = [self.tensors[name] for name, _ in names]
+    def fuses(self, role: str, layer: int | None) -> bool:
+        """Whether `role`'s tensors repack and fuse into one int4 weight the kernels take: every
+        type repackable, one width that each type's blocks divide, one input_repeat (Q8_0
+        rides on two int4 halves, the 4-bit types on one), rows a multiple of 16. Where they
+        do, the projection is built from the file's blocks alone (`parts()` otherwise says
+        which part does not)."""
+        tensors = [self.tensors[name] for name, _ in self._names(role, layer)]
         types = [t.tensor_type.name for t in tensors]
         widths = {int(t.shape[0]) for t in tensors}
         repeats = {input_repeat(t) for t in types}
-        rows = sum(int(t.shape[1]) for t in tensors)
         if not all(t in REPACKABLE for t in types) or len(widths) != 1 or len(repeats) != 1:
+            return False
+        (k,) = widths
+        rows = sum(int(t.shape[1]) for t in tensors)
+        return rows % 16 == 0 and not any(k % BLOCK_VALUES[t] for t in types)
+
+    def _file_rows(self, role: str, layer: int | None) -> FileRows | None:
+        """Where each output row of `role` lies in the file, or None where its tensors do not
+        fuse into one int4 weight (`fuses`) or there are no native kernels here."""
+        if not self.fuses(role, layer) or native_library() is None:
             return None
-        (k,), (repeat,) = widths, repeats
-        if rows % 16 or any(k % BLOCK_VALUES[t] for t in types) or native_library() is None:
-            return None
+        names = self._names(role, layer)
+        tensors = [self.tensors[name] for name, _ in names]
+        k, repeat = int(tensors[0].shape[0]), input_repeat(tensors[0].tensor_type.name)
         addr, kinds = [], []
         for (_, kind), t in zip(names, tensors, strict=True):
             n = int(t.shape[1])

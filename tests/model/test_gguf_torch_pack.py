@@ -26,6 +26,7 @@ ROLES = [("qkv", 1), ("o_proj", 1), ("gate_up", 0), ("down", 1), ("lm_head", Non
 
 def assert_packs_like_its_parts(gguf: GGUFWeights, role: str, layer: int | None) -> None:
     """Both kernels' layouts: torch's pack and scales_zeros, the native kernel's Int4Packed."""
+    assert gguf.fuses(role, layer), role
     packed, native = gguf.torch_pack(role, layer), gguf.native_pack(role, layer)
     assert packed is not None and native is not None, role
     fused = cat_int4_rows([p.weight for p in gguf.parts(role, layer)])  # type: ignore[misc]
@@ -60,4 +61,5 @@ def test_llama_gguf_packs_its_permuted_rows_like_its_parts(tmp_path, qtype) -> N
 def test_a_type_without_repacking_is_left_to_the_other_path(tmp_path) -> None:
     path = write_gguf(tiny_hf_model("llama", seed=5), tmp_path / "f32.gguf", Q.F32)
     gguf = GGUFWeights(path, GGUFWeightSource(path).spec)
+    assert not gguf.fuses("qkv", 0)
     assert gguf.torch_pack("qkv", 0) is None and gguf.native_pack("qkv", 0) is None
