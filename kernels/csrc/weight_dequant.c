@@ -170,14 +170,14 @@ void int8_dequant(int dtype, const int8_t* q, const uint16_t* scales, int64_t N,
     }
 }
 
-/* Rows `ids` [T] of W from torch's int4 pack -> out [T, K / repeat] in dtype: an embedding
- * lookup from the quantized table itself. With repeat > 1 (an 8-bit code carried on two 4-bit
- * ones, read over a repeated input) a row's K / repeat wide slices add up, as in the product.
- * Returns 0, -1 when a row buffer cannot be allocated, -2 for an id outside [0, N). */
-int int4pack_rows(int dtype, const uint8_t* packed, const uint16_t* scales_zeros, int64_t N,
-                  int64_t K, int64_t group, int64_t block_n, int halves, const int64_t* ids,
-                  int64_t T, int64_t repeat, void* out, int nthreads) {
-    const int64_t width = K / repeat;
+/* Rows `ids` [T] of an int4 table -> out [T, width] in dtype: an embedding lookup from the
+ * quantized table itself. `add_row(table, n, row)` adds row n's values into the zeroed fp32
+ * `row` (a repeated row's width-wide slices summed, as in the product). Returns 0, -1 when a
+ * row buffer cannot be allocated, -2 for an id outside [0, N). */
+typedef void (*add_row_fn)(const void* table, int64_t n, float* row);
+
+static int table_rows(int dtype, const void* table, add_row_fn add_row, int64_t N,
+                      const int64_t* ids, int64_t T, int64_t width, void* out, int nthreads) {
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return -2;
     int failed = 0;
@@ -189,19 +189,8 @@ int int4pack_rows(int dtype, const uint8_t* packed, const uint16_t* scales_zeros
         } else {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
-                const int64_t n = ids[t], n0 = n / block_n * block_n;
-                const int64_t nb = N - n0 < block_n ? N - n0 : block_n, j = n - n0;
-                const int full = halves && nb == block_n;
-                const int64_t at = full ? (j < nb / 2 ? j : j - nb / 2) : j / 2;
-                const int high = full ? j >= nb / 2 : (int)(j & 1);
-                const uint8_t* base = packed + n0 * K / 2 + at;
                 for (int64_t c = 0; c < width; c++) row[c] = 0.f;
-                for (int64_t k = 0; k < K; k++) {
-                    const uint8_t b = base[k * (nb / 2)];
-                    const int q = high ? b >> 4 : b & 0x0F;
-                    const uint16_t* sz = scales_zeros + ((k / group) * N + n) * 2;
-                    row[k % width] += (float)(q - 8) * bf16_to_f32(sz[0]) + bf16_to_f32(sz[1]);
-                }
+                add_row(table, ids[t], row);
                 for (int64_t c = 0; c < width; c++) store_elem(dtype, out, t * width + c, row[c]);
             }
         }
@@ -210,39 +199,63 @@ int int4pack_rows(int dtype, const uint8_t* packed, const uint16_t* scales_zeros
     return failed ? -1 : 0;
 }
 
-/* Rows `ids` [T] of W from int4_matmul.c's layout (w = q * scale + min per block of 32) -> out
- * [T, K / repeat] in dtype, the slices of a repeated row added up (as int4pack_rows). Returns
- * 0, -1 when a row buffer cannot be allocated, -2 for an id outside [0, N). */
+/* torch's int4 pack (see the top of this file): w = (q - 8) * scale + zero, bf16 scales. */
+typedef struct {
+    const uint8_t* packed;
+    const uint16_t* scales_zeros;
+    int64_t N, K, group, block_n, width;
+    int halves;
+} int4pack_table;
+
+static void int4pack_add_row(const void* table, int64_t n, float* row) {
+    const int4pack_table* p = table;
+    const int64_t n0 = n / p->block_n * p->block_n, j = n - n0;
+    const int64_t nb = p->N - n0 < p->block_n ? p->N - n0 : p->block_n;
+    const int full = p->halves && nb == p->block_n;
+    const int64_t at = full ? (j < nb / 2 ? j : j - nb / 2) : j / 2;
+    const int high = full ? j >= nb / 2 : (int)(j & 1);
+    const uint8_t* base = p->packed + n0 * p->K / 2 + at;
+    for (int64_t k = 0; k < p->K; k++) {
+        const uint8_t b = base[k * (nb / 2)];
+        const int q = high ? b >> 4 : b & 0x0F;
+        const uint16_t* sz = p->scales_zeros + ((k / p->group) * p->N + n) * 2;
+        row[k % p->width] += (float)(q - 8) * bf16_to_f32(sz[0]) + bf16_to_f32(sz[1]);
+    }
+}
+
+/* Rows of W from torch's int4 pack -> out [T, K / repeat] (table_rows). */
+int int4pack_rows(int dtype, const uint8_t* packed, const uint16_t* scales_zeros, int64_t N,
+                  int64_t K, int64_t group, int64_t block_n, int halves, const int64_t* ids,
+                  int64_t T, int64_t repeat, void* out, int nthreads) {
+    const int4pack_table table = {packed, scales_zeros, N, K, group, block_n, K / repeat, halves};
+    return table_rows(dtype, &table, int4pack_add_row, N, ids, T, K / repeat, out, nthreads);
+}
+
+/* int4_matmul.c's layout: w = q * scale + min per block of 32, fp32 scales and mins. */
+typedef struct {
+    const uint8_t* packed;
+    const float *scales, *mins;
+    int64_t K, width;
+} int4_native_table;
+
+static void int4_native_add_row(const void* table, int64_t n, float* row) {
+    const int4_native_table* p = table;
+    const int64_t blocks = p->K / 32;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t* w = p->packed + (n * blocks + b) * 16;
+        const float s = p->scales[n * blocks + b], m = p->mins[n * blocks + b];
+        const int64_t at = (b * 32) % p->width;
+        for (int j = 0; j < 16; j++) {
+            row[at + j] += (float)(w[j] & 0x0F) * s + m;
+            row[at + 16 + j] += (float)(w[j] >> 4) * s + m;
+        }
+    }
+}
+
+/* Rows of W from int4_matmul.c's layout -> out [T, K / repeat] (table_rows). */
 int int4_native_rows(int dtype, const uint8_t* packed, const float* scales, const float* mins,
                      int64_t N, int64_t K, const int64_t* ids, int64_t T, int64_t repeat,
                      void* out, int nthreads) {
-    const int64_t width = K / repeat, blocks = K / 32;
-    for (int64_t t = 0; t < T; t++)
-        if (ids[t] < 0 || ids[t] >= N) return -2;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) reduction(| : failed)
-    {
-        float* row = malloc(sizeof(float) * (size_t)width);
-        if (!row) {
-            failed = 1;
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) {
-                const int64_t n = ids[t];
-                for (int64_t c = 0; c < width; c++) row[c] = 0.f;
-                for (int64_t b = 0; b < blocks; b++) {
-                    const uint8_t* w = packed + (n * blocks + b) * 16;
-                    const float s = scales[n * blocks + b], m = mins[n * blocks + b];
-                    const int64_t at = (b * 32) % width;
-                    for (int j = 0; j < 16; j++) {
-                        row[at + j] += (float)(w[j] & 0x0F) * s + m;
-                        row[at + 16 + j] += (float)(w[j] >> 4) * s + m;
-                    }
-                }
-                for (int64_t c = 0; c < width; c++) store_elem(dtype, out, t * width + c, row[c]);
-            }
-        }
-        free(row);
-    }
-    return failed ? -1 : 0;
+    const int4_native_table table = {packed, scales, mins, K, K / repeat};
+    return table_rows(dtype, &table, int4_native_add_row, N, ids, T, K / repeat, out, nthreads);
 }
