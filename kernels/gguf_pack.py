@@ -25,12 +25,11 @@ import ctypes
 import numpy as np
 import torch
 
-from chatstore.kernels.int4_matmul import Int4Packed
+from chatstore.kernels.int4_matmul import QBLOCK, Int4Packed
 from chatstore.kernels.native import native_library
 from chatstore.kernels.weight_dequant import Int4PackLayout
 
 ROW_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2, "Q8_0": 3}  # csrc/gguf_pack.c's enum
-GROUP = 32  # codes a scale and zero cover, in every type
 
 
 def gguf_to_int4pack(
@@ -46,7 +45,7 @@ def gguf_to_int4pack(
     lib, addr, kinds = _checked(lib, row_addr, row_type)
     n = addr.shape[0]
     packed = torch.empty(n, k_out // 2, dtype=torch.uint8)
-    scales_zeros = torch.empty(k_out // GROUP, n, 2, dtype=torch.bfloat16)
+    scales_zeros = torch.empty(k_out // QBLOCK, n, 2, dtype=torch.bfloat16)
     rc = lib.gguf_to_int4pack(
         addr.ctypes.data,
         kinds.ctypes.data,
@@ -74,8 +73,8 @@ def gguf_to_int4_native(
     lib, addr, kinds = _checked(lib, row_addr, row_type)
     n = addr.shape[0]
     packed = torch.empty(n, k_out // 2, dtype=torch.uint8)
-    scales = torch.empty(n, k_out // GROUP, dtype=torch.float32)
-    mins = torch.empty(n, k_out // GROUP, dtype=torch.float32)
+    scales = torch.empty(n, k_out // QBLOCK, dtype=torch.float32)
+    mins = torch.empty(n, k_out // QBLOCK, dtype=torch.float32)
     rc = lib.gguf_to_int4_native(
         addr.ctypes.data,
         kinds.ctypes.data,

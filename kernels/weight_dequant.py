@@ -176,10 +176,7 @@ def int4pack_rows(
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    if rc == -2:
-        raise IndexError(f"a token id is outside the table's {n} rows")
-    if rc != 0:
-        raise MemoryError("int4pack_rows: cannot allocate its row buffers")
+    _check_rows(rc, n, "int4pack_rows")
     return out
 
 
@@ -204,11 +201,16 @@ def int4_native_rows(
         out.data_ptr(),
         torch.get_num_threads(),
     )
+    _check_rows(rc, n, "int4_native_rows")
+    return out
+
+
+def _check_rows(rc: int, n: int, kernel: str) -> None:
+    """A row kernel's return code (csrc/weight_dequant.c table_rows) as the error it means."""
     if rc == -2:
         raise IndexError(f"a token id is outside the table's {n} rows")
     if rc != 0:
-        raise MemoryError("int4_native_rows: cannot allocate its row buffers")
-    return out
+        raise MemoryError(f"{kernel}: cannot allocate its row buffers")
 
 
 def int4_native_dequant(

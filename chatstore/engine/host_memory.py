@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
 import mmap
 import os
 
@@ -83,10 +84,7 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose pages the OS zeroes at first touch (an anonymous map): the KV
     pool. `torch.zeros` writes every byte at once, so a 1 GiB pool cost 0.5 s of start and
     1 GiB of RSS before the first request; mapped so, a pool holds only the blocks used."""
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes)  # MAP_PRIVATE | MAP_ANONYMOUS: zero-filled pages

@@ -5,8 +5,9 @@
  *   gguf_to_int4_native  int4_matmul.c's layout (`pack_int4`'s bytes)
  *
  * without the [N, K] byte codes, their int32 copy (4 bytes a code) and the op's own pass that the
- * Python path made at load (issue 35: 5.4 of a 1B model's 7.8 s load). The integer codes are copied as they are
- * (`chatstore/model/gguf_repack.py` gives the scales, the formats and the Python reference):
+ * Python path made at load (issue 35: 5.4 of a 1B model's 7.8 s load). The integer codes are
+ * copied as they are (`chatstore/model/gguf_repack.py` gives the scales, the formats and the
+ * Python reference):
  *
  *   Q4_0  18 B a block of 32: d f16, 16 B (codes 0..15 low nibbles, 16..31 high)
  *   Q4_1  20 B: d, m f16, 16 B as Q4_0
@@ -190,18 +191,21 @@ static void pack_q4_block(const int64_t* row_addr, const int8_t* row_type, int64
         int64_t lo_size[16], hi_size[16];
         for (int r = 0; r < 16; r++) {
             const int64_t j = j0 + r, lo = full ? j : 2 * j, hi = full ? half + j : 2 * j + 1;
-            lo_src[r] = (const uint8_t*)(intptr_t)row_addr[lo] + (row_type[lo] ? 4 : 2);
-            hi_src[r] = (const uint8_t*)(intptr_t)row_addr[hi] + (row_type[hi] ? 4 : 2);
-            lo_size[r] = row_type[lo] ? 20 : 18;
-            hi_size[r] = row_type[hi] ? 20 : 18;
+            const int lo_q4_1 = row_type[lo] == GGUF_Q4_1, hi_q4_1 = row_type[hi] == GGUF_Q4_1;
+            lo_src[r] = (const uint8_t*)(intptr_t)row_addr[lo] + (lo_q4_1 ? 4 : 2);
+            hi_src[r] = (const uint8_t*)(intptr_t)row_addr[hi] + (hi_q4_1 ? 4 : 2);
+            lo_size[r] = lo_q4_1 ? 20 : 18;
+            hi_size[r] = hi_q4_1 ? 20 : 18;
         }
         for (int64_t b = 0; b < k_out / 32; b++) {
             __m128i a[16], c[16];
             for (int r = 0; r < 16; r++) {
                 const __m128i l = _mm_loadu_si128((const __m128i*)(lo_src[r] + b * lo_size[r]));
                 const __m128i h = _mm_loadu_si128((const __m128i*)(hi_src[r] + b * hi_size[r]));
-                a[r] = _mm_or_si128(_mm_and_si128(l, low), _mm_and_si128(_mm_slli_epi16(h, 4), high));
-                c[r] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(l, 4), low), _mm_and_si128(h, high));
+                const __m128i h_up = _mm_and_si128(_mm_slli_epi16(h, 4), high);
+                const __m128i l_down = _mm_and_si128(_mm_srli_epi16(l, 4), low);
+                a[r] = _mm_or_si128(_mm_and_si128(l, low), h_up);
+                c[r] = _mm_or_si128(l_down, _mm_and_si128(h, high));
             }
             transpose16x16(a);
             transpose16x16(c);
