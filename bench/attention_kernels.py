@@ -3,6 +3,7 @@ layer of the default model's shape (SmolLM2-135M: 9 query heads, 3 KV heads, hea
 
     causal   2,048 new tokens attending to themselves (a fresh prompt)
     history  100 new tokens on 1K / 2K / 4K / 8K tokens of history
+    agent    1,000 new tokens on 4K of history (an agent's step: a tool result and the next call)
     decode   one new token for each of 1 / 8 / 32 sequences on 512 tokens of context
 
 Ours reads K and V from a paged pool (block 16, blocks in order) in place; SDPA gets them already
@@ -10,6 +11,8 @@ contiguous (the gather it would need from a paged pool is not counted) and, for 
 causal offset mask. In bf16 the kernels are timed in two builds: this CPU's (bf16 dot products
 where it has AVX512-BF16) and the fallback (`-mno-avx512bf16`: bf16 widened to fp32, what the
 kernels did before and what a CPU without AVX512-BF16 runs); `*_dot_speedup` is fallback / ours.
+In bf16, `flash` is the path long chunks take on a CPU with AMX (kernels/flash_prefill.py:
+the sequence's K, V gathered from the pool, torch's flash kernel); `flash_speedup` is ours / flash.
 The fused element-wise ops of a layer are timed at 2,048 rows too. Median of repeated calls; the
 last line is one JSON object. --quick: causal 2K, history 1K and decode, fewer repetitions.
 
@@ -30,6 +33,7 @@ from collections.abc import Callable
 import torch
 from engine_speed import median_seconds
 
+from chatstore.kernels.flash_prefill import flash_prefill_sequence
 from chatstore.kernels.fused_ops import NativeOps
 from chatstore.kernels.native import (
     fallback_library,
@@ -78,6 +82,13 @@ def prefill_case(
         for name, lib in libs.items()
     }
     times["sdpa"] = median_ms(lambda: attend(q, k, v, scale), reps)
+    if dtype == torch.bfloat16:
+        out = torch.empty_like(q)
+        table = plan.block_tables[0]
+        times["flash"] = median_ms(
+            lambda: flash_prefill_sequence(q, k_cache, v_cache, table, 0, new, context, scale, out),
+            reps,
+        )
     return times
 
 
@@ -153,6 +164,10 @@ def report(name: str, times: dict[str, float], result: dict[str, object]) -> Non
         line += f"{times['fallback'] / ours:>10.2f}x"
         result[f"{name}_ms_fallback"] = round(times["fallback"], 3)
         result[f"{name}_dot_speedup"] = round(times["fallback"] / ours, 3)
+    if "flash" in times:
+        line += f"{times['flash']:>10.3f}{ours / times['flash']:>10.2f}x"
+        result[f"{name}_ms_flash"] = round(times["flash"], 3)
+        result[f"{name}_flash_speedup"] = round(ours / times["flash"], 3)
     print(line)
 
 
@@ -176,13 +191,15 @@ def main() -> None:
     print(f"attention_kernels: {args.dtype}, {threads} threads, one layer, {variant} build, "
           f"bf16_dot={bf16_dot}")  # fmt: skip
     print(f"{'case':<28}{'ours ms':>10}{'fallback ms':>12}{'sdpa ms':>10}{'sdpa/ours':>11}", end="")
-    print(f"{'fb/ours':>11}" if "fallback" in libs else "")
+    print(f"{'fb/ours':>11}" if "fallback" in libs else "", end="")
+    print(f"{'flash ms':>10}{'ours/flash':>11}" if dtype == torch.bfloat16 else "")
     result: dict[str, object] = {"dtype": args.dtype, "threads": threads, "bf16_dot": bf16_dot}
     result["kernel_variant"] = args.variant or "auto"
     histories = (1024,) if args.quick else (1024, 2048, 4096, 8000)
     cases = [("causal_2k", 2048, 2048)] + [
         (f"history_{round(n / 1024)}k", 100, n + 100) for n in histories
     ]
+    cases.append(("agent_1000_on_4k", 1000, 5000))
     for name, new, context in cases:
         report(name, prefill_case(new, context, dtype, libs, reps), result)
     for batch in (1, 8, 32):

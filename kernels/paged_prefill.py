@@ -8,15 +8,23 @@ so history prefill costs what its causal attention costs and no history is copie
 with AVX512-BF16 runs `csrc/paged_prefill_bf16.c` (bf16 dot products for QK^T and PV, fp32
 accumulation, the same online softmax); elsewhere bf16 is widened to fp32 on load. Elsewhere (no
 compiler, CUDA, a head dim that is not a multiple of 16) the gather-and-SDPA reference runs.
+Sequences with many new tokens take torch's flash kernel where that is faster (bf16 on a CPU with
+AMX: `flash_prefill.py`); the rest of the step stays on the paged kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
+from chatstore.kernels.flash_prefill import (
+    FLASH_MIN_QUERY,
+    flash_prefill_enabled,
+    flash_prefill_sequence,
+)
 from chatstore.kernels.native import NATIVE_DTYPES, native_library
 from chatstore.kernels.paged_attention import paged_attention_reference
 
@@ -35,6 +43,25 @@ class PrefillPlan:
     @property
     def num_seqs(self) -> int:
         return len(self.query_len_list)
+
+    @cached_property
+    def long_seqs(self) -> list[int]:
+        """The sequences with FLASH_MIN_QUERY new tokens or more (`flash_prefill.py`)."""
+        return [s for s, n in enumerate(self.query_len_list) if n >= FLASH_MIN_QUERY]
+
+    @cached_property
+    def short_plan(self) -> PrefillPlan:
+        """This plan without `long_seqs`; its rows keep their places in the step's q."""
+        keep = [s for s, n in enumerate(self.query_len_list) if n < FLASH_MIN_QUERY]
+        index = torch.tensor(keep, dtype=torch.long, device=self.q_start.device)
+        return PrefillPlan(
+            block_tables=self.block_tables.index_select(0, index),
+            q_start=self.q_start.index_select(0, index),
+            query_lens=self.query_lens.index_select(0, index),
+            context_lens=self.context_lens.index_select(0, index),
+            query_len_list=[self.query_len_list[s] for s in keep],
+            context_len_list=[self.context_len_list[s] for s in keep],
+        )
 
 
 def make_prefill_plan(
@@ -79,7 +106,25 @@ def paged_prefill(
 ) -> torch.Tensor:
     """q [T, Hq, D] (the step's new tokens, their K, V already in the pool) -> [T, Hq, D]."""
     if native_prefill_applies(q, k_cache, v_cache):
-        return paged_prefill_native(q, k_cache, v_cache, plan, scale)
+        if not (plan.long_seqs and flash_prefill_enabled(q.dtype)):
+            return paged_prefill_native(q, k_cache, v_cache, plan, scale)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if plan.short_plan.num_seqs:
+            paged_prefill_native(q, k_cache, v_cache, plan.short_plan, scale, out=out)
+        starts = plan.q_start.tolist()
+        for s in plan.long_seqs:
+            flash_prefill_sequence(
+                q,
+                k_cache,
+                v_cache,
+                plan.block_tables[s],
+                starts[s],
+                plan.query_len_list[s],
+                plan.context_len_list[s],
+                scale,
+                out,
+            )
+        return out
     return paged_attention_reference(
         q,
         k_cache,
@@ -98,9 +143,10 @@ def paged_prefill_native(
     plan: PrefillPlan,
     scale: float,
     lib: ctypes.CDLL | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`lib`: a particular build (native.fallback_library() for the fp32 path); default: this
-    CPU's."""
+    CPU's. `out` [T, Hq, D] packed: where the plan's rows are written (others left as they are)."""
     lib = lib or native_library()
     if lib is None:
         raise RuntimeError("native kernels are not available")
@@ -108,7 +154,8 @@ def paged_prefill_native(
     if q.stride(2) != 1 or q.stride(1) != head_dim:  # token rows may be apart: read in place
         q = q.contiguous()
     _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty(q.shape, dtype=q.dtype)  # [T, Hq, D], packed
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)  # [T, Hq, D], packed
     tables = plan.block_tables
     rc = lib.paged_prefill(
         NATIVE_DTYPES[q.dtype],

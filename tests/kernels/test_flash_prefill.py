@@ -1,0 +1,104 @@
+"""Long prefill chunks on torch's flash kernel (kernels/flash_prefill.py), against an fp32
+reference on the same bf16 inputs, and inside a paged step beside the paged kernel's sequences.
+
+Torch's flash kernel runs on every CPU; only the automatic choice of it needs AMX, so the path is
+forced on with CHATSTORE_FLASH_PREFILL=1 here and tested everywhere. Tolerances as
+test_kernels_bf16.py (outputs rounded to bf16, probabilities rounded to bf16 before PV); they hold
+with the merge of the history and new parts too, each part's output rounded to bf16 before it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatstore.kernels.flash_prefill import (
+    FLASH_MIN_QUERY,
+    flash_attend,
+    flash_prefill_enabled,
+)
+from chatstore.kernels.native import cpu_flags, native_library
+from chatstore.kernels.paged_attention import attend, paged_attention_reference
+from chatstore.kernels.paged_prefill import make_prefill_plan, paged_prefill, paged_prefill_native
+
+ATOL, RTOL = 4e-3, 2**-7
+BLOCK = 16
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(out.float(), ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 64), (8, 2, 128)])
+@pytest.mark.parametrize(("new", "history"), [(130, 0), (200, 37), (150, 1000)])
+def test_flash_attend_matches_fp32_reference(heads, kv_heads, head_dim, new, history):
+    g = torch.Generator().manual_seed(new * 7 + history)
+    q = torch.randn(new, heads, head_dim, generator=g).bfloat16()
+    k = torch.randn(new + history, kv_heads, head_dim, generator=g).bfloat16()
+    v = torch.randn(new + history, kv_heads, head_dim, generator=g).bfloat16()
+    scale = head_dim**-0.5
+    out = flash_attend(q, k, v, scale)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    _close(out, attend(q.float(), k.float(), v.float(), scale))
+
+
+def _paged_step(query_lens: list[int], context_lens: list[int], seed: int):
+    """A bf16 step over a pool whose blocks are shuffled between the sequences."""
+    g = torch.Generator().manual_seed(seed)
+    kv_heads, heads, head_dim = 3, 9, 64
+    counts = [(c + BLOCK - 1) // BLOCK for c in context_lens]
+    pool = sum(counts) + 2
+    order = torch.randperm(pool, generator=g)
+    tables = torch.zeros(len(counts), max(counts), dtype=torch.long)
+    taken = 0
+    for s, n in enumerate(counts):
+        tables[s, :n] = order[taken : taken + n]
+        taken += n
+    k_cache = torch.randn(pool, BLOCK, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(pool, BLOCK, kv_heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).bfloat16()
+    return q, k_cache, v_cache, make_prefill_plan(tables, query_lens, context_lens)
+
+
+@pytest.mark.skipif(native_library() is None, reason="no native kernels (no gcc?)")
+def test_long_sequences_take_flash_and_the_rest_stay_bitwise_on_the_paged_kernel(monkeypatch):
+    monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "1")
+    query_lens = [1, 300, 5, FLASH_MIN_QUERY, FLASH_MIN_QUERY - 1]
+    context_lens = [40, 700, 5, FLASH_MIN_QUERY, 400]
+    q, k_cache, v_cache, plan = _paged_step(query_lens, context_lens, seed=1)
+    assert plan.long_seqs == [1, 3]
+    scale = 64**-0.5
+    out = paged_prefill(q, k_cache, v_cache, plan, scale)
+    paged = paged_prefill_native(q, k_cache, v_cache, plan, scale)
+    ref = paged_attention_reference(
+        q.float(), k_cache.float(), v_cache.float(), plan.block_tables, query_lens,
+        context_lens, scale,
+    )  # fmt: skip
+    _close(out, ref)
+    start = 0
+    for s, n in enumerate(query_lens):
+        rows = slice(start, start + n)
+        if s not in plan.long_seqs:  # untouched by the split: the paged kernel's very bits
+            assert torch.equal(out[rows], paged[rows]), s
+        start += n
+
+
+@pytest.mark.skipif(native_library() is None, reason="no native kernels (no gcc?)")
+def test_flash_off_keeps_every_row_on_the_paged_kernel(monkeypatch):
+    monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "0")
+    q, k_cache, v_cache, plan = _paged_step([300, 2], [900, 60], seed=2)
+    assert plan.long_seqs == [0]
+    out = paged_prefill(q, k_cache, v_cache, plan, 0.125)
+    assert torch.equal(out, paged_prefill_native(q, k_cache, v_cache, plan, 0.125))
+
+
+def test_the_choice(monkeypatch):
+    monkeypatch.delenv("CHATSTORE_FLASH_PREFILL", raising=False)
+    assert not flash_prefill_enabled(torch.float32)  # the paged kernel is as fast in fp32
+    assert flash_prefill_enabled(torch.bfloat16) == ("amx_bf16" in cpu_flags())
+    monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "1")
+    assert flash_prefill_enabled(torch.bfloat16)
+    assert not flash_prefill_enabled(torch.float32)
+    monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "yes")
+    with pytest.raises(ValueError, match="CHATSTORE_FLASH_PREFILL"):
+        flash_prefill_enabled(torch.bfloat16)
