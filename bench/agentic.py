@@ -32,8 +32,9 @@ and on chatstore (store on):
                             off alike), and 8 replies (2 with --quick) to a bounded json_schema
   tool_parse_ok             steps whose reply came back as valid tool_calls (the generic format)
   constrained_decode_ratio  decode tok/s of 8 concurrent streams (64 tokens) constrained by a
-                            json_schema over the same prompts free (EOS banned in both; the median
-                            of two rounds, alternating)
+                            json_schema over the same prompts free (EOS banned in both, and the
+                            schema's minItems keeps the grammar from ending, so both streams run
+                            their 64 tokens; the median of three rounds, alternating)
 Ratios: agent_ttft_ratio_vs_store_off and agent_ttft_ratio_vs_vllm (ours / theirs, mean later-step
 TTFT; below 1 when we are faster; null when that side did not run).
 
@@ -93,9 +94,9 @@ TOOLS = [
                     "required": ["city"], "additionalProperties": False}},
 ]  # fmt: skip
 SCHEMAS = {t["name"]: t["parameters"] for t in TOOLS}
-NOTES = {
+NOTES = {  # minItems: the grammar cannot end (forcing EOS) before the decode_tokens are out
     "type": "object",
-    "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+    "properties": {"notes": {"type": "array", "items": {"type": "string"}, "minItems": 64}},
     "required": ["notes"],
     "additionalProperties": False,
 }
@@ -135,7 +136,7 @@ class Plan:
     decode_batch: int
     decode_tokens: int
     seed: int
-    reps: int = 2  # rounds of the decode ratio (free, constrained)
+    reps: int = 3  # rounds of the decode ratio (free, constrained): their medians
 
 
 def system_prompt(sizer: Sizer, plan: Plan, agent: int) -> str:
