@@ -35,10 +35,15 @@ and on chatstore (store on):
                             json_schema over the same prompts free (EOS banned in both, and the
                             schema's minItems keeps the grammar from ending, so both streams run
                             their 64 tokens; the median of three rounds, alternating)
-Ratios: agent_ttft_ratio_vs_store_off and agent_ttft_ratio_vs_vllm (ours / theirs, mean later-step
-TTFT; below 1 when we are faster; null when that side did not run).
+Ratios (ours / theirs, mean later-step TTFT; below 1 when we are faster; null when that side did
+not run): agent_ttft_ratio_vs_store_off, both chatstore servers with the small device pool
+(--device-kv-tokens); agent_ttft_ratio_vs_vllm like for like in memory, vLLM's KV space
+(--vllm-kv-gib, its serve.sh default 2 GiB) against a third chatstore server whose device pool
+is as big ("chatstore_same_kv"); agent_ttft_ratio_vs_vllm_small_pool, chatstore's small pool
+against that vLLM (what runs before 2026-11-28 reported as the ratio to vLLM).
 
     python bench/agentic.py [--agents 8] [--steps 30] [--quick] [--vllm] [--no-store-off]
+                            [--device-kv-tokens 12288] [--vllm-kv-gib 2]
 
 A human table, then the last line one JSON object. Do not trust a run on a busy machine.
 """
@@ -434,6 +439,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]
         "1.5 windows: fewer than the agents' histories, as on a server busier than one agent; "
         "0: the server's own default)",
     )  # fmt: skip
+    p.add_argument(
+        "--vllm-kv-gib", type=int, default=2,
+        help="vLLM's KV space (its serve.sh default, 2) and, in a third chatstore run that "
+        "agent_ttft_ratio_vs_vllm compares with it, chatstore's device pool",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         plan = Plan(min(args.agents, 2), min(args.steps, 3), 300, 30, 80, 80, 1, 2, 8, args.seed, 1)
@@ -499,30 +509,34 @@ def main(argv: list[str] | None = None) -> None:
     notes_valid: list[bool] = []
     with tempfile.TemporaryDirectory(prefix="agentic-") as tmp:
         root = Path(tmp)
-        for name, store in (("chatstore", True), ("store_off", False)):
-            if not store and args.no_store_off:
-                continue
+        peer_model = dense_model_dir(args.vllm_model or model_dir)
+        with_vllm = args.vllm and vllm_ready and peer_model is not None
+        servers = [("chatstore", True, pool_bytes)]
+        servers += [] if args.no_store_off else [("store_off", False, pool_bytes)]
+        # Against vLLM, like for like: chatstore's device pool as big as vLLM's KV space.
+        servers += [("chatstore_same_kv", True, args.vllm_kv_gib << 30)] if with_vllm else []
+        for name, store, kv_bytes in servers:
             (root / name).mkdir()
             server = chatstore_server(root / name / "data", root / name)
             if not store:
                 server.argv += ["--kv-store", "off"]
-            if pool_bytes:
-                server.env["CHATSTORE_KV_CACHE_BYTES"] = str(pool_bytes)
+            if kv_bytes:
+                server.env["CHATSTORE_KV_CACHE_BYTES"] = str(kv_bytes)
             with server:
                 result.setdefault("dtype", served_dtype(server.url))
                 runs[name] = run_agents(server.url, plan, sizer, name, sessions=True)
-                if store:
+                if name == "chatstore":
                     free, constrained, notes_valid = decode_ratio(server.url, plan, sizer)
                     result["constrained_decode_ratio"] = constrained / free
                     result["decode_tok_s_free"] = free
                     result["decode_tok_s_constrained"] = constrained
-        peer_model = dense_model_dir(args.vllm_model or model_dir)
         if args.vllm and vllm_ready and peer_model is None:
             print("--vllm: no model directory with a config.json for vLLM (--vllm-model): skipped")
-        elif args.vllm and vllm_ready and peer_model is not None:
+        elif with_vllm and peer_model is not None:
             ensure_vllm(args.vllm_scripts)
             (root / "vllm").mkdir()
             peer = vllm_server(args.vllm_scripts, args.vllm_dtype, peer_model, root / "vllm")
+            peer.env["KV_GIB"] = str(args.vllm_kv_gib)
             # The same work as ours: SmolLM2's template drops `tools`, so the client renders
             # the generic form chatstore renders and sends its answer schema; compact JSON, as
             # chatstore's grammar allows (xgrammar's any_whitespace=False there).
@@ -543,7 +557,13 @@ def main(argv: list[str] | None = None) -> None:
         "agent_ttft_ratio_vs_store_off": ratio(
             ours, rows.get("store_off", {}).get("later_ttft_mean_ms")
         ),
-        "agent_ttft_ratio_vs_vllm": ratio(ours, rows.get("vllm", {}).get("later_ttft_mean_ms")),
+        "agent_ttft_ratio_vs_vllm": ratio(
+            rows.get("chatstore_same_kv", {}).get("later_ttft_mean_ms"),
+            rows.get("vllm", {}).get("later_ttft_mean_ms"),
+        ),
+        "agent_ttft_ratio_vs_vllm_small_pool": ratio(
+            ours, rows.get("vllm", {}).get("later_ttft_mean_ms")
+        ),
         "agent_prefix_reuse_share": rows["chatstore"]["prefix_reuse_share"],
         "agent_history_reuse_share": rows["chatstore"]["history_reuse_share"],
     }
@@ -552,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     result |= {
         "cpu": cpu_model(), "isa": cpu_isa(), "weights": str(load_config().weights),
         "agents": plan.agents, "steps": plan.steps, "later_step": plan.later_step,
-        "device_kv_tokens": args.device_kv_tokens,
+        "device_kv_tokens": args.device_kv_tokens, "vllm_kv_gib": args.vllm_kv_gib,
         "system_tokens": plan.system_tokens, "result_tokens": [plan.result_min, plan.result_max],
         "vllm": "vllm" in runs,
     }  # fmt: skip
