@@ -4,18 +4,21 @@ A new turn on top of pooled history is the store's main path, and at agent lengt
 over 4K of history) its attention is most of the step. On a CPU with AMX, torch's flash kernel
 (`aten._scaled_dot_product_flash_attention_for_cpu`) computes bf16 QK^T and PV as AMX tile
 products (oneDNN brgemm); our paged kernel (`csrc/paged_prefill_bf16.c`) computes them with
-AVX512-BF16 dot products. Measured on an Intel Xeon with AMX, 2 threads, one layer
-(`python bench/attention_kernels.py --flash`):
+AVX512-BF16 dot products. Measured on an Intel Xeon with AMX, 2 threads, one layer, the paged
+kernel's ms against this path's (gather included):
 
     new / history      9 q heads, 3 KV, D 64      32 q heads, 8 KV, D 128
-    64 / 4000          5.3 ms vs 9.0  (0.6x)      -
-    128 / 4000        13.8 ms vs 8.7  (1.6x)      50.6 vs 31.4 ms (1.6x, 128 / 2000)
-    1000 / 4000       87.8 ms vs 33.0 (2.7x)      223 vs 86 ms    (2.6x, 512 / 2000)
-    2000 / 0          39.0 ms vs 15.5 (2.5x)      253 vs 70 ms    (3.6x)
+    64 / 4000          5.3 vs 9.0  (0.6x)         -
+    128 / 4000        13.8 vs 8.7  (1.6x)         50.6 vs 31.4 (1.6x, 128 / 2000)
+    1000 / 4000       78.5 vs 25.2 (3.1x)         223 vs 86    (2.6x, 512 / 2000)
+    2048 / 0          38.2 vs 14.0 (2.7x)         253 vs 70    (3.6x, 2000 / 0)
 
+(the default model's shape: `python bench/attention_kernels.py --dtype bfloat16 --quick
+--threads 2`, its `agent_1000_on_4k` and `causal_2k`; the rest timed the same way in process),
 so a sequence with at least FLASH_MIN_QUERY new tokens takes this path; shorter ones (decode tokens
-above all) stay on the paged kernel. In fp32, and on CPUs without AMX, the paged kernel is as fast
-or faster (fp32 1000 / 4000: 73.6 vs 77.7 ms) and serves everything.
+above all) stay on the paged kernel. In fp32 the paged kernel is as fast (1000 / 4000: 73.6 vs
+77.7 ms) and serves everything; CPUs without AMX (where torch's kernel has no tile products; not
+measured on one) keep it too.
 
 The sequence's K, V are gathered from its blocks (~2 MB per layer at 5K tokens), then attended in
 two calls, because torch's causal mask is aligned top-left and the new rows sit at the end of the
@@ -48,11 +51,11 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 def flash_prefill_enabled(dtype: torch.dtype) -> bool:
     """Whether long bf16 prefill runs on torch's flash kernel (env CHATSTORE_FLASH_PREFILL)."""
-    if dtype != torch.bfloat16:
-        return False
     setting = os.environ.get("CHATSTORE_FLASH_PREFILL", "auto")
     if setting not in ("auto", "0", "1"):
         raise ValueError(f"CHATSTORE_FLASH_PREFILL must be auto, 0 or 1, got {setting!r}")
+    if dtype != torch.bfloat16:
+        return False
     return setting == "1" or (setting == "auto" and _cpu_has_amx())
 
 

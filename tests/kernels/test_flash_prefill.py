@@ -100,5 +100,17 @@ def test_the_choice(monkeypatch):
     assert flash_prefill_enabled(torch.bfloat16)
     assert not flash_prefill_enabled(torch.float32)
     monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "yes")
-    with pytest.raises(ValueError, match="CHATSTORE_FLASH_PREFILL"):
-        flash_prefill_enabled(torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):  # said at start whatever the dtype
+        with pytest.raises(ValueError, match="CHATSTORE_FLASH_PREFILL"):
+            flash_prefill_enabled(dtype)
+
+
+def test_the_start_up_line_says_the_choice_and_refuses_a_bad_setting(monkeypatch):
+    from chatstore.engine.cpu_paths import describe_cpu_paths
+
+    monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "1")
+    assert "long prefill attention torch flash from 128" in describe_cpu_paths(torch.bfloat16)
+    assert "long prefill attention paged kernel" in describe_cpu_paths(torch.float32)
+    monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "on")
+    with pytest.raises(ValueError, match="CHATSTORE_FLASH_PREFILL must be auto, 0 or 1"):
+        describe_cpu_paths(torch.float32)
