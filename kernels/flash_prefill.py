@@ -8,15 +8,18 @@ AVX512-BF16 dot products. Measured on an Intel Xeon with AMX, 2 threads, one lay
 kernel's ms against this path's (gather included):
 
     new / history      9 q heads, 3 KV, D 64      32 q heads, 8 KV, D 128
-    64 / 4000          5.3 vs 9.0  (0.6x)         -
+    64 / 200           0.30 vs 0.40 (0.76x)       -
+    64 / 4000          5.4 vs 2.7  (2.0x)         -
     128 / 4000        13.8 vs 8.7  (1.6x)         50.6 vs 31.4 (1.6x, 128 / 2000)
     1000 / 4000       78.5 vs 25.2 (3.1x)         223 vs 86    (2.6x, 512 / 2000)
     2048 / 0          38.2 vs 14.0 (2.7x)         253 vs 70    (3.6x, 2000 / 0)
 
 (the default model's shape: `python bench/attention_kernels.py --dtype bfloat16 --quick
---threads 2`, its `agent_1000_on_4k` and `causal_2k`; the rest timed the same way in process),
-so a sequence with at least FLASH_MIN_QUERY new tokens takes this path; shorter ones (decode tokens
-above all) stay on the paged kernel. In fp32 the paged kernel is as fast (1000 / 4000: 73.6 vs
+--threads 2`, its `agent_1000_on_4k` and `causal_2k`; the rest timed in process, the 64-token
+rows as medians of 7 calls: a first timing of 64 / 4000 without them read 5.3 vs 9.0),
+so a sequence with at least FLASH_MIN_QUERY new tokens takes this path, and one with at least 48
+on 512+ tokens of context (`takes_flash`); shorter ones (decode tokens above all) stay on the
+paged kernel. In fp32 the paged kernel is as fast (1000 / 4000: 73.6 vs
 77.7 ms) and serves everything; CPUs without AMX (where torch's kernel has no tile products; not
 measured on one) keep it too.
 
@@ -43,8 +46,20 @@ import torch
 from chatstore.kernels.native import cpu_flags
 from chatstore.kernels.paged_attention import gather_sequence_kv
 
-# New tokens from which a sequence's attention runs here (crossover measured at ~100, above).
+# Which sequences run here: 128 new tokens or more, or 48 or more on 512+ tokens of context
+# (medians of 7 calls, one layer of the default model: 48 new on 548 1.10x, 64 on 1,064 1.17x,
+# 100 on 4K ~2.2x; below, the paged kernel wins: 64 on 264 0.76x, 32 on 1,032 0.83x).
 FLASH_MIN_QUERY = 128
+FLASH_MIN_QUERY_LONG_CONTEXT = 48
+FLASH_LONG_CONTEXT = 512
+
+
+def takes_flash(query_len: int, context_len: int) -> bool:
+    """Whether a sequence with these new / total tokens is attended here (when enabled)."""
+    return query_len >= FLASH_MIN_QUERY or (
+        query_len >= FLASH_MIN_QUERY_LONG_CONTEXT and context_len >= FLASH_LONG_CONTEXT
+    )
+
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

@@ -21,9 +21,9 @@ from functools import cached_property
 import torch
 
 from chatstore.kernels.flash_prefill import (
-    FLASH_MIN_QUERY,
     flash_prefill_enabled,
     flash_prefill_sequence,
+    takes_flash,
 )
 from chatstore.kernels.native import NATIVE_DTYPES, native_library
 from chatstore.kernels.paged_attention import paged_attention_reference
@@ -46,13 +46,15 @@ class PrefillPlan:
 
     @cached_property
     def long_seqs(self) -> list[int]:
-        """The sequences with FLASH_MIN_QUERY new tokens or more (`flash_prefill.py`)."""
-        return [s for s, n in enumerate(self.query_len_list) if n >= FLASH_MIN_QUERY]
+        """The sequences torch's flash kernel would attend (`flash_prefill.takes_flash`)."""
+        lens = zip(self.query_len_list, self.context_len_list, strict=True)
+        return [s for s, (n, c) in enumerate(lens) if takes_flash(n, c)]
 
     @cached_property
     def short_plan(self) -> PrefillPlan:
         """This plan without `long_seqs`; its rows keep their places in the step's q."""
-        keep = [s for s, n in enumerate(self.query_len_list) if n < FLASH_MIN_QUERY]
+        long = set(self.long_seqs)
+        keep = [s for s in range(self.num_seqs) if s not in long]
         index = torch.tensor(keep, dtype=torch.long, device=self.q_start.device)
         return PrefillPlan(
             block_tables=self.block_tables.index_select(0, index),

@@ -15,7 +15,12 @@ import torch
 from chatstore.config import cpu_has_fast_bf16
 from chatstore.engine.linear import packing_available
 from chatstore.kernels import native
-from chatstore.kernels.flash_prefill import FLASH_MIN_QUERY, flash_prefill_enabled
+from chatstore.kernels.flash_prefill import (
+    FLASH_LONG_CONTEXT,
+    FLASH_MIN_QUERY,
+    FLASH_MIN_QUERY_LONG_CONTEXT,
+    flash_prefill_enabled,
+)
 
 EMULATED_BF16 = (
     "bf16 was asked for on a CPU without AVX512-BF16 or AMX: torch and oneDNN emulate it here, "
@@ -31,7 +36,8 @@ def describe_cpu_paths(dtype: torch.dtype) -> str:
     packed = packing_available(torch.device("cpu"), dtype)
     # Read at start, so that a bad CHATSTORE_FLASH_PREFILL fails here, not in a step.
     flash = (
-        f"torch flash from {FLASH_MIN_QUERY} new tokens"
+        f"torch flash from {FLASH_MIN_QUERY} new tokens ({FLASH_MIN_QUERY_LONG_CONTEXT} on "
+        f"{FLASH_LONG_CONTEXT}+ of context)"
         if flash_prefill_enabled(dtype)
         else "paged kernel"
     )

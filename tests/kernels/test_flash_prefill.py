@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from chatstore.kernels.flash_prefill import (
+    FLASH_LONG_CONTEXT,
     FLASH_MIN_QUERY,
+    FLASH_MIN_QUERY_LONG_CONTEXT,
     flash_attend,
     flash_prefill_enabled,
+    takes_flash,
 )
 from chatstore.kernels.native import cpu_flags, native_library
 from chatstore.kernels.paged_attention import attend, paged_attention_reference
@@ -63,10 +66,12 @@ def _paged_step(query_lens: list[int], context_lens: list[int], seed: int):
 @pytest.mark.skipif(native_library() is None, reason="no native kernels (no gcc?)")
 def test_long_sequences_take_flash_and_the_rest_stay_bitwise_on_the_paged_kernel(monkeypatch):
     monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "1")
-    query_lens = [1, 300, 5, FLASH_MIN_QUERY, FLASH_MIN_QUERY - 1]
-    context_lens = [40, 700, 5, FLASH_MIN_QUERY, 400]
+    # long: 300 new; 128 new (nothing before); 60 new on 600 of context. Short: a decode token,
+    # 5 fresh tokens, 127 new on 400, 60 new on 300.
+    query_lens = [1, 300, 5, FLASH_MIN_QUERY, FLASH_MIN_QUERY - 1, 60, 60]
+    context_lens = [40, 700, 5, FLASH_MIN_QUERY, 400, 600, 300]
     q, k_cache, v_cache, plan = _paged_step(query_lens, context_lens, seed=1)
-    assert plan.long_seqs == [1, 3]
+    assert plan.long_seqs == [1, 3, 5]
     scale = 64**-0.5
     out = paged_prefill(q, k_cache, v_cache, plan, scale)
     paged = paged_prefill_native(q, k_cache, v_cache, plan, scale)
@@ -92,6 +97,14 @@ def test_flash_off_keeps_every_row_on_the_paged_kernel(monkeypatch):
     assert torch.equal(out, paged_prefill_native(q, k_cache, v_cache, plan, 0.125))
 
 
+def test_which_sequences_take_flash():
+    assert takes_flash(FLASH_MIN_QUERY, FLASH_MIN_QUERY)  # a fresh prompt of 128
+    assert not takes_flash(FLASH_MIN_QUERY - 1, FLASH_LONG_CONTEXT - 1)
+    assert takes_flash(FLASH_MIN_QUERY_LONG_CONTEXT, FLASH_LONG_CONTEXT)
+    assert not takes_flash(FLASH_MIN_QUERY_LONG_CONTEXT - 1, 100_000)
+    assert not takes_flash(1, 100_000)  # decode tokens stay on the paged kernel
+
+
 def test_the_choice(monkeypatch):
     monkeypatch.delenv("CHATSTORE_FLASH_PREFILL", raising=False)
     assert not flash_prefill_enabled(torch.float32)  # the paged kernel is as fast in fp32
@@ -109,7 +122,8 @@ def test_the_start_up_line_says_the_choice_and_refuses_a_bad_setting(monkeypatch
     from chatstore.engine.cpu_paths import describe_cpu_paths
 
     monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "1")
-    assert "long prefill attention torch flash from 128" in describe_cpu_paths(torch.bfloat16)
+    line = describe_cpu_paths(torch.bfloat16)
+    assert "long prefill attention torch flash from 128 new tokens (48 on 512+" in line
     assert "long prefill attention paged kernel" in describe_cpu_paths(torch.float32)
     monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "on")
     with pytest.raises(ValueError, match="CHATSTORE_FLASH_PREFILL must be auto, 0 or 1"):
