@@ -21,8 +21,9 @@ from chatstore.kernels.flash_prefill import (
     takes_flash,
 )
 from chatstore.kernels.native import cpu_flags, native_library
-from chatstore.kernels.paged_attention import attend, paged_attention_reference
+from chatstore.kernels.paged_attention import attend
 from chatstore.kernels.paged_prefill import make_prefill_plan, paged_prefill, paged_prefill_native
+from tests.kernels.paged_case import paged_case
 
 ATOL, RTOL = 4e-3, 2**-7
 BLOCK = 16
@@ -46,21 +47,13 @@ def test_flash_attend_matches_fp32_reference(heads, kv_heads, head_dim, new, his
 
 
 def _paged_step(query_lens: list[int], context_lens: list[int], seed: int):
-    """A bf16 step over a pool whose blocks are shuffled between the sequences."""
-    g = torch.Generator().manual_seed(seed)
-    kv_heads, heads, head_dim = 3, 9, 64
-    counts = [(c + BLOCK - 1) // BLOCK for c in context_lens]
-    pool = sum(counts) + 2
-    order = torch.randperm(pool, generator=g)
-    tables = torch.zeros(len(counts), max(counts), dtype=torch.long)
-    taken = 0
-    for s, n in enumerate(counts):
-        tables[s, :n] = order[taken : taken + n]
-        taken += n
-    k_cache = torch.randn(pool, BLOCK, kv_heads, head_dim, generator=g).bfloat16()
-    v_cache = torch.randn(pool, BLOCK, kv_heads, head_dim, generator=g).bfloat16()
-    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).bfloat16()
-    return q, k_cache, v_cache, make_prefill_plan(tables, query_lens, context_lens)
+    """A bf16 step over a pool whose blocks are shuffled between the sequences (paged_case: the
+    slots no sequence owns hold NaN, so reading past a context shows)."""
+    case = paged_case(
+        query_lens, context_lens, heads=(9, 3), head_dim=64, dtype=torch.bfloat16, seed=seed
+    )
+    plan = make_prefill_plan(case.block_tables, query_lens, context_lens)
+    return case, plan
 
 
 @pytest.mark.skipif(native_library() is None, reason="no native kernels (no gcc?)")
@@ -70,16 +63,12 @@ def test_long_sequences_take_flash_and_the_rest_stay_bitwise_on_the_paged_kernel
     # 5 fresh tokens, 127 new on 400, 60 new on 300.
     query_lens = [1, 300, 5, FLASH_MIN_QUERY, FLASH_MIN_QUERY - 1, 60, 60]
     context_lens = [40, 700, 5, FLASH_MIN_QUERY, 400, 600, 300]
-    q, k_cache, v_cache, plan = _paged_step(query_lens, context_lens, seed=1)
+    case, plan = _paged_step(query_lens, context_lens, seed=1)
     assert plan.long_seqs == [1, 3, 5]
-    scale = 64**-0.5
+    q, k_cache, v_cache, scale = case.q, case.k_cache, case.v_cache, case.scale
     out = paged_prefill(q, k_cache, v_cache, plan, scale)
     paged = paged_prefill_native(q, k_cache, v_cache, plan, scale)
-    ref = paged_attention_reference(
-        q.float(), k_cache.float(), v_cache.float(), plan.block_tables, query_lens,
-        context_lens, scale,
-    )  # fmt: skip
-    _close(out, ref)
+    _close(out, case.reference())
     start = 0
     for s, n in enumerate(query_lens):
         rows = slice(start, start + n)
@@ -91,10 +80,11 @@ def test_long_sequences_take_flash_and_the_rest_stay_bitwise_on_the_paged_kernel
 @pytest.mark.skipif(native_library() is None, reason="no native kernels (no gcc?)")
 def test_flash_off_keeps_every_row_on_the_paged_kernel(monkeypatch):
     monkeypatch.setenv("CHATSTORE_FLASH_PREFILL", "0")
-    q, k_cache, v_cache, plan = _paged_step([300, 2], [900, 60], seed=2)
+    case, plan = _paged_step([300, 2], [900, 60], seed=2)
     assert plan.long_seqs == [0]
-    out = paged_prefill(q, k_cache, v_cache, plan, 0.125)
-    assert torch.equal(out, paged_prefill_native(q, k_cache, v_cache, plan, 0.125))
+    out = paged_prefill(case.q, case.k_cache, case.v_cache, plan, case.scale)
+    paged = paged_prefill_native(case.q, case.k_cache, case.v_cache, plan, case.scale)
+    assert torch.equal(out, paged)
 
 
 def test_which_sequences_take_flash():
