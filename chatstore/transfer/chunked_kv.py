@@ -31,6 +31,9 @@ class ChunkedKV:
         self.start = start
         self.end = end
         self.token_ids = token_ids  # the stored session's tokens (all of them)
+        # layer_copy's CopyPlans of the spans copied layer by layer, made on the first layer
+        # (typed loosely: layer_copy imports this module)
+        self.copy_plans: dict[tuple[int, int], object] = {}
 
     @property
     def num_tokens(self) -> int:

@@ -2,17 +2,22 @@
 that a non-blocking copy can read.
 
     ChunkedKV parts of [start, end)         what crosses to the device, for layer l
-    ┌ DRAM, read in place (PooledRows) ──►  each run of consecutive pool blocks: one copy of its
-    │                                       contiguous [n, 2, B, Hkv, W] straight from the pool
+    ┌ DRAM, read in place (PooledRows) ──►  each run of consecutive pool blocks (across values:
+    │                                       a session's chunks saved together are often
+    │                                       adjacent): one copy of its contiguous
+    │                                       [n, 2, B, Hkv, W] straight from the pool into one
+    │                                       device buffer per group of runs whose rows join
     └ any other value (LMDB, Redis, the  ─► its rows of layer l, K and V, into one staging-ring
       write buffer; fp or int8)             slot with the others' ([2, R, Hkv, W]): one copy
                                             (no slot: a value over the ring, or none free on the
                                             engine thread: a plain copy, see StagingRing.acquire)
 
 The pieces are joined on the device, in position order, as K and V [T, Hkv, W] in the storage
-dtype; the caller converts (int8 is dequantised there, on the device) and writes them. On a CPU
-every "copy" to the device is the host tensor itself: the pieces are views of the pool, the
-slot or the value, and the result equals ChunkedKV.layer's bit for bit.
+dtype; the caller converts (int8 is dequantised there, on the device) and writes them. The
+runs are planned once per span (`CopyPlan`), not once a layer: on a GPU the copies take
+microseconds and the host's Python per copy is what a layer-wise load costs (measured on an
+H200: 16 runs a layer, 30 layers, 21 ms of host time for 1.8 ms of copying). The result equals
+ChunkedKV.layer's bit for bit, on a CPU and on a device.
 
 Host memory read here must outlive the copies: the caller retires the slot with a fence
 recorded after the layer's work (`LayerRows.retire`), and keeps the ChunkedKV (which holds the
@@ -27,7 +32,7 @@ import torch
 
 from chatstore.store import kv_quant
 from chatstore.store.session_kv import SessionKV
-from chatstore.store.tiers.dram_rows import PooledRows
+from chatstore.store.tiers.dram_rows import BlockRun, PooledRows
 from chatstore.transfer.chunked_kv import ChunkedKV
 from chatstore.transfer.copy_events import CopyFence, KeptUntilDone, fence_after_copy
 from chatstore.transfer.pinned_staging import StagingRing, StagingSlot
@@ -82,6 +87,81 @@ class LayerCopier:
         self.kept.hold(fence, saved)
 
 
+class PoolGroup:
+    """Pool runs whose rows join (each but the last ends at its last block's end, each but the
+    first starts at its first block's start): one device buffer, rows [lo, hi) of its blocks."""
+
+    def __init__(self, pool: torch.Tensor, run: BlockRun) -> None:
+        self.pool = pool  # [L, N, 2, B, Hkv, W]
+        self.B = pool.shape[3]
+        self.spans = [(run.block, run.n)]  # (first block, count), in row order
+        self.blocks = run.n
+        self.lo = run.lo - run.first
+        self.hi = run.hi - run.first
+
+    def extend(self, pool: torch.Tensor, run: BlockRun) -> bool:
+        """Take `run` if its rows continue this group's in the same pool."""
+        if pool is not self.pool or self.hi != self.blocks * self.B or run.lo != run.first:
+            return False
+        block, n = self.spans[-1]
+        if run.block == block + n:  # adjacent in the pool: still one copy
+            self.spans[-1] = (block, n + run.n)
+        else:
+            self.spans.append((run.block, run.n))
+        self.hi = self.blocks * self.B + run.hi - run.first
+        self.blocks += run.n
+        return True
+
+    def to_device(self, layer: int, device: torch.device) -> torch.Tensor:
+        """[2, hi - lo, Hkv, W] on `device`: one copy per span (non-blocking from pinned
+        memory), then one device-side transpose of the [n, 2, B, ...] blocks."""
+        if len(self.spans) == 1:
+            block, n = self.spans[0]
+            blocks = self.pool[layer, block : block + n].to(device, non_blocking=True)
+        else:
+            _, _, two, B, hkv, w = self.pool.shape
+            blocks = torch.empty(
+                (self.blocks, two, B, hkv, w), dtype=self.pool.dtype, device=device
+            )
+            at = 0
+            for block, n in self.spans:
+                blocks[at : at + n].copy_(self.pool[layer, block : block + n], non_blocking=True)
+                at += n
+        n, two, B, hkv, w = blocks.shape
+        return blocks.transpose(0, 1).reshape(two, n * B, hkv, w)[:, self.lo : self.hi]
+
+
+class CopyPlan:
+    """What crosses for every layer of [start, end): pool groups and host values, in row order
+    (layer-independent, so a layer-wise load plans once)."""
+
+    def __init__(self, saved: ChunkedKV, start: int, end: int) -> None:
+        if start < saved.start or end > saved.end:
+            raise ValueError(f"[{start}, {end}) is outside the loaded [{saved.start}, {saved.end})")
+        self.pieces: list[PoolGroup | tuple[SessionKV, int, int]] = []
+        self.leased: list[PooledRows] = []  # values read in place (their leases checked a layer)
+        for value, first in saved.parts:
+            a, b = max(start, first), min(end, first + value.num_tokens)
+            if a >= b:
+                continue
+            if isinstance(value, PooledRows) and value.leased:
+                self.leased.append(value)
+                for run in value.block_runs(a - first, b - first):
+                    last = self.pieces[-1] if self.pieces else None
+                    if not (isinstance(last, PoolGroup) and last.extend(value.pool, run)):
+                        self.pieces.append(PoolGroup(value.pool, run))
+            else:
+                self.pieces.append((value, a - first, b - first))
+
+    @classmethod
+    def of(cls, saved: ChunkedKV, start: int, end: int) -> CopyPlan:
+        """The plan for the span, made on its first layer and kept on `saved`."""
+        plan = saved.copy_plans.get((start, end))
+        if not isinstance(plan, CopyPlan):
+            plan = saved.copy_plans[(start, end)] = cls(saved, start, end)
+        return plan
+
+
 def layer_to_device(
     saved: ChunkedKV,
     layer: int,
@@ -93,35 +173,24 @@ def layer_to_device(
 ) -> LayerRows:
     """K, V of positions [start, end) at `layer` on `device` (block: the ring may wait for room,
     for a thread of the loader's own; the engine thread never waits)."""
-    if start < saved.start or end > saved.end:
-        raise ValueError(f"[{start}, {end}) is outside the loaded [{saved.start}, {saved.end})")
+    plan = CopyPlan.of(saved, start, end)
+    for value in plan.leased:
+        if not value.leased:
+            raise RuntimeError("rows read in place after their lease ended")
     pieces: list[torch.Tensor | None] = []  # [2, rows, Hkv, W] each, on the device
     host: list[tuple[int, torch.Tensor]] = []  # (index in pieces, host rows) to copy over
     pooled = 0
-    for value, first in saved.parts:
-        a, b = max(start, first), min(end, first + value.num_tokens)
-        if a >= b:
-            continue
-        if isinstance(value, PooledRows) and value.leased:
-            for run in value.layer_runs(layer, a - first, b - first):
-                pieces.append(
-                    _from_pool(run.blocks, run.lo - run.first, run.hi - run.first, device)
-                )
-                pooled += 1
+    for piece in plan.pieces:
+        if isinstance(piece, PoolGroup):
+            pieces.append(piece.to_device(layer, device))
+            pooled += len(piece.spans)
         else:
-            host.append((len(pieces), _host_rows(value, layer, a - first, b - first)))
+            stored, a, b = piece
+            host.append((len(pieces), _host_rows(stored, layer, a, b)))
             pieces.append(None)
     slot, staged, plain = _copy_host_rows(host, pieces, device, ring, block)
     both = _joined(pieces)
     return LayerRows(both[0], both[1], slot, pooled, staged, plain)
-
-
-def _from_pool(blocks: torch.Tensor, lo: int, hi: int, device: torch.device) -> torch.Tensor:
-    """Rows [lo, hi) of a run's [n, 2, B, Hkv, W] pool piece, as [2, hi - lo, Hkv, W] on the
-    device: the piece is contiguous, so it crosses as it is (non-blocking from pinned memory)."""
-    n, _, B, hkv, w = blocks.shape
-    on_device = blocks.to(device, non_blocking=True)
-    return on_device.transpose(0, 1).reshape(2, n * B, hkv, w)[:, lo:hi]
 
 
 def _host_rows(value: SessionKV, layer: int, a: int, b: int) -> torch.Tensor:

@@ -44,11 +44,12 @@ def chunk_keys() -> list[ChunkKey]:
     return [ChunkKey("t", f"{i:064x}") for i in range(T // C)]
 
 
-def dram(dtype: torch.dtype, in_place: bool, value: SessionKV) -> DramTier:
-    """The chunks in a DRAM tier whose blocks were handed out in no order."""
+def dram(dtype: torch.dtype, in_place: bool, value: SessionKV, scattered: bool = True) -> DramTier:
+    """The chunks in a DRAM tier whose blocks were handed out in no order (or in order)."""
     layout = TokenKVShape(L, H, D, dtype)
     tier = DramTier(64 * layout.bytes_per_token * B, layout, B, pin=False, read_in_place=in_place)
-    tier._free = deque(random.Random(1).sample(list(tier._free), len(tier._free)))
+    if scattered:
+        tier._free = deque(random.Random(1).sample(list(tier._free), len(tier._free)))
     for i, key in enumerate(chunk_keys()):
         tier.put(
             key, SessionKV(value.token_ids[i * C : (i + 1) * C], value.kv[:, :, i * C :][:, :, :C])
@@ -123,6 +124,24 @@ def test_dram_in_place_fills_the_pool_as_the_copy_does(dtype, start, end) -> Non
     assert not any(isinstance(v, PooledRows) for v, _ in copied.parts)
     assert torch.equal(load(loader(), in_place, start, end), want)
     assert torch.equal(load(loader(), copied, start, end), want)
+
+
+@pytest.mark.parametrize(("start", "end"), SPANS)
+def test_chunks_adjacent_in_the_pool_cross_in_one_copy_a_layer(start, end) -> None:
+    """A session's chunks saved in order sit in consecutive blocks: one copy a layer for all of
+    them, planned once for the span (the host's work per copy is what a GPU load costs)."""
+    value = history()
+    saved = read([dram(torch.float32, True, value, scattered=False)] * 3, start, end)
+    for layer in range(L):
+        rows = layer_to_device(saved, layer, start, end, CPU, None)
+        assert rows.pooled_runs == 1
+        k, v = saved.layer(layer, start, end)
+        assert torch.equal(rows.k, k) and torch.equal(rows.v, v)
+    assert list(saved.copy_plans) == [(start, end)]
+    scattered = read([dram(torch.float32, True, value)] * 3, start, end)
+    rows = layer_to_device(scattered, 1, start, end, CPU, None)
+    assert rows.pooled_runs > 1 or end - start <= B  # blocks in no order: a copy per run
+    assert torch.equal(rows.k, scattered.layer(1, start, end)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
@@ -200,4 +219,4 @@ def test_extending_into_a_leased_partial_block_is_refused() -> None:
     assert tier.extend(base, new, 6, extra)
     tier.check_integrity()
     with pytest.raises(RuntimeError, match="lease"):
-        next(rows.layer_runs(0, 0, 1))
+        rows.block_runs(0, 1)

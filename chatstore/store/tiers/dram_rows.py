@@ -1,9 +1,11 @@
 """Rows of a DRAM tier entry read in place: the pool's blocks themselves, leased, not a copy.
 
-    pool by layer  [L, N, 2, B, Hkv, W]    (the DRAM tier's storage: dram.py)
-    layer_runs(l)  one contiguous [n, 2, B, Hkv, W] view per run of consecutive block ids:
-                   what a copy to the device reads directly (on CUDA a non-blocking copy from
-                   the pinned pool, no pageable intermediate)
+    pool by layer    [L, N, 2, B, Hkv, W]    (the DRAM tier's storage: dram.py)
+    block_runs(a, b) the runs of consecutive block ids holding rows [a, b), the same for every
+                     layer (a loader plans its copies once, not once a layer)
+    layer_blocks(l, first, n)  one run's contiguous [n, 2, B, Hkv, W] view at layer l: what a
+                     copy to the device reads directly (on CUDA a non-blocking copy from the
+                     pinned pool, no pageable intermediate)
 
 A lease keeps the blocks from being handed out again while the rows are read: a block deleted
 meanwhile is parked by the tier and freed when its last lease ends, which is when `release()`
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -27,9 +29,11 @@ from chatstore.store.session_kv import SessionKV
 
 
 class BlockRun(NamedTuple):
-    """Rows [lo, hi) of the value sit at rows [lo - first, hi - first) of `blocks`."""
+    """Pool blocks [block, block + n) hold value rows [first, first + n * B); rows [lo, hi) of
+    the value are wanted from them (at rows [lo - first, hi - first) of the run)."""
 
-    blocks: torch.Tensor  # [n, 2, B, Hkv, W], one layer, contiguous in the pool
+    block: int  # the run's first pool block id
+    n: int
     first: int  # value row of the run's first pool row (negative: the run starts mid-block)
     lo: int
     hi: int
@@ -88,21 +92,33 @@ class PooledRows(SessionKV):
         """End the lease now (the rows must not be read in place afterwards)."""
         self._lease()
 
-    def layer_runs(self, layer: int, start: int, end: int) -> Iterator[BlockRun]:
-        """The pool pieces holding rows [start, end) of layer `layer`, in row order."""
+    @property
+    def pool(self) -> torch.Tensor:
+        """The tier's whole pool, [L, N, 2, B, Hkv, W] (runs of two values may be adjacent)."""
+        return self._by_layer
+
+    def block_runs(self, start: int, end: int) -> list[BlockRun]:
+        """The runs of consecutive pool blocks holding rows [start, end), in row order."""
         self._check_leased()
         B = self._by_layer.shape[3]
         first_block = (self._offset + start) // B
         last_block = -(-(self._offset + end) // B)
+        runs = []
         i = first_block
         while i < last_block:
             j = i + 1
             while j < last_block and self._blocks[j] == self._blocks[j - 1] + 1:
                 j += 1
             row0 = i * B - self._offset  # value row of the run's first pool row
-            pool_rows = self._by_layer[layer, self._blocks[i] : self._blocks[i] + (j - i)]
-            yield BlockRun(pool_rows, row0, max(start, row0), min(end, j * B - self._offset))
+            lo, hi = max(start, row0), min(end, j * B - self._offset)
+            runs.append(BlockRun(self._blocks[i], j - i, row0, lo, hi))
             i = j
+        return runs
+
+    def layer_blocks(self, layer: int, block: int, n: int) -> torch.Tensor:
+        """Pool blocks [block, block + n) of `layer`: a contiguous [n, 2, B, Hkv, W] view."""
+        self._check_leased()
+        return self._by_layer[layer, block : block + n]
 
     def _check_leased(self) -> None:
         if not self._lease.alive:
