@@ -89,6 +89,7 @@ class StoreConnector(KVConnector):
         read_buffer_layers: int = 0,
         read_buffer_bytes: int = 512 << 20,
         stage_queued: bool | None = None,
+        inline_loads: bool | None = None,
     ):
         self.store = store
         self.kv_cache = kv_cache
@@ -109,6 +110,7 @@ class StoreConnector(KVConnector):
             self.read_buffer,
             layer_delay_s,
             loader_threads,
+            inline=inline_loads,  # None: on CUDA (LayerLoader's docstring says why)
         )
         self.staging = SessionStaging(store, self.read_buffer, self.loader, stage_queued)
         # The dtype the turn's rows wait in until its chunks are built (int8: the compute's).
@@ -233,7 +235,10 @@ class StoreConnector(KVConnector):
         job = self._job(request, start, num_tokens, block_table)
         self._jobs.append(job)
         self.loads_started += 1
+        t0 = time.perf_counter()
         self.loader.submit(job)
+        if job.inline:  # layer 0 was copied here, on the engine thread
+            self.load_wait_s += time.perf_counter() - t0
 
     def wait_for_layer(self, layer: int) -> None:
         """Until every load started this step has written `layer` (or failed): a layer the
@@ -242,9 +247,12 @@ class StoreConnector(KVConnector):
         t0 = time.perf_counter()
         for job in pending:
             self.loader.take_layer(job, layer)
+        inline = False
         for job in self._jobs:
+            self.loader.take_ahead(job, layer)
+            inline |= job.inline
             job.layers[layer].wait()  # CUDA: a wait_event on the compute stream, no host wait
-        if pending:
+        if pending or inline:  # the forward copied or waited
             self.load_wait_s += time.perf_counter() - t0
 
     def finish_loads(self) -> dict[str, Exception]:

@@ -65,11 +65,17 @@ def _turns(engine, n_turns: int = 3, layout: str = "paged") -> dict[str, list[li
     return got
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["loader-thread", "inline"])
 @pytest.mark.parametrize("layout", ["paged", "vattention"])
-def test_preload_is_token_identical_to_sync_load_and_recompute(tmp_path, layout):
-    engine, store, conn = _engine(tmp_path / "pre", layout=layout, layer_delay_s=DELAY_S)
+def test_preload_is_token_identical_to_sync_load_and_recompute(tmp_path, layout, inline):
+    """inline: the forward issues each layer's copy one layer ahead (CUDA's default), here
+    forced on a CPU: no loader thread is started for the loads."""
+    engine, store, conn = _engine(
+        tmp_path / "pre", layout=layout, layer_delay_s=DELAY_S, inline_loads=inline
+    )
     pre = _turns(engine, layout=layout)
     assert conn.loads_started == 4  # 2 sessions x turns 1, 2
+    assert (conn.loader._thread is None) == inline
     assert conn.load_wait_s > 0  # the forward did wait for the slow copies
     # Each slow copy ran on the loader or, when the forward got there first, on the forward.
     assert conn.load_copy_s + conn.load_wait_s >= 4 * engine.spec.num_layers * DELAY_S * 0.9
@@ -81,8 +87,9 @@ def test_preload_is_token_identical_to_sync_load_and_recompute(tmp_path, layout)
     store_s.close()
 
 
-def test_no_layer_is_read_before_its_copy_finished(tmp_path):
-    engine, store, conn = _engine(tmp_path, layer_delay_s=DELAY_S)
+@pytest.mark.parametrize("inline", [False, True], ids=["loader-thread", "inline"])
+def test_no_layer_is_read_before_its_copy_finished(tmp_path, inline):
+    engine, store, conn = _engine(tmp_path, layer_delay_s=DELAY_S, inline_loads=inline)
     copied: set[tuple[str, int]] = set()
     copy_layer = conn.loader.copy_layer
 
