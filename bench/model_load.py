@@ -8,7 +8,12 @@ sensitive than the wall clock to other work on a shared machine). Medians of the
 converted tokenizer cache is warm (the first start of a machine converts it once; not measured
 here). Last line: one JSON object.
 
-    python bench/model_load.py [--runs 3] [--kv-bytes 67108864]
+The server's readiness (issue 35: ready <= 2 s): `chatstore serve` from its spawn to the first
+200 from /healthz, with the tokenizer chatstore reads itself (fast_tokenizer.py) and with
+transformers' (CHATSTORE_TOKENIZER=transformers), alternately, each in a fresh process with its
+bytecode cache written (the first start of each writes it and is not counted).
+
+    python bench/model_load.py [--runs 3] [--kv-bytes 67108864] [--serve-runs 5]
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def one(kv_bytes: int) -> dict[str, float]:
     imported = time.perf_counter()
     runtime = create_runtime(Config(kv_cache_bytes=kv_bytes, kv_store="off"))
     loaded = time.perf_counter()
-    ids = runtime.model.tokenizer("Hello there")["input_ids"]
+    ids = runtime.model.tokenizer.encode("Hello there", add_special_tokens=False)
     blocks = runtime.pool.allocate(-(-len(ids) // runtime.block_size))
     chunk = SequenceChunk(ids, 0, blocks)
     batch = ForwardBatch.build([chunk], runtime.block_size)
@@ -58,11 +63,51 @@ def one(kv_bytes: int) -> dict[str, float]:
     }
 
 
+def serve_ready_s(tokenizer: str) -> float:
+    """Seconds from spawning `chatstore serve` (a new data dir, a free port) to /healthz 200."""
+    import socket
+    import tempfile
+    import urllib.request
+
+    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        secret = os.path.join(tmp, "secret.key")
+        with open(secret, "w") as f:
+            f.write("k1:" + "A" * 43 + "=\n")
+        os.chmod(secret, 0o600)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        env["CHATSTORE_TOKENIZER"] = tokenizer
+        cmd = [sys.executable, "-m", "chatstore.cli", "serve", "--port", str(port),
+               "--data-dir", os.path.join(tmp, "data"), "--secret-file", secret,
+               "--log-level", "warning"]  # fmt: skip
+        start = time.perf_counter()
+        server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"chatstore serve exited: {server.stderr.read()!r}")
+                try:
+                    url = f"http://127.0.0.1:{port}/healthz"
+                    with urllib.request.urlopen(url, timeout=1) as r:
+                        if r.status == 200:
+                            return time.perf_counter() - start
+                except OSError:
+                    time.sleep(0.01)
+                if time.perf_counter() - start > 120:
+                    raise RuntimeError("chatstore serve was not ready in 120 s")
+        finally:
+            server.terminate()
+            server.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kv-bytes", type=int, default=64 << 20)
     parser.add_argument("--one", action="store_true", help="one measurement, in this process")
+    parser.add_argument("--serve-runs", type=int, default=5, help="server starts per tokenizer")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(args.kv_bytes)))
@@ -79,6 +124,24 @@ def main() -> None:
     }
     summary["runs"] = len(runs)
     summary["dtype"] = runs[0]["dtype"]
+    if args.serve_runs:
+        ready: dict[str, list[float]] = {"auto": [], "transformers": []}
+        for choice in ready:
+            serve_ready_s(choice)  # writes the bytecode cache; not counted
+        for _ in range(args.serve_runs):
+            for choice, times in ready.items():
+                times.append(serve_ready_s(choice))
+        for choice, times in ready.items():
+            print(
+                f"serve ready, {choice} tokenizer: {[round(t, 3) for t in times]}", file=sys.stderr
+            )
+        summary["serve_ready_s"] = round(statistics.median(ready["auto"]), 3)
+        summary["serve_ready_s_transformers_tokenizer"] = round(
+            statistics.median(ready["transformers"]), 3
+        )
+        summary["serve_ready_ratio"] = round(
+            summary["serve_ready_s"] / summary["serve_ready_s_transformers_tokenizer"], 3
+        )
     print(json.dumps(summary))
 
 

@@ -77,6 +77,8 @@ def rust_backend(tokenizer: Any) -> Any | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not callable(getattr(backend, "decode", None)):
         return None
+    if getattr(tokenizer, "decodes_as_backend", False):
+        return backend  # FastTokenizer: its decode is the backend's (no transformers import)
     try:
         from transformers import PreTrainedTokenizerFast
     except ImportError:

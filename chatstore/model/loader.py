@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -17,6 +18,7 @@ import torch
 
 from chatstore.model.default_model import default_model_dir, gguf_model_dir, gguf_path
 from chatstore.model.errors import ModelLoadError
+from chatstore.model.fast_tokenizer import FastTokenizer, generic_tokenizer_dir
 from chatstore.model.gguf_source import GGUFWeightSource
 from chatstore.model.hf_source import SafetensorsWeightSource
 from chatstore.model.spec import ModelSpec
@@ -111,10 +113,18 @@ def load_model(
     return LoadedModel(weights, loaded, weights.spec, path, dtype, fingerprint, gguf)
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | FastTokenizer:
+    """transformers' tokenizer of `path`; for a directory of the generic fast class (what a
+    GGUF's conversion writes) the same behaviour without importing transformers (~1.2 s of a
+    server's start: fast_tokenizer.py), unless CHATSTORE_TOKENIZER=transformers."""
+    choice = os.environ.get("CHATSTORE_TOKENIZER", "auto")
+    if choice not in ("auto", "transformers"):
+        raise ModelLoadError(f"CHATSTORE_TOKENIZER={choice!r}: expected auto or transformers")
     try:
+        if choice == "auto" and generic_tokenizer_dir(path):
+            return FastTokenizer(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc

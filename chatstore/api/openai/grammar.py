@@ -96,8 +96,10 @@ class Grammars:
             if self._compiler is None:
                 import xgrammar as xgr
 
+                # xgrammar reads transformers' tokenizer (FastTokenizer loads it here)
+                hf = getattr(self._tokenizer, "hf", self._tokenizer)
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop
+                    hf, vocab_size=self._vocab_size, stop_token_ids=self._stop
                 )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
