@@ -12,7 +12,21 @@ pydantic bodies) and what serves them. The session store is seen only through
 chatstore.store.ports.SessionKVAdmin; what is served is built by chatstore.serving.
 """
 
-from chatstore.api.common.app import Served, create_app
-from chatstore.api.common.settings import ServerSettings
+from typing import Any
 
 __all__ = ["Served", "ServerSettings", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on use, not with the package: a module under chatstore.api (the CLI's key
+    # commands, the server's settings) must not pull in FastAPI and every route with it (the
+    # server imports them while its model loads: server/run.py).
+    if name in ("Served", "create_app"):
+        from chatstore.api.common import app
+
+        return getattr(app, name)
+    if name == "ServerSettings":
+        from chatstore.api.common.settings import ServerSettings
+
+        return ServerSettings
+    raise AttributeError(f"module 'chatstore.api' has no attribute {name!r}")
