@@ -12,12 +12,10 @@ pydantic bodies) and what serves them. The session store is seen only through
 chatstore.store.ports.SessionKVAdmin; what is served is built by chatstore.serving.
 """
 
-from typing import Any
-
 __all__ = ["Served", "ServerSettings", "create_app"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     # Imported on use, not with the package: a module under chatstore.api (the CLI's key
     # commands, the server's settings) must not pull in FastAPI and every route with it (the
     # server imports them while its model loads: server/run.py).

@@ -23,10 +23,15 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from jinja2 import Template
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from transformers import PreTrainedTokenizerBase
 
 # The classes with no behaviour of their own beyond the Rust tokenizer and the template.
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -66,9 +71,10 @@ class FastTokenizer:
             name: _content(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name)
         }
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        self._hf: Any = None
+        self._hf: PreTrainedTokenizerBase | None = None
         self._hf_lock = threading.Lock()
-        self._compiled: Any = None
+        self._compiled: Template | None = None
+        self._renders_itself = True  # False: the template needs transformers' own renderer
 
     # -- what the server uses ------------------------------------------------------------------
 
@@ -79,7 +85,7 @@ class FastTokenizer:
     @chat_template.setter
     def chat_template(self, template: str | None) -> None:
         self._chat_template = template
-        self._compiled = None  # compiled again on next use
+        self._compiled, self._renders_itself = None, True  # compiled again on next use
 
     @property
     def decodes_as_backend(self) -> bool:
@@ -98,9 +104,9 @@ class FastTokenizer:
     def __len__(self) -> int:
         return int(self.backend_tokenizer.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
-        if add_special_tokens or kwargs:  # special tokens: the class's post-processing
-            return list(self.hf.encode(text, add_special_tokens=add_special_tokens, **kwargs))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if add_special_tokens:  # the class's post-processing
+            return list(self.hf.encode(text, add_special_tokens=True))
         return list(self.backend_tokenizer.encode(text, add_special_tokens=False).ids)
 
     def decode(
@@ -122,28 +128,31 @@ class FastTokenizer:
         if isinstance(ids, int):
             return str(self.backend_tokenizer.id_to_token(ids))
         if skip_special_tokens:
-            return self.hf.convert_ids_to_tokens(list(ids), skip_special_tokens=True)
+            pieces = self.hf.convert_ids_to_tokens(list(ids), skip_special_tokens=True)
+            return [pieces] if isinstance(pieces, str) else list(pieces)
         return [str(self.backend_tokenizer.id_to_token(i)) for i in ids]
 
     def apply_chat_template(
         self,
-        conversation: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        conversation: Sequence[Mapping[str, object]],
+        tools: Sequence[Mapping[str, object]] | None = None,
         add_generation_prompt: bool = False,
         tokenize: bool = True,
-        **kwargs: Any,
-    ) -> Any:
+    ) -> str | list[int]:
+        """The rendered text, or with `tokenize` its ids (encoded without special tokens added,
+        as transformers does)."""
         messages = _plain_messages(conversation)
         compiled = self._template()
-        if compiled is None or kwargs or messages is None or not messages:
-            kwargs.setdefault("chat_template", self._chat_template)  # as set here
-            return self.hf.apply_chat_template(
-                list(conversation),
-                tools=None if tools is None else list(tools),
+        if compiled is None or not messages:
+            text = self.hf.apply_chat_template(
+                [dict(m) for m in conversation],  # type: ignore[arg-type]  # its message type
+                tools=None if tools is None else [dict(t) for t in tools],
                 add_generation_prompt=add_generation_prompt,
-                tokenize=tokenize,
-                **kwargs,
+                tokenize=False,
+                chat_template=self._chat_template,  # as set here
             )
+            assert isinstance(text, str)  # tokenize=False: the text
+            return self.encode(text, add_special_tokens=False) if tokenize else text
         text = compiled.render(
             messages=messages,
             tools=None if tools is None else json.loads(json.dumps(list(tools))),
@@ -156,7 +165,7 @@ class FastTokenizer:
     # -- transformers, for the rest ------------------------------------------------------------
 
     @property
-    def hf(self) -> Any:
+    def hf(self) -> PreTrainedTokenizerBase:
         """transformers' tokenizer of the same directory, loaded (and transformers imported)
         on first use."""
         with self._hf_lock:
@@ -166,26 +175,26 @@ class FastTokenizer:
                 self._hf = AutoTokenizer.from_pretrained(self.path)
             return self._hf
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.hf, name)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.hf(*args, **kwargs)
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        return cast("Callable[..., object]", self.hf)(*args, **kwargs)
 
-    def _template(self) -> Any:
+    def _template(self) -> Template | None:
         """The compiled chat template, or None where transformers must render it (none, or a
         tag of its own extension such as {% generation %})."""
-        if self._compiled is None and self.chat_template is not None:
+        if self._compiled is None and self._renders_itself and self.chat_template is not None:
             try:
                 self._compiled = _sandbox().from_string(self.chat_template)
             except Exception:  # a tag this sandbox lacks: transformers' own renderer
-                self._compiled = False
-        return self._compiled or None
+                self._renders_itself = False
+        return self._compiled
 
 
-def _sandbox() -> Any:
+def _sandbox() -> ImmutableSandboxedEnvironment:
     """A jinja2 sandbox with the options, filters and globals transformers gives templates."""
     import jinja2.ext
     from jinja2.exceptions import TemplateError
@@ -195,10 +204,10 @@ def _sandbox() -> Any:
         raise TemplateError(message)
 
     def tojson(
-        x: Any,
+        x: object,
         ensure_ascii: bool = False,
         indent: int | None = None,
-        separators: Any = None,
+        separators: tuple[str, str] | None = None,
         sort_keys: bool = False,
     ) -> str:
         # jinja's own tojson escapes HTML characters; templates expect plain JSON
@@ -215,7 +224,7 @@ def _sandbox() -> Any:
     return env
 
 
-def _plain_messages(conversation: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:
+def _plain_messages(conversation: Sequence[Mapping[str, object]]) -> list[dict[str, object]] | None:
     """The messages as plain JSON data with None-valued keys dropped (what transformers renders),
     or None where transformers would rewrite them first (reasoning fields, non-dict messages)."""
     messages = []
@@ -226,13 +235,13 @@ def _plain_messages(conversation: Sequence[Mapping[str, Any]]) -> list[dict[str,
             return None
         messages.append({k: v for k, v in message.items() if v is not None})
     try:
-        plain: list[dict[str, Any]] = json.loads(json.dumps(messages))
+        plain: list[dict[str, object]] = json.loads(json.dumps(messages))
     except (TypeError, ValueError):
         return None
     return plain
 
 
-def _content(token: Any) -> str:
+def _content(token: object) -> str:
     """A special token in tokenizer_config.json: a string, or an AddedToken's fields."""
     return str(token["content"]) if isinstance(token, Mapping) else str(token)
 
