@@ -9,14 +9,15 @@ plus the chat template. This class does what the server asks of a tokenizer that
     encode(text, add_special_tokens=False)   the Rust tokenizer's ids
     decode(ids, skip_special_tokens=...)     the Rust decoder (clean-up of spaces if configured)
     convert_ids_to_tokens(ids)               the vocabulary's pieces
-    apply_chat_template(messages, tools=..., add_generation_prompt=..., tokenize=...)
+    apply_chat_template(messages, tools=..., add_generation_prompt=..., tokenize=False)
                                              the template rendered in a sandbox set up as
                                              transformers sets up its own (same filters and
                                              globals), messages with None values dropped
 
-Anything else (a call with special tokens added, a template feature this does not render, an
-attribute it lacks, xgrammar's tokenizer reader) goes to the transformers tokenizer, loaded on
-first use (`hf`). tests/model/test_fast_tokenizer.py holds every method to transformers' output.
+Anything else (a call with special tokens added, a chat template asked for as ids or with
+transformers' options, a template feature this does not render, an attribute it lacks,
+xgrammar's tokenizer reader) goes to the transformers tokenizer, loaded on first use (`hf`).
+tests/model/test_fast_tokenizer.py holds every method to transformers' output.
 """
 
 from __future__ import annotations
@@ -138,29 +139,30 @@ class FastTokenizer:
         tools: Sequence[Mapping[str, object]] | None = None,
         add_generation_prompt: bool = False,
         tokenize: bool = True,
-    ) -> str | list[int]:
-        """The rendered text, or with `tokenize` its ids (encoded without special tokens added,
-        as transformers does)."""
-        messages = _plain_messages(conversation)
-        compiled = self._template()
-        if compiled is None or not messages:
-            text = self.hf.apply_chat_template(
-                [dict(m) for m in conversation],  # type: ignore[arg-type]  # its message type
+        **kwargs: object,
+    ) -> object:
+        """The server's call (the text: tokenize=False, nothing else asked) is rendered here;
+        any other (ids, a dict, options of transformers') is transformers' own, as it returns
+        it, with this tokenizer's template."""
+        messages = None if tokenize or kwargs else _plain_messages(conversation)
+        compiled = self._template() if messages else None
+        if compiled is None:
+            kwargs.setdefault("chat_template", self._chat_template)  # as set here
+            apply = cast("Callable[..., object]", self.hf.apply_chat_template)
+            return apply(
+                [dict(m) for m in conversation],
                 tools=None if tools is None else [dict(t) for t in tools],
                 add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                chat_template=self._chat_template,  # as set here
+                tokenize=tokenize,
+                **kwargs,
             )
-            assert isinstance(text, str)  # tokenize=False: the text
-            return self.encode(text, add_special_tokens=False) if tokenize else text
-        text = compiled.render(
+        return compiled.render(
             messages=messages,
             tools=None if tools is None else json.loads(json.dumps(list(tools))),
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self.special_tokens_map,
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     # -- transformers, for the rest ------------------------------------------------------------
 
