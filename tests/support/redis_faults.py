@@ -10,6 +10,7 @@ import collections
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
@@ -36,6 +37,7 @@ def hung(server: LocalRedis, max_s: float = 3.0) -> Iterator[None]:
     would wait for it forever makes the test fail on its timings instead of hanging it."""
     pid = server.process.pid
     os.kill(pid, signal.SIGSTOP)
+    _wait_stopped(pid)  # the signal is asynchronous: no reply may slip out after this returns
     timer = threading.Timer(max_s, _resume, (pid,))
     timer.daemon = True
     timer.start()
@@ -49,6 +51,20 @@ def hung(server: LocalRedis, max_s: float = 3.0) -> Iterator[None]:
 def kill(server: LocalRedis) -> None:
     server.process.kill()
     server.process.wait()
+
+
+def _wait_stopped(pid: int, within_s: float = 5.0) -> None:
+    """Until the kernel reports the process stopped (state T in /proc/PID/stat)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+        except (FileNotFoundError, IndexError):
+            return  # gone, or no procfs: nothing to wait for
+        time.sleep(0.001)
+    raise AssertionError(f"redis-server {pid} did not stop within {within_s} s of SIGSTOP")
 
 
 def _resume(pid: int) -> None:
