@@ -2,10 +2,10 @@
 
     pool by layer    [L, N, 2, B, Hkv, W]    (the DRAM tier's storage: dram.py)
     block_runs(a, b) the runs of consecutive block ids holding rows [a, b), the same for every
-                     layer (a loader plans its copies once, not once a layer)
-    layer_blocks(l, first, n)  one run's contiguous [n, 2, B, Hkv, W] view at layer l: what a
-                     copy to the device reads directly (on CUDA a non-blocking copy from the
-                     pinned pool, no pageable intermediate)
+                     layer (a loader plans its copies once, not once a layer); a run's blocks at
+                     layer l, `pool[l, block : block + n]`, are one contiguous [n, 2, B, Hkv, W]
+                     piece: what a copy to the device reads directly (on CUDA a non-blocking
+                     copy from the pinned pool, no pageable intermediate)
 
 A lease keeps the blocks from being handed out again while the rows are read: a block deleted
 meanwhile is parked by the tier and freed when its last lease ends, which is when `release()`
@@ -114,11 +114,6 @@ class PooledRows(SessionKV):
             runs.append(BlockRun(self._blocks[i], j - i, row0, lo, hi))
             i = j
         return runs
-
-    def layer_blocks(self, layer: int, block: int, n: int) -> torch.Tensor:
-        """Pool blocks [block, block + n) of `layer`: a contiguous [n, 2, B, Hkv, W] view."""
-        self._check_leased()
-        return self._by_layer[layer, block : block + n]
 
     def _check_leased(self) -> None:
         if not self._lease.alive:
