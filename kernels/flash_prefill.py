@@ -20,8 +20,8 @@ rows as medians of 7 calls: a first timing of 64 / 4000 without them read 5.3 vs
 so a sequence with at least FLASH_MIN_QUERY new tokens takes this path, and one with at least 48
 on 512+ tokens of context (`takes_flash`); shorter ones (decode tokens above all) stay on the
 paged kernel. In fp32 the paged kernel is as fast (1000 / 4000: 73.6 vs
-77.7 ms) and serves everything; CPUs without AMX (where torch's kernel has no tile products; not
-measured on one) keep it too.
+77.7 ms) and serves everything; CPUs without AMX keep it too (torch's kernel has no tile
+products there: on an AMD EPYC with AVX512-BF16 it took 3.0-3.3x the paged kernel's time).
 
 The sequence's K, V are gathered from its blocks (~2 MB per layer at 5K tokens), then attended in
 two calls, because torch's causal mask is aligned top-left and the new rows sit at the end of the

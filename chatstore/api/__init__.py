@@ -17,8 +17,7 @@ __all__ = ["Served", "ServerSettings", "create_app"]
 
 def __getattr__(name: str) -> object:
     # Imported on use, not with the package: a module under chatstore.api (the CLI's key
-    # commands, the server's settings) must not pull in FastAPI and every route with it (the
-    # server imports them while its model loads: server/run.py).
+    # commands, the server's settings) must not pull in FastAPI and every route with it.
     if name in ("Served", "create_app"):
         from chatstore.api.common import app
 

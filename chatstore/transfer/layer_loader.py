@@ -100,9 +100,10 @@ class LayerLoader:
         CUDA, none on a CPU). inline: loads whose rows are already read are copied by the
         forward itself, each layer's copy issued one layer ahead of its compute, not by the
         loader thread (None: on CUDA). There the copies are asynchronous on the copy stream,
-        so the thread only contends with the forward for the GIL: measured on an H200
-        (bench/gpu_check.py, 100 tokens on a 4K history), the threaded layer-wise load took
-        25.6 ms where loading first and computing after took 16.6."""
+        so a thread has no I/O to hide and contends with the forward for the GIL. Measured on
+        an H200 (100 tokens on a 4K history, docs/gpu.md), inline against the thread: 25.2 vs
+        45.0 ms and 29.3 vs 29.6 ms (135M shape), 15.8 vs 15.1 ms (1B shape); both stay
+        slower than loading first (20-24 and 11.5 ms)."""
         self.kv_cache = kv_cache
         self.rope = rope
         self.lookup = lookup
