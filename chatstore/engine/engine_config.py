@@ -2,6 +2,12 @@
 
 max_running          sequences in the running batch at once (n>1 samples count each)
 max_tokens_per_step  tokens computed per forward: decodes first, prefill chunks fill the rest
+max_prefill_tokens_per_step
+                     the budget of a step with no decodes in it, where no reply waits on the
+                     step (at least max_tokens_per_step; None = the same): a prompt or a backlog
+                     of prompts prefills in fewer, larger chunks (fewer passes over the weights
+                     and the chunks before), while a step that carries decodes keeps the smaller
+                     budget, so running replies do not stall behind a long prefill
 max_waiting          requests queued before `submit` raises EngineOverloadedError (HTTP 429)
 tenant_queue_share   of max_waiting one tenant may hold, at least one slot (the server's Config
                      sets 0.5; 1.0, the default here, leaves a lone tenant the whole queue)
@@ -39,6 +45,7 @@ ReservationMode = Literal["paged", "max"]
 class EngineConfig:
     max_running: int = 32
     max_tokens_per_step: int = 512
+    max_prefill_tokens_per_step: int | None = None
     max_waiting: int = 256
     tenant_queue_share: float = 1.0
     preemption_mode: PreemptionMode = "recompute"
@@ -55,6 +62,9 @@ class EngineConfig:
         for name in ("max_running", "max_tokens_per_step", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        prefill = self.max_prefill_tokens_per_step
+        if prefill is not None and prefill < 1:
+            raise ValueError(f"max_prefill_tokens_per_step must be >= 1, got {prefill}")
         share = self.tenant_queue_share
         if not (isinstance(share, (int, float)) and 0 < share <= 1):
             raise ValueError(f"tenant_queue_share must be in (0, 1], got {share!r}")
@@ -69,6 +79,14 @@ class EngineConfig:
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
 
+    def step_budget(self, decoding: bool) -> int:
+        """Tokens one step may compute: max_tokens_per_step when it carries decodes, else the
+        larger prefill budget."""
+        prefill = self.max_prefill_tokens_per_step
+        if decoding or prefill is None:
+            return self.max_tokens_per_step
+        return max(prefill, self.max_tokens_per_step)
+
     @property
     def tenant_queue_limit(self) -> int:
         """Waiting slots one tenant may hold."""
@@ -80,6 +98,7 @@ class EngineConfig:
         names = (
             "max_running",
             "max_tokens_per_step",
+            "max_prefill_tokens_per_step",
             "max_waiting",
             "tenant_queue_share",
             "preemption_mode",

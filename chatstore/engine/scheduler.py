@@ -1,6 +1,7 @@
 """Iteration-level (continuous) batching with chunked prefill, FCFS, and preemption.
 
-Every step, with a budget of `max_tokens_per_step` tokens:
+Every step, with a budget of `max_tokens_per_step` tokens (`max_prefill_tokens_per_step` when no
+running sequence decodes in it, so no reply waits on the step):
 
     1. running sequences, decodes first (1 token each), then prefill chunks of the rest; when the
        pool is short, the most recently started sequence is preempted (recompute: blocks dropped,
@@ -131,10 +132,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._scheduled = {}
-        self._budget = self.config.max_tokens_per_step
         preemptions_before = self.num_preemptions
         was_idle = not self.running and not self.swapped
         decodes = [s for s in self.running if s.num_uncomputed == 1]
+        decoding = bool(decodes) or any(s.num_uncomputed == 1 for s in self.swapped)
+        self._budget = self.config.step_budget(decoding)
         for seq in decodes + [s for s in self.running if s.num_uncomputed > 1]:
             if seq.status is SequenceStatus.RUNNING and self._budget > 0:
                 self._schedule_running(seq, out)

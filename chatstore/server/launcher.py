@@ -74,7 +74,12 @@ def local_server(
     from chatstore.serving import build
 
     overrides = {"data_dir": str(data_dir), **config_overrides}
-    engine_keys = {"max_running", "max_waiting", "max_tokens_per_step"}
+    engine_keys = {
+        "max_running",
+        "max_waiting",
+        "max_tokens_per_step",
+        "max_prefill_tokens_per_step",
+    }
     engine_overrides = {k: overrides.pop(k) for k in list(overrides) if k in engine_keys}
     config = load_config(overrides=overrides, env={})
     for key, value in engine_overrides.items():  # engine limits Config may not carry
