@@ -62,7 +62,19 @@ SOURCES = tuple(
 )
 HEADERS = (CSRC / "common.h", CSRC / "vec.h", CSRC / "attention_bf16.h")
 # ISO C mode turns FMA contraction off: ask for it, or `a += b * c` stays two instructions.
-CFLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# -fno-trapping-math: the kernels install no floating-point trap handlers, and without it gcc
+# will not if-convert a loop whose float -> int conversion might trap (exp's 2^n), so on AVX2,
+# which has no masked lanes, silu_mul and the decode softmax's exp stayed scalar (AVX512 builds
+# vectorised them anyway); values are unchanged (not -ffast-math: IEEE rounding, NaN, inf kept).
+CFLAGS = (
+    "-O3",
+    "-ffp-contract=fast",
+    "-fno-trapping-math",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=c11",
+)
 BUILD_TIMEOUT_S = 120
 _OFF = ("0", "false", "no", "off")
 
