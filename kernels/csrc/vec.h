@@ -14,6 +14,10 @@
 
 #include "common.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #if defined(__AVX512F__)
 #define VL 16
 #elif defined(__AVX__)
@@ -33,11 +37,38 @@ INLINE vf splat(float x) { return (vf){0} + x; }
 
 INLINE vf select_v(vint mask, vf a, vf b) { return (vf)(((vint)a & mask) | ((vint)b & ~mask)); }
 
+/* a > b ? a : b and a < b ? a : b per lane (b where either is NaN): exactly what x86's MAXPS and
+ * MINPS compute, one instruction each, where the select above takes a compare and two or three
+ * logic ops (gcc does not turn it into MAXPS: it cannot assume no NaN). */
+INLINE vf max_v(vf a, vf b) {
+#if VL == 16 && defined(__AVX512F__)
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif VL == 8 && defined(__AVX__)
+    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#elif VL == 4 && defined(__SSE__)
+    return (vf)_mm_max_ps((__m128)a, (__m128)b);
+#else
+    return select_v(a > b, a, b);
+#endif
+}
+
+INLINE vf min_v(vf a, vf b) {
+#if VL == 16 && defined(__AVX512F__)
+    return (vf)_mm512_min_ps((__m512)a, (__m512)b);
+#elif VL == 8 && defined(__AVX__)
+    return (vf)_mm256_min_ps((__m256)a, (__m256)b);
+#elif VL == 4 && defined(__SSE__)
+    return (vf)_mm_min_ps((__m128)a, (__m128)b);
+#else
+    return select_v(a < b, a, b);
+#endif
+}
+
 /* exp of VL lanes (the polynomial of exp_f32 in common.h); lanes below -87 give 0. */
 INLINE vf exp_vf(vf x) {
     const vint under = x < -87.f; /* comparisons give 0 / -1 lanes */
-    vf xc = select_v(under, splat(-87.f), x);
-    xc = select_v(xc > 88.f, splat(88.f), xc);
+    /* x clamped to [-87, 88] (a NaN stays NaN: MAXPS / MINPS return their second operand) */
+    const vf xc = min_v(splat(88.f), max_v(splat(-87.f), x));
     EXP_REDUCE_AND_POLY(vf, xc, n, p);
     const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
     return (vf)((vint)(p * (vf)bits) & ~under);
@@ -58,7 +89,7 @@ INLINE int online_softmax(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_po
         for (int64_t o = 0; o < n; o++) {
             if (masked)
                 s[o][g] = select_v(pos[g] >= (int32_t)(t0 + o), s[o][g], splat(-INFINITY));
-            mx = select_v(s[o][g] > mx, s[o][g], mx);
+            mx = max_v(s[o][g], mx);
         }
         /* Lanes that have seen no key yet keep m = -inf: subtract 0 there (no inf - inf). */
         const vf base = select_v(mx == -INFINITY, (vf){0}, mx);
