@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -480,14 +479,8 @@ def quality(runs: dict[str, AgentRun], notes_valid: list[bool]) -> dict[str, flo
 
 
 def dense_model_dir(path: Path) -> Path | None:
-    """A Hugging Face directory vLLM can load: `path`, else the one serve.sh serves by default
-    (chatstore's converted safetensors: its own model directory may hold a GGUF's tokenizer
-    only)."""
-    home = Path(os.environ.get("CHATSTORE_HOME", Path.home() / ".cache" / "chatstore"))
-    for candidate in (path, home / "models" / "SmolLM2-135M-Instruct-v1"):
-        if (candidate / "config.json").is_file():
-            return candidate
-    return None
+    """`path` when it is a Hugging Face directory vLLM can load (a config.json), else None."""
+    return path if (path / "config.json").is_file() else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -501,6 +494,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {cpu_model()} ({cpu_isa()})", flush=True)
     model = load_model()
     tokenizer, model_dir = model.tokenizer, model.path
+    if args.vllm and vllm_ready and args.vllm_model is None and model.gguf is not None:
+        # vLLM loads a Hugging Face directory: the GGUF as transformers reads it (engine_speed's)
+        from chatstore.model.hf_export import hf_directory
+
+        model_dir = hf_directory(model.gguf)
     pool_bytes = device_pool_bytes(model.spec, args.device_kv_tokens)
     del model  # the servers load their own copies; the bench keeps only the tokenizer
     sizer = Sizer(tokenizer)
