@@ -20,7 +20,6 @@ from chatstore.api.chat.service import ChatService
 from chatstore.api.common.app import create_app
 from chatstore.api.common.settings import ServerSettings, forget_plain_keys
 from chatstore.config import Config
-from chatstore.host_malloc import pin_mmap_threshold
 
 log = logging.getLogger("chatstore.api")
 SWITCH_INTERVAL_S = 0.001  # GIL hand-over between the engine thread and the event loop
@@ -122,9 +121,6 @@ def run_server(config: Config) -> int:
     # event loop take requests and deliver tokens without waiting the default 5 ms each time.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     configure_logging(settings.log_level)
-    threshold = pin_mmap_threshold()  # before the model's load: see host_malloc.py
-    if threshold is not None:
-        log.info("host buffers of %d MiB and more are unmapped when freed", threshold >> 20)
     app = build_app(config, settings)
     server = DrainingServer(uvicorn_config(app, settings), app.state.service)
     mode = "local single-user mode" if settings.local_mode else "API keys (hashed)"
