@@ -43,26 +43,32 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 ALIASED_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def generic_tokenizer_dir(path: Path) -> bool:
-    """Whether `path` holds a tokenizer this class reproduces (tokenizer.json, a generic class,
-    the chat template in the config or beside it)."""
+def generic_tokenizer_config(path: Path) -> dict[str, object] | None:
+    """The tokenizer_config.json of `path` when it holds a tokenizer this class reproduces
+    (tokenizer.json and a generic class; the chat template in the config or beside it), else
+    None."""
     config = path / "tokenizer_config.json"
     if not (path / "tokenizer.json").is_file() or not config.is_file():
-        return False
+        return None
     try:
-        cls = json.loads(config.read_text()).get("tokenizer_class")
+        loaded = json.loads(config.read_text())
     except (OSError, ValueError):
-        return False
-    return cls in GENERIC_CLASSES
+        return None
+    if not isinstance(loaded, dict) or loaded.get("tokenizer_class") not in GENERIC_CLASSES:
+        return None
+    return loaded
 
 
 class FastTokenizer:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, config: Mapping[str, object] | None = None) -> None:
+        """`config`: the directory's tokenizer_config.json as generic_tokenizer_config read it
+        (read here when not given)."""
         from tokenizers import Tokenizer
 
         self.path = path
         self.backend_tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        config = json.loads((path / "tokenizer_config.json").read_text())
+        if config is None:
+            config = json.loads((path / "tokenizer_config.json").read_text())
         template = config.get("chat_template")
         jinja = path / "chat_template.jinja"
         if template is None and jinja.is_file():

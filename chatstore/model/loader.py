@@ -18,7 +18,7 @@ import torch
 
 from chatstore.model.default_model import default_model_dir, gguf_model_dir, gguf_path
 from chatstore.model.errors import ModelLoadError
-from chatstore.model.fast_tokenizer import FastTokenizer, generic_tokenizer_dir
+from chatstore.model.fast_tokenizer import FastTokenizer, generic_tokenizer_config
 from chatstore.model.gguf_source import GGUFWeightSource
 from chatstore.model.hf_source import SafetensorsWeightSource
 from chatstore.model.spec import ModelSpec
@@ -121,8 +121,9 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | FastTokenizer:
     if choice not in ("auto", "transformers"):
         raise ModelLoadError(f"CHATSTORE_TOKENIZER={choice!r}: expected auto or transformers")
     try:
-        if choice == "auto" and generic_tokenizer_dir(path):
-            return FastTokenizer(path)
+        config = generic_tokenizer_config(path) if choice == "auto" else None
+        if config is not None:
+            return FastTokenizer(path, config)
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from chatstore.engine.detokenizer import IncrementalDetokenizer, rust_backend
 from chatstore.model.default_model import default_model_dir
 from chatstore.model.errors import ModelLoadError
-from chatstore.model.fast_tokenizer import FastTokenizer, generic_tokenizer_dir
+from chatstore.model.fast_tokenizer import FastTokenizer, generic_tokenizer_config
 from chatstore.model.loader import load_tokenizer
 from tests.api.test_tool_rendering import HERMES_TEMPLATE, LOOP, WEATHER
 
@@ -45,7 +45,7 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def pair():
     path = default_model_dir()
-    assert generic_tokenizer_dir(path)
+    assert generic_tokenizer_config(path) is not None
     return FastTokenizer(path), AutoTokenizer.from_pretrained(path)
 
 
@@ -141,7 +141,7 @@ def test_other_classes_stay_with_transformers(tmp_path):
     config = json.loads((path / "tokenizer_config.json").read_text())
     config["tokenizer_class"] = "Qwen2Tokenizer"
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    assert not generic_tokenizer_dir(path)
+    assert generic_tokenizer_config(path) is None
     assert not isinstance(load_tokenizer(path), FastTokenizer)
 
 
