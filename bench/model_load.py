@@ -65,14 +65,13 @@ def one(kv_bytes: int) -> dict[str, float]:
 
 def serve_ready_s(tokenizer: str) -> float:
     """Seconds from spawning `chatstore serve` (a new data dir, a free port) to /healthz 200."""
-    import socket
     import tempfile
     import urllib.request
 
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        sock.close()
+    from peer_servers import free_port  # here, not at the top: `--one` times imports
+
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
         secret = os.path.join(tmp, "secret.key")
         with open(secret, "w") as f:
             f.write("k1:" + "A" * 43 + "=\n")
