@@ -21,7 +21,9 @@ instruction it lacks, and every variant this CPU can execute is built and tested
 (`runnable_variants()`), which is how the AVX2 path runs in CI on an AVX512 machine.
 `CHATSTORE_KERNEL_ISA=<variant>` pins one (an error if this CPU cannot run it);
 `CHATSTORE_BF16_DOT=0` serves the best variant without the bf16 dot-product path;
-`CHATSTORE_NATIVE_KERNELS=0` turns the native kernels off.
+`CHATSTORE_NATIVE_KERNELS=0` turns the native kernels off. `CHATSTORE_HIDE_CPU_FLAGS=avx512*,amx*`
+hides flags from every choice chatstore makes by the CPU (not only this one's), to run another
+CPU kind's paths on this one (`make test-avx2`).
 
 Anything that goes wrong building or loading (no compiler, a failed build) logs one warning and
 `native_library()` returns None: callers then take their torch path.
@@ -31,6 +33,7 @@ Anything that goes wrong building or loading (no compiler, a failed build) logs 
 from __future__ import annotations
 
 import ctypes
+import fnmatch
 import functools
 import hashlib
 import logging
@@ -178,9 +181,20 @@ def _cpuinfo() -> str:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The flags the OS reports for this CPU (empty where /proc/cpuinfo is unreadable); read
-    once. The one reader of the CPU's flags: config.py and the benchmarks ask here."""
-    return flags_of(_cpuinfo())
+    """The flags the OS reports for this CPU (empty where /proc/cpuinfo is unreadable), less
+    those `CHATSTORE_HIDE_CPU_FLAGS` hides; read once. The one reader of the CPU's flags:
+    config.py and the benchmarks ask here."""
+    return hide_flags(flags_of(_cpuinfo()), os.environ.get("CHATSTORE_HIDE_CPU_FLAGS", ""))
+
+
+def hide_flags(flags: frozenset[str], patterns: str) -> frozenset[str]:
+    """`flags` without those matching any of the comma-separated shell patterns (`avx512*,amx*`).
+
+    For testing another CPU kind's paths on this one (`make test-avx2`: what chatstore picks on an
+    AVX2-only CPU, with torch, oneDNN and MKL held to AVX2 beside it). Hiding can only take a
+    flag away, never add one, so no kernel is ever chosen for an instruction the CPU lacks."""
+    hidden = [p.strip() for p in patterns.split(",") if p.strip()]
+    return frozenset(f for f in flags if not any(fnmatch.fnmatchcase(f, p) for p in hidden))
 
 
 def flags_of(cpuinfo: str) -> frozenset[str]:

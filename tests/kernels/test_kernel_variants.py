@@ -65,6 +65,27 @@ def test_a_variant_this_cpu_cannot_run_is_a_clear_error(cpu, monkeypatch):
         native.selected_variant()
 
 
+def test_hidden_flags_are_taken_away_never_added():
+    """CHATSTORE_HIDE_CPU_FLAGS (make test-avx2) removes what its patterns match, and nothing
+    else: an AVX512-BF16 machine then reports what an AVX2-only one does."""
+    zen5 = AVX512_NO_BF16 | {"avx512_bf16", "avx512_vnni", "avx_vnni", "sse4_2"}
+    hidden = native.hide_flags(zen5, "avx512*, amx*,avx_vnni*,avx_ne_convert*")
+    assert hidden == AVX2_ONLY
+    assert native.hide_flags(zen5, "") == zen5
+    assert native.hide_flags(zen5, "amx*,nonesuch") == zen5  # a pattern matching nothing
+
+
+def test_hidden_flags_apply_to_what_the_os_reports(monkeypatch):
+    reported = "flags\t: " + " ".join(sorted(AVX512_NO_BF16 | {"sse4_2"}))
+    monkeypatch.setattr(native, "_cpuinfo", lambda: reported)
+    monkeypatch.setenv("CHATSTORE_HIDE_CPU_FLAGS", "avx512*")
+    native.cpu_flags.cache_clear()
+    try:
+        assert native.cpu_flags() == AVX2_ONLY
+    finally:
+        native.cpu_flags.cache_clear()
+
+
 def test_every_runnable_variant_builds_and_says_what_it_is():
     """The variants this CPU runs are the ones `make test` exercises (tests/kernels/conftest.py):
     each builds, and its vector width and bf16 path are those of its ISA."""
