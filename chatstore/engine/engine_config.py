@@ -8,6 +8,12 @@ max_prefill_tokens_per_step
                      of prompts prefills in fewer, larger chunks (fewer passes over the weights
                      and the chunks before), while a step that carries decodes keeps the smaller
                      budget, so running replies do not stall behind a long prefill
+finish_first_tokens  a step with no decodes in it, in which a prompt's prefill completes, takes
+                     no further prompt tokens once it holds this many (0, the default here: pack
+                     the whole budget; the server's Config sets 256). Prompts reaching an idle
+                     engine together then get their first tokens a step apart, in arrival order,
+                     not all at the end of one long step: the mean TTFT falls (the first is
+                     answered after its own prefill, not the batch's) and the work is the same
 max_waiting          requests queued before `submit` raises EngineOverloadedError (HTTP 429)
 tenant_queue_share   of max_waiting one tenant may hold, at least one slot (the server's Config
                      sets 0.5; 1.0, the default here, leaves a lone tenant the whole queue)
@@ -46,6 +52,7 @@ class EngineConfig:
     max_running: int = 32
     max_tokens_per_step: int = 512
     max_prefill_tokens_per_step: int | None = None
+    finish_first_tokens: int = 0
     max_waiting: int = 256
     tenant_queue_share: float = 1.0
     preemption_mode: PreemptionMode = "recompute"
@@ -65,6 +72,8 @@ class EngineConfig:
         prefill = self.max_prefill_tokens_per_step
         if prefill is not None and prefill < 1:
             raise ValueError(f"max_prefill_tokens_per_step must be >= 1, got {prefill}")
+        if self.finish_first_tokens < 0:
+            raise ValueError(f"finish_first_tokens must be >= 0, got {self.finish_first_tokens}")
         share = self.tenant_queue_share
         if not (isinstance(share, (int, float)) and 0 < share <= 1):
             raise ValueError(f"tenant_queue_share must be in (0, 1], got {share!r}")
@@ -99,6 +108,7 @@ class EngineConfig:
             "max_running",
             "max_tokens_per_step",
             "max_prefill_tokens_per_step",
+            "finish_first_tokens",
             "max_waiting",
             "tenant_queue_share",
             "preemption_mode",

@@ -13,6 +13,13 @@ running sequence decodes in it, so no reply waits on the step):
        starved by small ones). A request that cannot fit into an otherwise empty pool fails
        instead of waiting forever.
 
+Finish first (`finish_first_tokens`): once a prompt's prefill completes in a step that carries
+no decodes and already holds that many tokens, the step takes no further prompt tokens. Prompts
+that arrive together at an idle engine are then answered one step apart, the first after its own
+prefill, where packing them into one step would answer all after all of them; the work is the
+same. A step that carries decodes (a busy server's usual step) is packed as before: there the
+budget a cap would leave unused is throughput every waiting prompt pays for.
+
 The waiting queue is readable from other threads (`waiting_sessions`, in admission order): the
 store's placement (prefetch, eviction) and the connector's read buffer (staging) look ahead
 through it, as the `QueueLookahead` of chatstore/store/ports.py.
@@ -85,6 +92,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._scheduled: dict[int, ScheduledSeq] = {}
         self._budget = 0
+        self._step_tokens = 0  # this step's budget as it began
+        self._prompt_finished = False  # a prompt's prefill completes in this step
+        self._decoding = False  # this step carries decodes
 
     # -- queues --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -136,9 +146,11 @@ class Scheduler:
         was_idle = not self.running and not self.swapped
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         decoding = bool(decodes) or any(s.num_uncomputed == 1 for s in self.swapped)
-        self._budget = self.config.step_budget(decoding)
+        self._budget = self._step_tokens = self.config.step_budget(decoding)
+        self._prompt_finished, self._decoding = False, decoding
         for seq in decodes + [s for s in self.running if s.num_uncomputed > 1]:
-            if seq.status is SequenceStatus.RUNNING and self._budget > 0:
+            held_back = seq.num_uncomputed > 1 and self._finished_first()
+            if seq.status is SequenceStatus.RUNNING and self._budget > 0 and not held_back:
                 self._schedule_running(seq, out)
         if self.num_preemptions == preemptions_before:
             self._resume_swapped(out)
@@ -186,6 +198,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         static = self.config.batching == "static"
         while len(self.running) < self.config.max_running and (self._budget > 0 or static):
+            if not static and self._finished_first():
+                return
             seq = self.waiting.peek()
             if seq is None or not self._admit(seq, out):
                 return
@@ -264,8 +278,17 @@ class Scheduler:
         self.waiting.push_front(seq)
 
     def _put(self, seq: Sequence, n: int) -> None:
+        if n > 1 and n == seq.num_uncomputed:  # the rest of a prompt: its first token comes next
+            self._prompt_finished = True
         self._scheduled[seq.seq_id] = ScheduledSeq(seq, n)
         self._budget -= n
+
+    def _finished_first(self) -> bool:
+        """Whether this step takes no more prompt tokens: it carries no decodes, a prompt
+        finishes in it and it holds `finish_first_tokens` already (see the module doc)."""
+        least = self.config.finish_first_tokens
+        held = self._step_tokens - self._budget
+        return least > 0 and not self._decoding and self._prompt_finished and held >= least
 
     def _target(self, seq: Sequence, num_tokens: int) -> int:
         """Tokens to hold blocks for: what is computed now, or (kv_reservation = "max") the
