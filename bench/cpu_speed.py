@@ -4,13 +4,16 @@ runtime `chatstore serve` builds: create_runtime with the config's defaults, or 
 
 It exists to compare CPU paths and code versions on one machine (issue 32):
 
-- Another CPU kind, approximately, on this one: torch, oneDNN and MKL can be held to AVX2 and
-  the native kernels pinned to their AVX2 build; with fp32 and the GGUF's int4 codes this is the
-  configuration `dtype = auto`, `weights = auto` serve on an AVX2-only CPU:
+- Another CPU kind, approximately, on this one: torch, oneDNN and MKL held to AVX2 and the
+  CPU's AVX512 / AMX flags hidden from chatstore's own choices (`make test-avx2`'s variables),
+  so `dtype = auto` and `weights = auto` choose what they serve on an AVX2-only CPU:
 
       ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
-      CHATSTORE_KERNEL_ISA=avx2 CHATSTORE_INT4_KERNEL=native \\
-          python bench/cpu_speed.py --set dtype=float32 --set weights=int4
+      CHATSTORE_HIDE_CPU_FLAGS='avx512*,amx*,avx_vnni*,avx_ne_convert*' python bench/cpu_speed.py
+
+  A tree older than CHATSTORE_HIDE_CPU_FLAGS (before 6b12531) needs those choices pinned
+  instead: CHATSTORE_KERNEL_ISA=avx2 CHATSTORE_INT4_KERNEL=native, `--set dtype=float32
+  --set weights=int4`.
 
 - Before / after: run it with PYTHONPATH pointing at an older checkout (a `git worktree` with
   `chatstore/kernels` linked to its `kernels/`, and CHATSTORE_KERNEL_CACHE set apart, as its
