@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from chatstore.kernels.int4_matmul import Int4Packed
+from chatstore.kernels.int4_vnni import Int8Scratch
 from chatstore.kernels.native import NATIVE_DTYPES, native_library
 
 
@@ -83,12 +84,15 @@ def dequant_available() -> bool:
 
 class DequantScratch:
     """One buffer that every expanded weight of a runner lands in, grown to the largest; the
-    projections run one at a time, so a view is valid until the next projection's call."""
+    projections run one at a time, so a view is valid until the next projection's call. `int8`:
+    where this CPU multiplies int4 weights with integer dot products instead (int4_vnni.py), the
+    tiles they expand into."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, int8: Int8Scratch | None = None) -> None:
         if dtype not in NATIVE_DTYPES:
             raise ValueError(f"dequantised weights are fp32 or bf16, not {dtype}")
         self.dtype = dtype
+        self.int8 = int8
         self._buf = torch.empty(0, dtype=dtype)
 
     def view(self, rows: int, cols: int) -> torch.Tensor:
@@ -98,7 +102,8 @@ class DequantScratch:
 
     @property
     def nbytes(self) -> int:
-        return self._buf.numel() * self._buf.element_size()
+        tiles = 0 if self.int8 is None else self.int8.nbytes
+        return self._buf.numel() * self._buf.element_size() + tiles
 
 
 def _known_layout() -> Int4PackLayout:

@@ -46,11 +46,13 @@ from chatstore.kernels.int4_matmul import (
     int4_matmul_supported,
     pack_int4,
 )
+from chatstore.kernels.int4_vnni import TiledInt4, tiled_supported, vnni_matmul
 from chatstore.kernels.weight_dequant import (
     DequantScratch,
     int4_native_dequant,
     int4_native_rows,
     int4pack_dequant,
+    int4pack_layout,
     int4pack_rows,
     int8_dequant,
 )
@@ -184,6 +186,7 @@ class Int4Linear(_DenseFallback):
         if not int4_supported(n, k, group):
             raise ValueError(f"int4 needs N % 16 == 0 and K % group == 0, got {n}x{k}")
         self.group, self.repeat, self.shape = group, repeat, weight.shape
+        self._symmetric: bool | None = None  # min == -8 scale everywhere, found at first use
         self.kernel = "native" if isinstance(weight, Int4Packed) else "torch"
         if isinstance(weight, Int4Packed):
             self.native = weight
@@ -218,6 +221,35 @@ class Int4Linear(_DenseFallback):
         if self.kernel == "native":
             return int4_native_dequant(self.native, scratch.view(n, k)).t()
         return int4pack_dequant(self.packed, self.scales_zeros, self.group, scratch.view(k, n))
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """Calls of `dense_from` tokens and more: integer dot products on the weight's tiles
+        where the runner has int8 scratch (AVX512-VNNI; int4_vnni.py), else a 16-bit GEMM."""
+        tiles = self._tiles()
+        if tiles is None:
+            return super()._dense(x)
+        y = vnni_matmul(x, tiles)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _tiles(self) -> TiledInt4 | None:
+        scratch = self.scratch
+        if self.dense is not None or scratch is None or scratch.int8 is None:
+            return None
+        n, k = self.shape
+        if self.group != QBLOCK or self.repeat != 1 or not tiled_supported(n, k):
+            return None
+        if self.kernel == "native":
+            if self._symmetric is None:
+                self._symmetric = torch.equal(self.native.mins, -8 * self.native.scales)
+            return scratch.int8.from_native(self.native, self._symmetric)
+        layout = int4pack_layout()
+        if layout is None:
+            return None
+        if self._symmetric is None:
+            self._symmetric = not bool(self.scales_zeros[..., 1].any())
+        return scratch.int8.from_int4pack(
+            self.packed, self.scales_zeros, layout.block_n, layout.halves, self._symmetric
+        )
 
 
 class PackedRows:

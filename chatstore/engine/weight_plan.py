@@ -99,6 +99,7 @@ from chatstore.engine.quant_linear import (
     kernels_available,
 )
 from chatstore.kernels.int4_matmul import Int4Packed
+from chatstore.kernels.int4_vnni import Int8Scratch, int8_prefill_available
 from chatstore.kernels.weight_dequant import DequantScratch, dequant_available
 from chatstore.model.gguf_weights import GGUFWeights
 from chatstore.model.loader import LoadedModel
@@ -235,7 +236,11 @@ class Projections:
         self.tied_head = tied_head
         # every quantized projection's prefill weight lands here (None: keep 16-bit copies)
         expand = prefill == "expand" and fmt != "dense"
-        self.scratch = DequantScratch(dtype) if expand and dequant_available() else None
+        self.scratch = None
+        if expand and dequant_available():
+            # int4 prefill on integer dot products where the CPU has VNNI (int4_vnni.py)
+            int8 = Int8Scratch() if int8_prefill_available() else None
+            self.scratch = DequantScratch(dtype, int8)
         if expand and self.scratch is None:
             log.warning(
                 "weights = %s: cannot expand weights here (no native kernels): "
@@ -332,6 +337,8 @@ class Projections:
         kernels = [f"{kernel} x{count}" for kernel, count in sorted(self.int4_kernels.items())]
         tail = f"; int4 kernel: {', '.join(kernels)}" if kernels else ""
         prefill = "expanded just in time" if self.scratch is not None else "16-bit copies"
+        if self.scratch is not None and self.scratch.int8 is not None:
+            prefill = "int4 tiles on int8 dot products (VNNI), other weights " + prefill
         return f"weights = {self.fmt}: " + ", ".join(parts) + tail + f"; prefill on {prefill}"
 
     def _quantized(

@@ -208,11 +208,15 @@ def test_quantized_runner_matches_the_dequantised_weights_runner(arch, fmt) -> N
     assert greedy(*ours, ids, 12) == greedy(*ref, ids, 12)
 
 
-def test_prefill_computes_on_the_expanded_quantized_weight_and_decode_on_the_kernel() -> None:
+def test_prefill_computes_on_the_expanded_quantized_weight_and_decode_on_the_kernel(
+    monkeypatch,
+) -> None:
     """From DENSE_FROM tokens on, a projection multiplies its quantized weight expanded into the
     shared scratch (issue 35 item 2: no 16-bit copy of the float weight stays): a prompt's logits
     are a runner's of plain fp32 matmuls over the dequantised weights, not the float model's;
-    the tied head runs on the embedding table itself; one token runs the int4 kernel."""
+    the tied head runs on the embedding table itself; one token runs the int4 kernel. (The
+    integer-dot-product prefill of AVX512-VNNI CPUs, off here: tests/model/test_int8_prefill.py.)"""
+    monkeypatch.setenv("CHATSTORE_INT8_PREFILL", "0")
     hf = tiny_hf_model("llama", seed=5, tie_word_embeddings=True)
     quant = Projections("int4", torch.float32, True, int4="torch", tied_head=True)
     hybrid = runner_with(hf, quant)

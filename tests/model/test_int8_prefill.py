@@ -1,0 +1,65 @@
+"""Prefill on int8 dot products (AVX512-VNNI) in a whole runner: from DENSE_FROM tokens on, each
+int4 projection multiplies activations quantized per block of 32 against its 4-bit codes
+(kernels/int4_vnni.py). The reference is a runner of plain fp32 matmuls over the dequantised
+weights whose projections quantize their input the same way first, so the two agree to fp32
+summation order; both kernels' layouts (torch's int4 pack and the native one) are checked, and
+greedy tokens must match. A single token still runs the int4 decode kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatstore.engine.linear import Linear
+from chatstore.engine.weight_plan import Projections
+from chatstore.kernels.int4_vnni import int8_prefill_available
+from chatstore.model.quant_weights import quantize_int4
+from tests.engine.test_runner_exact import full_logits
+from tests.kernels.test_int4_matmul import _quantized_x
+from tests.model.test_quant_weights import greedy, rounded, runner_with
+from tests.support.tiny_models import tiny_hf_model
+
+pytestmark = pytest.mark.skipif(
+    not int8_prefill_available(), reason="int8 prefill needs avx512_vnni (and the native kernels)"
+)
+
+
+class QuantizedInputMatmul:
+    """x quantized per block of 32 to int8 (as the kernel does), then a float64 matmul of the
+    dequantised weight; fp32 out."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight_t, self.bias = weight.double().t(), bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xq, _ = _quantized_x(x)
+        y = (xq @ self.weight_t).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+@pytest.mark.parametrize("int4", ["torch", "native"])
+def test_prompt_logits_are_those_of_int8_activations_on_the_dequantised_weights(int4) -> None:
+    hf = tiny_hf_model("llama", seed=5, tie_word_embeddings=True)
+    quant = Projections("int4", torch.float32, True, int4=int4, tied_head=True)
+    assert quant.scratch is not None and quant.scratch.int8 is not None
+    ours = runner_with(hf, quant)
+
+    def reference(role, layer, weight, bias):
+        if role == "lm_head":  # the tied head runs on the embedding table itself
+            return Linear(weight, bias, pack=False)
+        return QuantizedInputMatmul(rounded(quantize_int4(weight, 32)), bias)
+
+    ref = runner_with(hf, reference)
+    ids = torch.randint(2, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    got, want = full_logits(*ours, ids), full_logits(*ref, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # 40 tokens >= DENSE_FROM
+    # not the bf16/fp32 expansion's result: the activations' rounding shows
+    plain = Projections("int4", torch.float32, True, int4=int4, tied_head=True)
+    plain.scratch.int8 = None  # type: ignore[union-attr]
+    expanded = full_logits(*runner_with(hf, plain), ids)
+    assert (got - expanded).abs().max() > 100 * (got - want).abs().max()
+    assert greedy(*ours, ids, 12) == greedy(*ref, ids, 12)
+    # the tiles land in the runner's one scratch, a byte a code: smaller than a fp32 expansion
+    layer = ours[0].layers[0]
+    widest = max(p.shape[0] * p.shape[1] for p in (layer.gate_up, layer.down))
+    assert quant.scratch.int8.nbytes == widest * (1 + 8 / 32)
