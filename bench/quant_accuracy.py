@@ -9,6 +9,10 @@
               LICENSE.txt (English prose every install ships), pooled over both
     ppl_int8_pct       int8 vs bf16, in percent (bar: <= 1)
     ppl_int4_gguf_pct  int4_gguf vs bf16 (the bf16-dequantised GGUF: they should agree closely)
+    int8_prefill       int4_gguf with `prefill_weights = expand` where the CPU has AVX512-VNNI:
+              prompts of 24 tokens and more multiply activations quantized per block of 32 to
+              int8 against the 4-bit codes (kernels/int4_vnni.py), as llama.cpp computes;
+              ppl_int8_prefill_pct against bf16 (absent where the CPU has no VNNI)
     greedy    64 greedy tokens on the four prompts of tests/engine/test_runner_exact.py, as served
               (prompt on the 16-bit copy, decode on the quantized weights): tokens before the
               first difference from bf16's, and positions equal, summed over the prompts
@@ -41,6 +45,7 @@ from chatstore.engine.linear import packing_available  # noqa: E402
 from chatstore.engine.quant_linear import NEVER  # noqa: E402
 from chatstore.engine.runner import ModelRunner  # noqa: E402
 from chatstore.engine.weight_plan import DENSE_FROM, Projections, prefill_mode  # noqa: E402
+from chatstore.kernels.int4_vnni import int8_prefill_available  # noqa: E402
 from chatstore.model import LoadedModel, load_model  # noqa: E402
 from chatstore.model.gguf_weights import GGUFWeights  # noqa: E402
 
@@ -57,7 +62,9 @@ PROMPTS = (  # tests/engine/test_runner_exact.py's, whose answers run past 64 to
 ALWAYS_QUANT = dict.fromkeys(DENSE_FROM, NEVER)
 
 
-def make_runner(model: LoadedModel, fmt: str, served: bool, tokens: int) -> ModelRunner:
+def make_runner(
+    model: LoadedModel, fmt: str, served: bool, tokens: int, prefill: str = "auto"
+) -> ModelRunner:
     kv = PagedKVCache(model.spec, tokens // 16 + 8, 16, model.dtype, "cpu")
     projections = None
     if fmt != "dense":
@@ -68,9 +75,9 @@ def make_runner(model: LoadedModel, fmt: str, served: bool, tokens: int) -> Mode
             model.dtype,
             pack,
             gguf,
-            None if served else ALWAYS_QUANT,
+            None if served or prefill == "expand" else ALWAYS_QUANT,
             tied_head=model.spec.tie_word_embeddings,
-            prefill=prefill_mode("auto", model.spec, model.dtype),
+            prefill=prefill_mode(prefill, model.spec, model.dtype),
         )  # as served: the prefill weights auto picks
     return ModelRunner(model.weights, model.spec, kv, "auto", projections)
 
@@ -106,6 +113,8 @@ def measure_weights_accuracy(quick: bool = False) -> dict:
     bf16 = models["bfloat16"]
     cases = {"fp32": ("float32", "dense"), "bf16": ("bfloat16", "dense")}
     cases |= {"int8": ("bfloat16", "int8"), "int4_gguf": ("bfloat16", "gguf")}
+    if int8_prefill_available():
+        cases["int8_prefill"] = ("bfloat16", "gguf")
     texts = {
         name: bf16.tokenizer.encode(p.read_text())[:tokens]
         for name, p in TEXTS.items()
@@ -116,23 +125,28 @@ def measure_weights_accuracy(quick: bool = False) -> dict:
     replies: dict[str, list[list[int]]] = {}
     for case, (dtype, fmt) in cases.items():
         model = models[dtype]
-        runner = make_runner(model, fmt, served=False, tokens=tokens)
+        prefill = "expand" if case == "int8_prefill" else "auto"
+        runner = make_runner(model, fmt, served=False, tokens=tokens, prefill=prefill)
         total, count = 0.0, 0
         for name, ids in texts.items():
             s, c = nll(runner, ids)
             out[f"ppl_{case}_{name}"] = round(math.exp(s / c), 4)
             total, count = total + s, count + c
         out[f"ppl_{case}"] = round(math.exp(total / count), 4)
-        served = make_runner(model, fmt, served=True, tokens=max(len(p) for p in prompts) + new)
+        longest = max(len(p) for p in prompts) + new
+        served = make_runner(model, fmt, served=True, tokens=longest, prefill=prefill)
         replies[case] = [greedy(served, p, new) for p in prompts]
         print(f"{case}: ppl {out[f'ppl_{case}']}", file=sys.stderr, flush=True)
-    for case in ("fp32", "int8", "int4_gguf"):
+    for case in [c for c in ("fp32", "int8", "int4_gguf", "int8_prefill") if c in replies]:
         pairs = [agreement(a, b) for a, b in zip(replies[case], replies["bf16"], strict=True)]
         out[f"greedy_prefix_{case}_vs_bf16"] = [p for p, _ in pairs]
         out[f"greedy_same_{case}_vs_bf16"] = sum(s for _, s in pairs)
     out["greedy_positions"] = new * len(PROMPTS)
     out["ppl_int8_pct"] = round(100 * (out["ppl_int8"] / out["ppl_bf16"] - 1), 3)
     out["ppl_int4_gguf_pct"] = round(100 * (out["ppl_int4_gguf"] / out["ppl_bf16"] - 1), 3)
+    if "ppl_int8_prefill" in out:
+        ratio = out["ppl_int8_prefill"] / out["ppl_bf16"]
+        out["ppl_int8_prefill_pct"] = round(100 * (ratio - 1), 3)
     return out
 
 

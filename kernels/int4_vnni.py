@@ -11,8 +11,10 @@ that every projection of a runner shares, then multiplies:
     Int8Scratch.from_native(w)                                 Int4Packed   -> TiledInt4
     vnni_matmul(x, tiled)                                      x [T, K] @ W^T -> [T, N]
 
-`int8_prefill_available()` says whether this CPU and build serve it; `CHATSTORE_INT8_PREFILL=0`
-turns it off (the bf16 expansion then serves, as on CPUs without VNNI).
+`int8_prefill_available()` says whether this CPU and build serve it. `CHATSTORE_INT8_PREFILL`:
+`auto` (default) serves it on AVX512-VNNI CPUs without AMX (where oneDNN's bf16 GEMM runs on AMX
+tiles, far above VNNI's rate; not measured against this kernel, so not replaced), `1` on any
+VNNI CPU, `0` never (the bf16 expansion then serves, as on CPUs without VNNI).
 """
 
 from __future__ import annotations
@@ -53,12 +55,19 @@ def _built(lib: ctypes.CDLL) -> bool:
 
 
 def int8_prefill_available(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether prefill GEMMs on int4 weights can run here with integer dot products: the CPU has
-    AVX512-VNNI, the loaded kernels hold the kernel, and CHATSTORE_INT8_PREFILL is not off."""
-    if os.environ.get("CHATSTORE_INT8_PREFILL", "1").strip().lower() in _OFF:
+    """Whether prefill GEMMs on int4 weights run here with integer dot products: the CPU has
+    AVX512-VNNI, the loaded kernels hold the kernel, and CHATSTORE_INT8_PREFILL allows it (auto:
+    not where AMX serves bf16; see the module doc). A bad value is a ValueError naming it."""
+    setting = os.environ.get("CHATSTORE_INT8_PREFILL", "auto").strip().lower()
+    if setting in _OFF:
+        return False
+    if setting not in ("auto", "1", "true", "yes", "on"):
+        raise ValueError(f"CHATSTORE_INT8_PREFILL must be auto, 1 or 0, got {setting!r}")
+    flags = cpu_flags()
+    if setting == "auto" and "amx_bf16" in flags:
         return False
     lib = lib or native_library()
-    return lib is not None and "avx512_vnni" in cpu_flags() and _built(lib)
+    return lib is not None and "avx512_vnni" in flags and _built(lib)
 
 
 def _lib(lib: ctypes.CDLL | None) -> ctypes.CDLL:

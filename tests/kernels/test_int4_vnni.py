@@ -86,8 +86,9 @@ def test_both_layouts_give_the_same_tiles(variant_lib) -> None:
 
 
 def test_one_scratch_serves_every_weight_and_refuses_untiled_shapes() -> None:
-    if not int8_prefill_available():
-        pytest.skip("int8 prefill is not served here (no avx512_vnni, or turned off)")
+    lib = native.native_library()
+    if lib is None or not _built(lib) or not _vnni_cpu():
+        pytest.skip("no VNNI kernel here (no avx512_vnni, or no native kernels)")
     scratch = Int8Scratch()
     big, small = _weight(128, 256, 1, True), _weight(64, 64, 2, True)
     _tiles(big, "native", True, None, scratch)
@@ -107,10 +108,15 @@ def test_one_scratch_serves_every_weight_and_refuses_untiled_shapes() -> None:
 def test_int8_prefill_is_offered_only_where_the_cpu_runs_it(monkeypatch) -> None:
     monkeypatch.setenv("CHATSTORE_INT8_PREFILL", "0")
     assert not int8_prefill_available()
-    monkeypatch.delenv("CHATSTORE_INT8_PREFILL")
+    monkeypatch.setenv("CHATSTORE_INT8_PREFILL", "sometimes")
+    with pytest.raises(ValueError, match="CHATSTORE_INT8_PREFILL"):
+        int8_prefill_available()
     lib = native.native_library()
-    expected = lib is not None and _vnni_cpu() and _built(lib)
-    assert int8_prefill_available() == expected
+    runs = lib is not None and _vnni_cpu() and _built(lib)
+    monkeypatch.setenv("CHATSTORE_INT8_PREFILL", "1")
+    assert int8_prefill_available() == runs
+    monkeypatch.delenv("CHATSTORE_INT8_PREFILL")  # auto: not where AMX computes bf16
+    assert int8_prefill_available() == (runs and "amx_bf16" not in native.cpu_flags())
     hidden = os.environ.get("CHATSTORE_HIDE_CPU_FLAGS", "")
     monkeypatch.setenv("CHATSTORE_HIDE_CPU_FLAGS", f"{hidden},avx512_vnni")
     native.cpu_flags.cache_clear()  # read once a process: read again under the new setting
