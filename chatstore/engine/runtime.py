@@ -15,7 +15,7 @@ from chatstore.engine.kv_layout import KVLayout, PagedLayout
 from chatstore.engine.runner import ModelRunner
 from chatstore.engine.vattention import create_virtual_kv_for
 from chatstore.engine.vattention.layout import VAttentionLayout
-from chatstore.engine.weight_plan import plan_projections, weights_fingerprint
+from chatstore.engine.weight_plan import Projections, plan_projections, weights_fingerprint
 from chatstore.model import LoadedModel, load_model
 from chatstore.model.loader import load_tokenizer
 from chatstore.model.spec import ModelSpec
@@ -91,7 +91,7 @@ def _runtime_over(
         model = replace(
             model,
             fingerprint=weights_fingerprint(
-                model.fingerprint, projections.fmt, projections.scratch is not None
+                model.fingerprint, projections.fmt, prefill_of(projections)
             ),
         )
     dense = f"weights = dense ({str(dtype).removeprefix('torch.')}, weights = {config.weights})"
@@ -115,3 +115,12 @@ def runtime_config(config: Config, model: LoadedModel) -> Config:
             config.resolved_dtype,
         )
     return matched
+
+
+def prefill_of(projections: Projections) -> str:
+    """What a prompt's quantized projections compute on, for the KV's fingerprint: 16-bit copies
+    (""), the weight expanded to 16 bits ("expanded"), or int8 dot products ("int8")."""
+    scratch = projections.scratch
+    if scratch is None:
+        return ""
+    return "int8" if scratch.int8 is not None else "expanded"

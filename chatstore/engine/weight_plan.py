@@ -199,14 +199,14 @@ def prefill_mode(setting: str, spec: ModelSpec, dtype: torch.dtype) -> str:
     return "copy" if prefill_copy_bytes(spec, dtype) <= PREFILL_COPY_BUDGET else "expand"
 
 
-def weights_fingerprint(model_fingerprint: str, fmt: str, expanded: bool = False) -> str:
+def weights_fingerprint(model_fingerprint: str, fmt: str, prefill: str = "") -> str:
     """The store's model fingerprint for KV computed with `fmt` weights: KV of quantized
     weights differs from dense KV, so the two never share stored chunks; nor does a prompt's KV
-    computed on the expanded quantized weight (`expanded`) share with one computed on 16-bit
-    copies of the file's floats."""
+    computed on the expanded quantized weight (`prefill` "expanded", or "int8" on int8 dot
+    products) share with one computed on 16-bit copies of the file's floats, or each other."""
     if fmt == "dense":
         return model_fingerprint
-    tag = f"{model_fingerprint}:{fmt}" + (":expanded" if expanded else "")
+    tag = f"{model_fingerprint}:{fmt}" + (f":{prefill}" if prefill else "")
     return hashlib.sha256(tag.encode()).hexdigest()[:16]
 
 

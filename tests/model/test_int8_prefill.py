@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from chatstore.engine.linear import Linear
-from chatstore.engine.weight_plan import Projections
+from chatstore.engine.runtime import prefill_of
+from chatstore.engine.weight_plan import Projections, weights_fingerprint
 from chatstore.kernels.int4_vnni import int8_prefill_available
 from chatstore.model.quant_weights import quantize_int4
 from tests.engine.test_runner_exact import full_logits
@@ -67,3 +68,19 @@ def test_prompt_logits_are_those_of_int8_activations_on_the_dequantised_weights(
     layer = ours[0].layers[0]
     widest = max(p.shape[0] * p.shape[1] for p in (layer.gate_up, layer.down))
     assert quant.scratch.int8.nbytes == widest * (1 + 8 / 32)
+
+
+def test_kv_of_int8_prefill_is_stored_under_its_own_fingerprint() -> None:
+    """A prompt's KV computed on int8 dot products differs (slightly) from one computed on the
+    bf16 expansion or on 16-bit copies: a store shared by servers of different CPUs or settings
+    must never hand one to the other."""
+    hf = tiny_hf_model("llama", seed=5)
+    int8 = Projections("int4", torch.float32, True, int4="torch")
+    plain = Projections("int4", torch.float32, True, int4="torch")
+    plain.scratch.int8 = None  # type: ignore[union-attr]
+    copies = Projections("int4", torch.float32, True, int4="torch", prefill="copy")
+    runner_with(hf, int8), runner_with(hf, plain), runner_with(hf, copies)
+    modes = [prefill_of(p) for p in (int8, plain, copies)]
+    assert modes == ["int8", "expanded", ""]
+    prints = {weights_fingerprint("m", "int4", mode) for mode in modes}
+    assert len(prints) == 3 and "m" not in prints
