@@ -64,7 +64,7 @@ SOURCES = tuple(
         "features.c",
     )
 )
-HEADERS = (CSRC / "common.h", CSRC / "vec.h", CSRC / "attention_bf16.h")
+HEADERS = (CSRC / "common.h", CSRC / "vec.h", CSRC / "attention_bf16.h", CSRC / "act_quant.h")
 # ISO C mode turns FMA contraction off: ask for it, or `a += b * c` stays two instructions.
 # -fno-trapping-math: the kernels install no floating-point trap handlers, and without it gcc
 # will not if-convert a loop whose float -> int conversion might trap (exp's 2^n), so on AVX2,

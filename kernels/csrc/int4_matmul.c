@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "act_quant.h"
 #include "common.h"
 
 #if defined(__AVX2__)
@@ -44,19 +45,9 @@ static void quantize_rows(int dtype, const void* x, int64_t T, int64_t Kx, Quant
     const int64_t blocks = Kx / QBLOCK;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t b = 0; b < blocks; b++) {
-            float v[QBLOCK], amax = 0.f;
-            for (int j = 0; j < QBLOCK; j++) {
-                v[j] = load_elem(dtype, x, t * Kx + b * QBLOCK + j);
-                const float a = fabsf(v[j]);
-                amax = a > amax ? a : amax;
-            }
-            const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-            int8_t* q = out->q + t * Kx + b * QBLOCK;
-            int32_t sum = 0;
-            for (int j = 0; j < QBLOCK; j++) {
-                q[j] = (int8_t)nearbyintf(v[j] * inv);
-                sum += q[j];
-            }
+            float d;
+            const int64_t at = t * Kx + b * QBLOCK;
+            const int32_t sum = quantize_block32(dtype, x, at, out->q + at, &d);
             out->d[t * blocks + b] = d;
             out->dsum[t * blocks + b] = d * (float)sum;
         }

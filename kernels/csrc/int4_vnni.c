@@ -18,7 +18,8 @@
  *   int4_vnni_matmul                          y [T, N] = x [T, K] W^T
  *
  * Tiles: 32 rows of W (two vectors of 16) by all of K. For block b of 32 along K, sub-step kk of
- * 4 (k = 32b + 4kk + e), vector v and row r: codes[tile][b][kk][v][r][e] = q[32 tile + 16 v + r][k],
+ * 4 (k = 32b + 4kk + e), vector v and row r:
+ *     codes[tile][b][kk][v][r][e] = q[32 tile + 16 v + r][k]
  * so one 64-byte load is 16 rows x 4 codes, what VPDPBUSD multiplies against one token's 4
  * activation bytes broadcast. scales / mins [tile][b][32] fp32: w = q * scale + min.
  *
@@ -36,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "act_quant.h"
 #include "common.h"
 
 #define QBLOCK 32
@@ -180,21 +182,9 @@ typedef struct {
 INLINE void quantize_row(int dtype, const void* x, int64_t t, int64_t K, QuantRows* out) {
     const int64_t blocks = K / QBLOCK;
     for (int64_t b = 0; b < blocks; b++) {
-        float v[QBLOCK], amax = 0.f;
-        for (int j = 0; j < QBLOCK; j++) {
-            v[j] = load_elem(dtype, x, t * K + b * QBLOCK + j);
-            const float a = fabsf(v[j]);
-            amax = a > amax ? a : amax;
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int8_t* q = out->q + t * K + b * QBLOCK;
-        int32_t sum = 0;
-        for (int j = 0; j < QBLOCK; j++) {
-            q[j] = (int8_t)nearbyintf(v[j] * inv);
-            sum += q[j];
-        }
-        out->d[t * blocks + b] = amax / 127.f;
-        out->sum[t * blocks + b] = sum;
+        const int64_t at = t * K + b * QBLOCK;
+        float* d = out->d + t * blocks + b;
+        out->sum[t * blocks + b] = quantize_block32(dtype, x, at, out->q + at, d);
     }
 }
 
