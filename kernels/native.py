@@ -150,12 +150,17 @@ DEQUANT_ARGTYPES = {
     "gguf_to_int4_native": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
     # int4_vnni.c: int int4_vnni_built(void)
     "int4_vnni_built": ([], _int),
-    # int int4pack_to_vnni(packed, scales_zeros, N, K, block_n, halves, codes, scales, mins, n)
-    "int4pack_to_vnni": ([_ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _int], _int),
-    # int int4_native_to_vnni(packed, scales, mins, N, K, codes, scales_out, mins_out, n)
-    "int4_native_to_vnni": ([_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
-    # int int4_vnni_matmul(dtype, x, T, K, codes, scales, mins, symmetric, N, out, n)
-    "int4_vnni_matmul": ([_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int], _int),
+    # int int4pack_vnni_matmul(dtype, x, T, K, packed, scales_zeros, block_n, halves, symmetric,
+    #                          N, out, n)
+    "int4pack_vnni_matmul": (
+        [_int, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int, _int, _i64, _ptr, _int],
+        _int,
+    ),
+    # int int4_native_vnni_matmul(dtype, x, T, K, packed, scales, mins, symmetric, N, out, n)
+    "int4_native_vnni_matmul": (
+        [_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int],
+        _int,
+    ),
 }
 FEATURE_BF16_DOT = 1  # bits of kernel_features() in csrc/features.c
 FEATURE_VECTOR_BITS_SHIFT = 8  # bits 8..: the width of the attention kernels' vectors

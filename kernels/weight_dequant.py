@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 
 from chatstore.kernels.int4_matmul import Int4Packed
-from chatstore.kernels.int4_vnni import Int8Scratch
 from chatstore.kernels.native import NATIVE_DTYPES, native_library
 
 
@@ -85,10 +84,10 @@ def dequant_available() -> bool:
 class DequantScratch:
     """One buffer that every expanded weight of a runner lands in, grown to the largest; the
     projections run one at a time, so a view is valid until the next projection's call. `int8`:
-    where this CPU multiplies int4 weights with integer dot products instead (int4_vnni.py), the
-    tiles they expand into."""
+    this runner's int4 projections multiply prompts with integer dot products instead
+    (int4_vnni.py: they read the 4-bit weight as it is, so nothing of theirs lands here)."""
 
-    def __init__(self, dtype: torch.dtype, int8: Int8Scratch | None = None) -> None:
+    def __init__(self, dtype: torch.dtype, int8: bool = False) -> None:
         if dtype not in NATIVE_DTYPES:
             raise ValueError(f"dequantised weights are fp32 or bf16, not {dtype}")
         self.dtype = dtype
@@ -102,8 +101,7 @@ class DequantScratch:
 
     @property
     def nbytes(self) -> int:
-        tiles = 0 if self.int8 is None else self.int8.nbytes
-        return self._buf.numel() * self._buf.element_size() + tiles
+        return self._buf.numel() * self._buf.element_size()
 
 
 def _known_layout() -> Int4PackLayout:

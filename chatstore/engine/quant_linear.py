@@ -46,7 +46,11 @@ from chatstore.kernels.int4_matmul import (
     int4_matmul_supported,
     pack_int4,
 )
-from chatstore.kernels.int4_vnni import TiledInt4, tiled_supported, vnni_matmul
+from chatstore.kernels.int4_vnni import (
+    tiled_supported,
+    vnni_matmul_int4pack,
+    vnni_matmul_native,
+)
 from chatstore.kernels.weight_dequant import (
     DequantScratch,
     int4_native_dequant,
@@ -223,17 +227,16 @@ class Int4Linear(_DenseFallback):
         return int4pack_dequant(self.packed, self.scales_zeros, self.group, scratch.view(k, n))
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        """Calls of `dense_from` tokens and more: integer dot products on the weight's tiles
-        where the runner has int8 scratch (AVX512-VNNI; int4_vnni.py), else a 16-bit GEMM."""
-        tiles = self._tiles()
-        if tiles is None:
+        """Calls of `dense_from` tokens and more: integer dot products on the 4-bit weight as it
+        is where the runner prefills so (AVX512-VNNI; int4_vnni.py), else a 16-bit GEMM."""
+        y = self._int8_product(x)
+        if y is None:
             return super()._dense(x)
-        y = vnni_matmul(x, tiles)
         return y if self.bias is None else y.add_(self.bias)
 
-    def _tiles(self) -> TiledInt4 | None:
+    def _int8_product(self, x: torch.Tensor) -> torch.Tensor | None:
         scratch = self.scratch
-        if self.dense is not None or scratch is None or scratch.int8 is None:
+        if self.dense is not None or scratch is None or not scratch.int8:
             return None
         n, k = self.shape
         if self.group != QBLOCK or self.repeat != 1 or not tiled_supported(n, k):
@@ -241,15 +244,13 @@ class Int4Linear(_DenseFallback):
         if self.kernel == "native":
             if self._symmetric is None:
                 self._symmetric = torch.equal(self.native.mins, -8 * self.native.scales)
-            return scratch.int8.from_native(self.native, self._symmetric)
+            return vnni_matmul_native(x, self.native, self._symmetric)
         layout = int4pack_layout()
         if layout is None:
             return None
         if self._symmetric is None:
             self._symmetric = not bool(self.scales_zeros[..., 1].any())
-        return scratch.int8.from_int4pack(
-            self.packed, self.scales_zeros, layout.block_n, layout.halves, self._symmetric
-        )
+        return vnni_matmul_int4pack(x, self.packed, self.scales_zeros, layout, self._symmetric)
 
 
 class PackedRows:

@@ -123,4 +123,4 @@ def prefill_of(projections: Projections) -> str:
     scratch = projections.scratch
     if scratch is None:
         return ""
-    return "int8" if scratch.int8 is not None else "expanded"
+    return "int8" if scratch.int8 else "expanded"

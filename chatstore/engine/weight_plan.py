@@ -18,9 +18,10 @@ of it, ~1 KB a token), except where `gguf` weights are expanded: there the rows 
 file's own quantized table (`embedding_rows`), and no 16-bit table is held.
 
 Token counts at which a 16-bit GEMM beats the quantized kernels compute on a 16-bit weight: the
-quantized one expanded just in time (`prefill_weights = expand`: `DENSE_FROM`, or
-`DENSE_FROM_NATIVE` for the native int4 kernel, where expanding wins from 8 tokens) or a resident
-copy (`copy`: `DENSE_FROM_COPY`, the table below); `auto` copies while the copies take at most
+quantized one expanded just in time (`prefill_weights = expand`: `DENSE_FROM`; `DENSE_FROM_NATIVE`
+for the native int4 kernel, where expanding wins from 8 tokens; `DENSE_FROM_INT8` where int8 dot
+products serve, from 12: bench/prefill_weights.py's crossover on the 1B shape, docs/models.md) or a
+resident copy (`copy`: `DENSE_FROM_COPY`, the table below); `auto` copies while they take at most
 PREFILL_COPY_BUDGET (docs/models.md has the measurement). Measured with
 `bench/quant_shapes.py` on the AVX512-BF16 EPYC (bf16 activations, 2 threads, a layer's
 projection over 30 distinct weights so they stream from DRAM as in a step; ms per call, the
@@ -56,8 +57,7 @@ What it chose, per shape:
   At 8 they tie (within 11% either way). From 32 tokens on (1.7-2x), and at a 2,000-token
   prefill by 2.5-2.6x, oneDNN's blocked 16-bit GEMM wins: torch's int4/int8 kernels are
   compute-bound once the weight is amortised over many tokens. So prefill stays 16-bit.
-- int4 group 32 over 64: within 5% of each other everywhere, and 32 is GGUF's own block, so a
-  repacked and a quantized weight share one layout.
+- int4 group 32 over 64: within 5% everywhere; 32 is GGUF's block, so one layout serves both.
 - int8 (W8A16): as fast as int4 at 1 token on the small layers, 1.5-2.3x slower on gate_up and
   the head and from 8 tokens on; it reads twice int4's bytes, so it is offered (`weights =
   int8`) but never chosen by auto. On the embedded model (bench/quant_accuracy.py) it costs
@@ -69,7 +69,6 @@ What it chose, per shape:
   against 3.32 for the 16-bit GEMV (int8 1.86; a lossy int4 re-quantization would run 0.77, not
   taken: the head keeps the GGUF's 8 bits); at 8 rows the 16-bit GEMM wins 2.2x. So the
   quantized head serves single-row steps only (DENSE_FROM 2).
-- Embeddings: dense in every format (a step gathers T rows of the table, ~1 KB a token).
 
 On a CPU without AVX512 torch runs its AVX2 kernels; forcing them here (ATEN_CPU_CAPABILITY=avx2,
 the 16-bit side still bf16 oneDNN) int4 stays 2.1-2.6x faster at 1 token, loses 1.4-1.7x at 8
@@ -99,7 +98,7 @@ from chatstore.engine.quant_linear import (
     kernels_available,
 )
 from chatstore.kernels.int4_matmul import Int4Packed
-from chatstore.kernels.int4_vnni import Int8Scratch, int8_prefill_available
+from chatstore.kernels.int4_vnni import int8_prefill_available
 from chatstore.kernels.weight_dequant import DequantScratch, dequant_available
 from chatstore.model.gguf_weights import GGUFWeights
 from chatstore.model.loader import LoadedModel
@@ -127,6 +126,7 @@ INT4_GROUP = 32  # GGUF's block: a repacked and a quantized weight share one lay
 # three (the first turn's ~30-token prompt of an 8B: 2.8 s instead of 3.9).
 DENSE_FROM = {"qkv": 24, "o_proj": 24, "gate_up": 24, "down": 24, "lm_head": 2}
 DENSE_FROM_NATIVE = {"qkv": 8, "o_proj": 8, "gate_up": 8, "down": 8, "lm_head": 2}
+DENSE_FROM_INT8 = {"qkv": 12, "o_proj": 12, "gate_up": 12, "down": 12, "lm_head": 2}
 # 16-bit copies for the short-prefill counts, as before expanding: at 16 tokens on
 DENSE_FROM_COPY = {"qkv": 16, "o_proj": 16, "gate_up": 16, "down": 16, "lm_head": 2}
 PREFILL_COPY_BUDGET = 1 << 30  # prefill_weights = auto keeps copies up to this many bytes
@@ -239,15 +239,15 @@ class Projections:
         self.scratch = None
         if expand and dequant_available():
             # int4 prefill on integer dot products where the CPU has VNNI (int4_vnni.py)
-            int8 = Int8Scratch() if int8_prefill_available() else None
-            self.scratch = DequantScratch(dtype, int8)
+            self.scratch = DequantScratch(dtype, int8_prefill_available())
         if expand and self.scratch is None:
             log.warning(
                 "weights = %s: cannot expand weights here (no native kernels): "
                 "quantized projections keep a 16-bit copy for prefill",
                 fmt,
             )
-        table = DENSE_FROM_NATIVE if self.int4_kernel == "native" else DENSE_FROM
+        native, int8 = self.int4_kernel == "native", self.scratch is not None and self.scratch.int8
+        table = DENSE_FROM_NATIVE if native else (DENSE_FROM_INT8 if int8 else DENSE_FROM)
         self.dense_from = dense_from or (table if self.scratch is not None else DENSE_FROM_COPY)
         self.built: Counter[str] = Counter()
 
@@ -337,7 +337,7 @@ class Projections:
         kernels = [f"{kernel} x{count}" for kernel, count in sorted(self.int4_kernels.items())]
         tail = f"; int4 kernel: {', '.join(kernels)}" if kernels else ""
         prefill = "expanded just in time" if self.scratch is not None else "16-bit copies"
-        if self.scratch is not None and self.scratch.int8 is not None:
+        if self.scratch is not None and self.scratch.int8:
             prefill = "int4 tiles on int8 dot products (VNNI), other weights " + prefill
         return f"weights = {self.fmt}: " + ", ".join(parts) + tail + f"; prefill on {prefill}"
 

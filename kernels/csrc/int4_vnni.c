@@ -42,7 +42,8 @@
 
 #define QBLOCK 32
 #define TILE_ROWS 32
-#define MT 6 /* tokens a micro-kernel call */
+#define SLAB 64 /* rows a thread lays out and multiplies at a time: two tiles */
+#define MT 6    /* tokens a micro-kernel call */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VNNI_BUILT 1
@@ -54,20 +55,38 @@
 
 int int4_vnni_built(void) { return VNNI_BUILT; }
 
+#if VNNI_BUILT
+/* A slab's tiles: codes [SLAB / 32][blocks][8][2][64] bytes; scales and mins
+ * [SLAB / 32][blocks][32]. */
+typedef struct {
+    uint8_t* codes;
+    float* scales;
+    float* mins;
+} Slab;
+
+/* The resident weight, in either layout (one of the two readers below fills a slab). */
+typedef struct {
+    const uint8_t* packed;
+    const uint16_t* scales_zeros; /* torch's pack: bf16 [K / 32, N, 2] */
+    const float* scales;          /* the native layout: fp32 [N, K / 32] each */
+    const float* mins;
+    int64_t block_n; /* torch's pack: rows a block; 0 for the native layout */
+    int halves;
+} Int4Source;
+
 /* One tile's codes for one (block, kk, v): 16 rows x 4 codes, 64 bytes. */
 INLINE int64_t code_offset(int64_t tile, int64_t blocks, int64_t b, int kk, int v) {
     return (((tile * blocks + b) * 8 + kk) * 2 + v) * 64;
 }
 
-/* Write row n's 32 codes of block b (q[j], j = 0..31) into their places in the tiles. */
-INLINE void put_block_row(uint8_t* codes, int64_t blocks, int64_t n, int64_t b, const uint8_t* q) {
-    const int64_t tile = n / TILE_ROWS, r = n % TILE_ROWS;
-    const int v = (int)(r / 16), lane = (int)(r % 16);
+/* Row r of the slab: its 32 codes of block b (q[j]) into their places in the tiles. */
+INLINE void put_block_row(uint8_t* codes, int64_t blocks, int64_t r, int64_t b, const uint8_t* q) {
+    const int64_t tile = r / TILE_ROWS, rr = r % TILE_ROWS;
+    const int v = (int)(rr / 16), lane = (int)(rr % 16);
     for (int kk = 0; kk < 8; kk++)
         memcpy(codes + code_offset(tile, blocks, b, kk, v) + lane * 4, q + 4 * kk, 4);
 }
 
-#if VNNI_BUILT
 /* Four K-rows (k0..k3) of 32 codes each (a 64-row block's low or high nibbles: 32 rows) ->
  * the two 64-byte vectors of rows 0..15 and 16..31, each row's 4 codes together. */
 INLINE void transpose_4x32(const __m256i k[4], uint8_t* out_v0, uint8_t* out_v1) {
@@ -83,9 +102,9 @@ INLINE void transpose_4x32(const __m256i k[4], uint8_t* out_v0, uint8_t* out_v1)
 }
 
 /* A full 64-row block of torch's AVX512 layout (byte j: row j low nibble, row 32 + j high),
- * K-block b: two tiles' codes, 8 x 4 K-rows of 32 bytes each. */
-INLINE void block64_to_tiles(const uint8_t* base, int64_t K, int64_t b, int64_t tile,
-                             int64_t blocks, uint8_t* codes) {
+ * K-block b, into the slab's tiles `tile` and `tile + 1`. */
+INLINE void block64_to_tiles(const uint8_t* base, int64_t b, int64_t tile, int64_t blocks,
+                             uint8_t* codes) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int kk = 0; kk < 8; kk++) {
         __m256i lo[4], hi[4];
@@ -100,79 +119,60 @@ INLINE void block64_to_tiles(const uint8_t* base, int64_t K, int64_t b, int64_t 
         transpose_4x32(hi, codes + code_offset(tile + 1, blocks, b, kk, 0),
                        codes + code_offset(tile + 1, blocks, b, kk, 1));
     }
-    (void)K;
 }
-#endif
 
-/* torch's int4 pack (weight_dequant.c's comment: block-major over N, `halves` or byte pairs)
- * -> tiles. N a multiple of 32, group 32. scales_zeros bf16 [K / 32, N, 2]: w = (q - 8) s + z.
- * Returns 0, or -1 for a shape or layout it does not take. */
-int int4pack_to_vnni(const uint8_t* packed, const uint16_t* scales_zeros, int64_t N, int64_t K,
-                     int64_t block_n, int halves, uint8_t* codes, float* scales, float* mins,
-                     int nthreads) {
-    if (N % TILE_ROWS || K % QBLOCK || block_n > 256 || block_n % 2) return -1;
+/* Code (n, k) of torch's pack (weight_dequant.c's comment): the slow path for layouts other than
+ * full blocks of 64 in halves. */
+INLINE uint8_t int4pack_code(const Int4Source* w, int64_t N, int64_t K, int64_t n, int64_t k) {
+    const int64_t n0 = n / w->block_n * w->block_n;
+    const int64_t nb = N - n0 < w->block_n ? N - n0 : w->block_n, i = n - n0;
+    const int full = w->halves && nb == w->block_n;
+    const int64_t byte = full ? i % (nb / 2) : i / 2;
+    const int high = full ? i >= nb / 2 : i % 2;
+    const uint8_t v = w->packed[n0 * K / 2 + k * nb / 2 + byte];
+    return high ? v >> 4 : v & 0x0F;
+}
+
+/* Rows s0 .. s0 + SLAB of the weight as tiles. */
+static void fill_slab(const Int4Source* w, int64_t N, int64_t K, int64_t s0, Slab* slab) {
     const int64_t blocks = K / QBLOCK;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t n = 0; n < N; n++) {
-            const float s = bf16_to_f32(scales_zeros[(b * N + n) * 2]);
-            const float z = bf16_to_f32(scales_zeros[(b * N + n) * 2 + 1]);
-            const int64_t at = (n / TILE_ROWS * blocks + b) * TILE_ROWS + n % TILE_ROWS;
-            scales[at] = s;
-            mins[at] = z - 8.f * s;
-        }
-        for (int64_t n0 = 0; n0 < N; n0 += block_n) {
-            const int64_t nb = N - n0 < block_n ? N - n0 : block_n;
-            const int full = halves && nb == block_n;
-            const uint8_t* base = packed + n0 * K / 2;
-#if VNNI_BUILT
-            if (full && nb == 64 && n0 % TILE_ROWS == 0) {
-                block64_to_tiles(base, K, b, n0 / TILE_ROWS, blocks, codes);
-                continue;
+        for (int64_t r = 0; r < SLAB; r++) {
+            const int64_t n = s0 + r;
+            const int64_t at = ((r / TILE_ROWS) * blocks + b) * TILE_ROWS + r % TILE_ROWS;
+            if (w->block_n) {
+                const float sc = bf16_to_f32(w->scales_zeros[(b * N + n) * 2]);
+                const float z = bf16_to_f32(w->scales_zeros[(b * N + n) * 2 + 1]);
+                slab->scales[at] = sc;
+                slab->mins[at] = z - 8.f * sc;
+            } else {
+                slab->scales[at] = w->scales[n * blocks + b];
+                slab->mins[at] = w->mins[n * blocks + b];
             }
-#endif
-            uint8_t q[256][QBLOCK]; /* the block's codes for this K-block, row-major */
-            for (int j = 0; j < QBLOCK; j++) {
-                const uint8_t* bytes = base + (b * QBLOCK + j) * nb / 2;
-                for (int64_t i = 0; i < nb / 2; i++) {
-                    const int64_t lo = full ? i : 2 * i, hi = full ? nb / 2 + i : 2 * i + 1;
-                    q[lo][j] = bytes[i] & 0x0F;
-                    q[hi][j] = bytes[i] >> 4;
+        }
+        if (w->block_n == 64 && w->halves && N - s0 >= 64) { /* s0 % 64 == 0: a full block */
+            block64_to_tiles(w->packed + s0 * K / 2, b, 0, blocks, slab->codes);
+            continue;
+        }
+        for (int64_t r = 0; r < SLAB; r++) {
+            const int64_t n = s0 + r;
+            uint8_t q[QBLOCK];
+            if (w->block_n) {
+                for (int j = 0; j < QBLOCK; j++) q[j] = int4pack_code(w, N, K, n, b * QBLOCK + j);
+            } else { /* native: low nibbles the block's first 16 codes, high its last 16 */
+                const uint8_t* bytes = w->packed + (n * blocks + b) * 16;
+                for (int j = 0; j < 16; j++) {
+                    q[j] = bytes[j] & 0x0F;
+                    q[16 + j] = bytes[j] >> 4;
                 }
             }
-            for (int64_t r = 0; r < nb; r++) put_block_row(codes, blocks, n0 + r, b, q[r]);
+            put_block_row(slab->codes, blocks, r, b, q);
         }
     }
-    return 0;
 }
 
-/* int4_matmul.c's layout (packed [N, K / 2], per block of 32 low nibbles the first 16 codes,
- * high the last 16; scales / mins fp32 [N, K / 32]) -> tiles. */
-int int4_native_to_vnni(const uint8_t* packed, const float* scales_in, const float* mins_in,
-                        int64_t N, int64_t K, uint8_t* codes, float* scales, float* mins,
-                        int nthreads) {
-    if (N % TILE_ROWS || K % QBLOCK) return -1;
-    const int64_t blocks = K / QBLOCK;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t* w = packed + (n * blocks + b) * 16;
-            uint8_t q[QBLOCK];
-            for (int j = 0; j < 16; j++) {
-                q[j] = w[j] & 0x0F;
-                q[16 + j] = w[j] >> 4;
-            }
-            put_block_row(codes, blocks, n, b, q);
-            const int64_t at = (n / TILE_ROWS * blocks + b) * TILE_ROWS + n % TILE_ROWS;
-            scales[at] = scales_in[n * blocks + b];
-            mins[at] = mins_in[n * blocks + b];
-        }
-    }
-    return 0;
-}
-
-#if VNNI_BUILT
-/* Token rows quantized per block: codes [Tp][K] (rows past T zero), step d and the codes' sum. */
+/* Token rows quantized per block (act_quant.h): codes [Tp][K] (rows past T zero), each block's
+ * step d and the sum of its codes. */
 typedef struct {
     int8_t* q;
     float* d;
@@ -201,7 +201,7 @@ VNNI INLINE void store16(int dtype, void* out, int64_t at, __m512 v) {
     _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), _mm512_cvtepi32_epi16(r));
 }
 
-/* y[m][0..32) for MT token rows from m0 (mt of them real) against one tile. */
+/* y[m][col .. col + 32) for MT token rows from m0 (mt of them real) against one tile. */
 VNNI INLINE void micro_kernel(int dtype, int symmetric, const uint8_t* tile_codes,
                               const float* tile_scales, const float* tile_mins,
                               const QuantRows* xr, int64_t m0, int mt, int64_t K, void* out,
@@ -248,59 +248,97 @@ VNNI INLINE void micro_kernel(int dtype, int symmetric, const uint8_t* tile_code
         for (int v = 0; v < 2; v++) store16(dtype, out, (m0 + m) * ldo + col + 16 * v, f[m][v]);
 }
 
-VNNI static void run_tiles(int dtype, int symmetric, const uint8_t* codes, const float* scales,
-                           const float* mins, const QuantRows* xr, int64_t T, int64_t K,
-                           int64_t N, void* out, int nthreads) {
-    const int64_t blocks = K / QBLOCK, tiles = N / TILE_ROWS;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t tile = 0; tile < tiles; tile++) {
-        const uint8_t* tc = codes + tile * blocks * TILE_ROWS * QBLOCK;
-        const float* ts = scales + tile * blocks * TILE_ROWS;
-        const float* tm = mins + tile * blocks * TILE_ROWS;
-        for (int64_t m0 = 0; m0 < T; m0 += MT) {
-            const int mt = T - m0 < MT ? (int)(T - m0) : MT;
+/* Every token against one slab: 6 tokens at a time over the slab's tiles (their activations stay
+ * in L1 across the tiles; the slab in L2 across the tokens). */
+VNNI static void slab_product(int dtype, int symmetric, const Slab* slab, const QuantRows* xr,
+                              int64_t T, int64_t K, int64_t N, int64_t s0, void* out) {
+    const int64_t blocks = K / QBLOCK;
+    for (int64_t m0 = 0; m0 < T; m0 += MT) {
+        const int mt = T - m0 < MT ? (int)(T - m0) : MT;
+        for (int64_t tile = 0; tile < SLAB / TILE_ROWS; tile++) {
+            const uint8_t* tc = slab->codes + tile * blocks * TILE_ROWS * QBLOCK;
+            const float* ts = slab->scales + tile * blocks * TILE_ROWS;
+            const float* tm = slab->mins + tile * blocks * TILE_ROWS;
+            const int64_t col = s0 + tile * TILE_ROWS;
             if (dtype == DTYPE_BF16)
-                micro_kernel(DTYPE_BF16, symmetric, tc, ts, tm, xr, m0, mt, K, out, N,
-                             tile * TILE_ROWS);
+                micro_kernel(DTYPE_BF16, symmetric, tc, ts, tm, xr, m0, mt, K, out, N, col);
             else
-                micro_kernel(DTYPE_F32, symmetric, tc, ts, tm, xr, m0, mt, K, out, N,
-                             tile * TILE_ROWS);
+                micro_kernel(DTYPE_F32, symmetric, tc, ts, tm, xr, m0, mt, K, out, N, col);
         }
     }
 }
-#endif
 
-/* out [T, N] (dtype of x: 0 fp32, 1 bf16) = x [T, K] W^T for W in tiles (above). Returns 0; -1
- * when the quantized activations cannot be allocated; -2 when this build has no VNNI kernel or
- * the shape is not tiled (N % 32, K % 32). */
-int int4_vnni_matmul(int dtype, const void* x, int64_t T, int64_t K, const uint8_t* codes,
-                     const float* scales, const float* mins, int symmetric, int64_t N, void* out,
-                     int nthreads) {
-#if VNNI_BUILT
-    if (N % TILE_ROWS || K % QBLOCK) return -2;
+/* out [T, N] = x [T, K] W^T: quantize x, then slabs of W across the threads. 0, or -1 when a
+ * buffer cannot be allocated. */
+static int vnni_matmul(int dtype, const void* x, int64_t T, int64_t K, const Int4Source* w,
+                       int symmetric, int64_t N, void* out, int nthreads) {
     const int64_t Tp = (T + MT - 1) / MT * MT, blocks = K / QBLOCK;
     QuantRows xr = {calloc((size_t)(Tp * K), 1), calloc((size_t)(Tp * blocks), sizeof(float)),
                     calloc((size_t)(Tp * blocks), sizeof(int32_t))};
-    if (!xr.q || !xr.d || !xr.sum) {
-        free(xr.q);
-        free(xr.d);
-        free(xr.sum);
-        return -1;
-    }
+    int failed = !xr.q || !xr.d || !xr.sum;
+    if (!failed) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        if (dtype == DTYPE_BF16)
-            quantize_row(DTYPE_BF16, x, t, K, &xr);
-        else
-            quantize_row(DTYPE_F32, x, t, K, &xr);
+        for (int64_t t = 0; t < T; t++) {
+            if (dtype == DTYPE_BF16)
+                quantize_row(DTYPE_BF16, x, t, K, &xr);
+            else
+                quantize_row(DTYPE_F32, x, t, K, &xr);
+        }
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+        {
+            Slab slab = {aligned_alloc(64, (size_t)(SLAB * K)),
+                         malloc(sizeof(float) * (size_t)(SLAB * blocks)),
+                         malloc(sizeof(float) * (size_t)(SLAB * blocks))};
+            if (!slab.codes || !slab.scales || !slab.mins) {
+                failed = 1;
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t s0 = 0; s0 < N; s0 += SLAB) {
+                    fill_slab(w, N, K, s0, &slab);
+                    slab_product(dtype, symmetric, &slab, &xr, T, K, N, s0, out);
+                }
+            }
+            free(slab.codes);
+            free(slab.scales);
+            free(slab.mins);
+        }
     }
-    run_tiles(dtype, symmetric, codes, scales, mins, &xr, T, K, N, out, nthreads);
     free(xr.q);
     free(xr.d);
     free(xr.sum);
-    return 0;
+    return failed ? -1 : 0;
+}
+#endif
+
+/* out [T, N] (dtype of x: 0 fp32, 1 bf16) = x [T, K] W^T, W in torch's int4 pack [N, K / 2]
+ * (`block_n`, `halves`: int4pack_layout()) with bf16 scales_zeros [K / 32, N, 2] (group 32):
+ * w = (q - 8) scale + zero. Returns 0; -1 when a buffer cannot be allocated; -2 when this build
+ * has no VNNI kernel or the shape is not N % 64 == 0, K % 32 == 0, blocks of 64 rows or fewer. */
+int int4pack_vnni_matmul(int dtype, const void* x, int64_t T, int64_t K, const uint8_t* packed,
+                         const uint16_t* scales_zeros, int64_t block_n, int halves, int symmetric,
+                         int64_t N, void* out, int nthreads) {
+#if VNNI_BUILT
+    if (N % SLAB || K % QBLOCK || block_n <= 0 || SLAB % block_n) return -2;
+    const Int4Source w = {packed, scales_zeros, NULL, NULL, block_n, halves};
+    return vnni_matmul(dtype, x, T, K, &w, symmetric, N, out, nthreads);
 #else
-    (void)dtype, (void)x, (void)T, (void)K, (void)codes, (void)scales, (void)mins;
+    (void)dtype, (void)x, (void)T, (void)K, (void)packed, (void)scales_zeros, (void)block_n;
+    (void)halves, (void)symmetric, (void)N, (void)out, (void)nthreads;
+    return -2;
+#endif
+}
+
+/* The same for int4_matmul.c's layout (packed [N, K / 2], per block of 32 low nibbles the first
+ * 16 codes, high the last 16; w = q * scale + min, fp32 [N, K / 32]); input read once. */
+int int4_native_vnni_matmul(int dtype, const void* x, int64_t T, int64_t K, const uint8_t* packed,
+                            const float* scales, const float* mins, int symmetric, int64_t N,
+                            void* out, int nthreads) {
+#if VNNI_BUILT
+    if (N % SLAB || K % QBLOCK) return -2;
+    const Int4Source w = {packed, NULL, scales, mins, 0, 0};
+    return vnni_matmul(dtype, x, T, K, &w, symmetric, N, out, nthreads);
+#else
+    (void)dtype, (void)x, (void)T, (void)K, (void)packed, (void)scales, (void)mins;
     (void)symmetric, (void)N, (void)out, (void)nthreads;
     return -2;
 #endif

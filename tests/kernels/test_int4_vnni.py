@@ -1,5 +1,5 @@
 """The int8 prefill kernel (csrc/int4_vnni.c: int4 codes x int8 activations on AVX512-VNNI)
-against its reference, from both resident int4 layouts, on every ISA variant this CPU runs.
+against its reference, from every resident int4 layout, on every ISA variant this CPU runs.
 
 The reference is the same arithmetic in torch: activations quantized per block of 32 exactly as
 the kernel does (tests/kernels/test_int4_matmul.py's `_quantized_x`), then a float64 matmul of
@@ -17,8 +17,12 @@ import torch
 from chatstore.engine.quant_linear import pack_for_torch
 from chatstore.kernels import native
 from chatstore.kernels.int4_matmul import pack_int4
-from chatstore.kernels.int4_vnni import Int8Scratch, int8_prefill_available, vnni_matmul
-from chatstore.kernels.weight_dequant import int4pack_layout
+from chatstore.kernels.int4_vnni import (
+    int8_prefill_available,
+    vnni_matmul_int4pack,
+    vnni_matmul_native,
+)
+from chatstore.kernels.weight_dequant import Int4PackLayout, int4pack_layout, unpack_int4pack
 from chatstore.model.quant_weights import Int4Weight, quantize_int4
 from tests.kernels.test_int4_matmul import _quantized_x
 
@@ -36,15 +40,13 @@ def _weight(n: int, k: int, seed: int, symmetric: bool) -> Int4Weight:
     return w._replace(scale=w.scale.bfloat16().float(), zero=w.zero.bfloat16().float())
 
 
-def _tiles(w: Int4Weight, layout: str, symmetric: bool, lib, scratch: Int8Scratch):
+def _product(x, w: Int4Weight, layout: str, symmetric: bool, lib) -> torch.Tensor:
     if layout == "native":
-        return scratch.from_native(pack_int4(w.q, w.scale, w.zero, 1), symmetric, lib)
+        return vnni_matmul_native(x, pack_int4(w.q, w.scale, w.zero, 1), symmetric, lib)
     found = int4pack_layout()
     assert found is not None
     sz = torch.stack([w.scale.t(), w.zero.t()], dim=-1).bfloat16().contiguous()
-    return scratch.from_int4pack(
-        pack_for_torch(w.q), sz, found.block_n, found.halves, symmetric, lib
-    )
+    return vnni_matmul_int4pack(x, pack_for_torch(w.q), sz, found, symmetric, lib)
 
 
 def _built(lib) -> bool:
@@ -56,53 +58,67 @@ def _built(lib) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 7, 40])  # partial and whole 6-token micro-tiles
 def test_int8_prefill_is_the_integer_dot_product(layout, symmetric, dtype, tokens, variant_lib):
+    w = _weight(192, 224, seed=tokens, symmetric=symmetric)  # 3 slabs of 64 rows, 7 blocks
+    x = (3 * torch.randn(tokens, 224, generator=torch.Generator().manual_seed(1))).to(dtype)
+    x[0, :32] = 0  # an all-zero block: step 0
     if not _built(variant_lib):
         with pytest.raises(RuntimeError, match="no VNNI kernel"):
-            w = _weight(64, 64, 0, symmetric)
-            tiles = _tiles(w, layout, symmetric, variant_lib, Int8Scratch())
-            vnni_matmul(torch.randn(2, 64), tiles, variant_lib)
+            _product(x, w, layout, symmetric, variant_lib)
         return
     if not _vnni_cpu():
         pytest.skip("this CPU has no avx512_vnni")
-    w = _weight(160, 192, seed=tokens, symmetric=symmetric)  # 160 rows: 2.5 torch blocks of 64
-    x = (3 * torch.randn(tokens, 192, generator=torch.Generator().manual_seed(1))).to(dtype)
-    x[0, :32] = 0  # an all-zero block: step 0
-    got = vnni_matmul(x, _tiles(w, layout, symmetric, variant_lib, Int8Scratch()), variant_lib)
-    assert got.dtype == dtype and got.shape == (tokens, 160)
+    got = _product(x, w, layout, symmetric, variant_lib)
+    assert got.dtype == dtype and got.shape == (tokens, 192)
     xq, _ = _quantized_x(x)
     want = xq @ w.dequantize().double().t()
     tol = 2**-8 if dtype == torch.bfloat16 else 1e-5  # the output's rounding / fp32 sums
     assert (got.double() - want).abs().max() <= tol * want.abs().max()
 
 
-def test_both_layouts_give_the_same_tiles(variant_lib) -> None:
+def test_both_layouts_and_torchs_slow_path_give_the_same_product(variant_lib) -> None:
+    """torch's AVX512 pack (blocks of 64 in halves: the transposing fast path), the native layout
+    and torch's other layouts (read code by code) are the same weight: equal results, bit for
+    bit."""
     if not _built(variant_lib) or not _vnni_cpu():
         pytest.skip("no VNNI kernel in this build, or no avx512_vnni on this CPU")
-    w = _weight(4096 + 64, 256, seed=3, symmetric=False)  # whole 64-row blocks: the fast path
-    a = _tiles(w, "torch", False, variant_lib, Int8Scratch())
-    b = _tiles(w, "native", False, variant_lib, Int8Scratch())
-    assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
-    torch.testing.assert_close(a.mins, b.mins, rtol=0, atol=1e-7)
+    w = _weight(4096 + 64, 256, seed=3, symmetric=False)
+    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(2))
+    fast = _product(x, w, "torch", False, variant_lib)
+    assert torch.equal(fast, _product(x, w, "native", False, variant_lib))
+    sz = torch.stack([w.scale.t(), w.zero.t()], dim=-1).bfloat16().contiguous()
+    for layout in (Int4PackLayout(32, True), Int4PackLayout(64, False), Int4PackLayout(16, False)):
+        packed = _pack(w.q, layout)
+        assert torch.equal(unpack_int4pack(packed, w.q.shape[0], 256, layout), w.q.to(torch.uint8))
+        got = vnni_matmul_int4pack(x, packed, sz, layout, False, variant_lib)
+        assert torch.equal(got, fast), layout
 
 
-def test_one_scratch_serves_every_weight_and_refuses_untiled_shapes() -> None:
+def _pack(q: torch.Tensor, layout: Int4PackLayout) -> torch.Tensor:
+    """Codes [N, K] in torch's pack under `layout` (the inverse of unpack_int4pack)."""
+    n, k = q.shape
+    out = torch.empty(n * k // 2, dtype=torch.uint8)
+    q = q.to(torch.uint8)
+    for n0 in range(0, n, layout.block_n):
+        nb = min(layout.block_n, n - n0)
+        rows = q[n0 : n0 + nb]
+        if layout.halves and nb == layout.block_n:
+            low, high = rows[: nb // 2], rows[nb // 2 :]
+        else:
+            low, high = rows[0::2], rows[1::2]
+        out[n0 * k // 2 : (n0 + nb) * k // 2] = (low.t() | (high.t() << 4)).reshape(-1)
+    return out.reshape(n, k // 2)
+
+
+def test_untiled_shapes_and_wrong_widths_are_refused() -> None:
     lib = native.native_library()
     if lib is None or not _built(lib) or not _vnni_cpu():
         pytest.skip("no VNNI kernel here (no avx512_vnni, or no native kernels)")
-    scratch = Int8Scratch()
-    big, small = _weight(128, 256, 1, True), _weight(64, 64, 2, True)
-    _tiles(big, "native", True, None, scratch)
-    grown = scratch.nbytes
-    t = _tiles(small, "native", True, None, scratch)
-    assert scratch.nbytes == grown == 128 * 256 * (1 + 8 / 32)  # a byte a code, 2 fp32 a block
-    x = torch.randn(5, 64)
-    xq, _ = _quantized_x(x)
-    want = xq @ small.dequantize().double().t()
-    assert (vnni_matmul(x, t).double() - want).abs().max() <= 1e-5 * want.abs().max()
-    with pytest.raises(ValueError, match="N % 32"):
-        scratch.from_native(pack_int4(*_weight(48, 64, 3, True)[:3], 1), True)
+    w = _weight(96, 64, 3, True)  # 96 rows: not whole slabs of 64
+    with pytest.raises(ValueError, match="N % 64"):
+        _product(torch.randn(2, 64), w, "native", True, lib)
+    w = _weight(64, 64, 4, True)
     with pytest.raises(ValueError, match="width 64"):
-        vnni_matmul(torch.randn(2, 32), t)
+        _product(torch.randn(2, 32), w, "native", True, lib)
 
 
 def test_int8_prefill_is_offered_only_where_the_cpu_runs_it(monkeypatch) -> None:

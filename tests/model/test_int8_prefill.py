@@ -12,7 +12,13 @@ import torch
 
 from chatstore.engine.linear import Linear
 from chatstore.engine.runtime import prefill_of
-from chatstore.engine.weight_plan import Projections, weights_fingerprint
+from chatstore.engine.weight_plan import (
+    DENSE_FROM,
+    DENSE_FROM_INT8,
+    DENSE_FROM_NATIVE,
+    Projections,
+    weights_fingerprint,
+)
 from chatstore.kernels.int4_vnni import int8_prefill_available
 from chatstore.model.quant_weights import quantize_int4
 from tests.engine.test_runner_exact import full_logits
@@ -46,7 +52,7 @@ class QuantizedInputMatmul:
 def test_prompt_logits_are_those_of_int8_activations_on_the_dequantised_weights(int4) -> None:
     hf = tiny_hf_model("llama", seed=5, tie_word_embeddings=True)
     quant = Projections("int4", torch.float32, True, int4=int4, tied_head=True)
-    assert quant.scratch is not None and quant.scratch.int8 is not None
+    assert quant.scratch is not None and quant.scratch.int8
     ours = runner_with(hf, quant)
 
     def reference(role, layer, weight, bias):
@@ -60,14 +66,16 @@ def test_prompt_logits_are_those_of_int8_activations_on_the_dequantised_weights(
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # 40 tokens >= DENSE_FROM
     # not the bf16/fp32 expansion's result: the activations' rounding shows
     plain = Projections("int4", torch.float32, True, int4=int4, tied_head=True)
-    plain.scratch.int8 = None  # type: ignore[union-attr]
+    plain.scratch.int8 = False  # type: ignore[union-attr]
     expanded = full_logits(*runner_with(hf, plain), ids)
     assert (got - expanded).abs().max() > 100 * (got - want).abs().max()
     assert greedy(*ours, ids, 12) == greedy(*ref, ids, 12)
-    # the tiles land in the runner's one scratch, a byte a code: smaller than a fp32 expansion
-    layer = ours[0].layers[0]
-    widest = max(p.shape[0] * p.shape[1] for p in (layer.gate_up, layer.down))
-    assert quant.scratch.int8.nbytes == widest * (1 + 8 / 32)
+    # nothing of the int8 path lands in the scratch: it reads the 4-bit weight as it is
+    assert quant.scratch.nbytes == 0
+    # and it takes over from fewer tokens than the bf16 expansion (its crossover with the int4
+    # decode kernel is lower)
+    expected = DENSE_FROM_NATIVE if int4 == "native" else DENSE_FROM_INT8
+    assert ours[0].layers[0].gate_up.dense_from == expected["gate_up"] < DENSE_FROM["gate_up"]
 
 
 def test_kv_of_int8_prefill_is_stored_under_its_own_fingerprint() -> None:
@@ -77,7 +85,7 @@ def test_kv_of_int8_prefill_is_stored_under_its_own_fingerprint() -> None:
     hf = tiny_hf_model("llama", seed=5)
     int8 = Projections("int4", torch.float32, True, int4="torch")
     plain = Projections("int4", torch.float32, True, int4="torch")
-    plain.scratch.int8 = None  # type: ignore[union-attr]
+    plain.scratch.int8 = False  # type: ignore[union-attr]
     copies = Projections("int4", torch.float32, True, int4="torch", prefill="copy")
     runner_with(hf, int8), runner_with(hf, plain), runner_with(hf, copies)
     modes = [prefill_of(p) for p in (int8, plain, copies)]
