@@ -1,9 +1,10 @@
 """CPU at the hardware limit (issue 25, item 6): quantized weights against bf16 and llama.cpp.
 
-    in process   our engine's runner (as served: prefill on the 16-bit copy, decode on the
-                 quantized weights, `weight_plan.DENSE_FROM`) with bf16, int8 and int4 (the
-                 GGUF's own codes: `weights = auto`) weights: decode tok/s at batch 1 / 8 / 32
-                 from a 512-token context, prefill tok/s of 2,000 tokens; medians
+    in process   our engine's runner with bf16, int8 and int4 (the GGUF's own codes: `weights =
+                 auto`) weights: prefill tok/s of 2,000 tokens as served (the prefill weights
+                 `auto` picks), then decode tok/s at batch 1 / 8 / 32 from a 512-token context
+                 on the quantized kernels at every batch (as served, batch 32 would run on the
+                 16-bit copy: `decode_b32_int8_vs_bf16` would compare two dense runs); medians
     served       `chatstore serve --weights W` for bf16 and int4, then llama.cpp's server
                  (`../shared/peers/llamacpp/serve.sh`, the same GGUF file, THREADS = this
                  process's torch threads), one at a time, the same streaming client
@@ -57,7 +58,7 @@ from quant_accuracy import measure_weights_accuracy  # noqa: E402
 from bench.machine import machine_report  # noqa: E402
 from chatstore.config import cpu_has_fast_bf16, resolve_dtype  # noqa: E402
 from chatstore.engine.linear import packing_available  # noqa: E402
-from chatstore.engine.quant_linear import int4_kernel  # noqa: E402
+from chatstore.engine.quant_linear import NEVER, int4_kernel  # noqa: E402
 from chatstore.engine.runner import ModelRunner  # noqa: E402
 from chatstore.engine.weight_plan import Projections, prefill_mode  # noqa: E402
 from chatstore.model import LoadedModel, load_model  # noqa: E402
@@ -90,6 +91,10 @@ def in_process(model: LoadedModel, fmt: str, sizes: dict) -> dict[str, float]:
         seconds = median_seconds(lambda: ours.prefill(ids, table), sizes["reps"])
         out["prefill"] = len(ids) / seconds
         ours.pool.free(table)
+        if fmt != "dense":  # decode on the quantized kernels at every batch (see the doc)
+            for layer in ours.runner.layers:
+                for proj in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                    proj.dense_from = NEVER  # type: ignore[union-attr]
         for batch in sizes["batches"]:
             out[f"decode_b{batch}"] = decode_speed(model, ours, batch, sizes)
     return out
