@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from chatstore.kernels.native import NATIVE_DTYPES, native_library
+from chatstore.kernels.native import NATIVE_DTYPES, native_library, require_library
 
 
 class TorchOps:
@@ -85,10 +85,7 @@ class NativeOps:
 
     def __init__(self, lib: ctypes.CDLL | None = None) -> None:
         """`lib`: a particular build (native.fallback_library()); default: this CPU's."""
-        lib = lib or native_library()
-        if lib is None:
-            raise RuntimeError("native kernels are not available")
-        self._lib = lib
+        self._lib = require_library(lib)
 
     @staticmethod
     def applies(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:

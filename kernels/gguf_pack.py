@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from chatstore.kernels.int4_matmul import QBLOCK, Int4Packed
-from chatstore.kernels.native import native_library
+from chatstore.kernels.native import require_library
 from chatstore.kernels.weight_dequant import Int4PackLayout
 
 ROW_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2, "Q8_0": 3}  # csrc/gguf_pack.c's enum
@@ -92,9 +92,7 @@ def gguf_to_int4_native(
 def _checked(
     lib: ctypes.CDLL | None, row_addr: np.ndarray, row_type: np.ndarray
 ) -> tuple[ctypes.CDLL, np.ndarray, np.ndarray]:
-    lib = lib or native_library()
-    if lib is None:
-        raise RuntimeError("native kernels are not available")
+    lib = require_library(lib)
     addr = np.ascontiguousarray(row_addr, dtype=np.int64)
     kinds = np.ascontiguousarray(row_type, dtype=np.int8)
     if addr.shape != kinds.shape or addr.ndim != 1:

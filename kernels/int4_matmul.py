@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from chatstore.kernels.native import NATIVE_DTYPES, native_library
+from chatstore.kernels.native import NATIVE_DTYPES, require_library
 
 QBLOCK = 32
 
@@ -54,9 +54,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, repeat: 
 def int4_matmul(x: torch.Tensor, w: Int4Packed, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [T, K / repeat] @ W^T -> [T, N] in x's dtype; `lib` a particular build (default: this
     CPU's)."""
-    lib = lib or native_library()
-    if lib is None:
-        raise RuntimeError("native kernels are not available")
+    lib = require_library(lib)
     x = x.contiguous()
     n = w.packed.shape[0]
     k = 2 * w.packed.shape[1]

@@ -26,12 +26,17 @@ import os
 import torch
 
 from chatstore.kernels.int4_matmul import Int4Packed
-from chatstore.kernels.native import NATIVE_DTYPES, cpu_flags, native_library
+from chatstore.kernels.native import (
+    NATIVE_DTYPES,
+    OFF_VALUES,
+    cpu_flags,
+    native_library,
+    require_library,
+)
 from chatstore.kernels.weight_dequant import Int4PackLayout
 
 QBLOCK = 32
 SLAB_ROWS = 64  # rows of W a thread lays out at a time (csrc/int4_vnni.c's SLAB)
-_OFF = ("0", "false", "no", "off")
 
 
 def tiled_supported(n: int, k: int) -> bool:
@@ -49,7 +54,7 @@ def int8_prefill_available(lib: ctypes.CDLL | None = None) -> bool:
     AVX512-VNNI, the loaded kernels hold the kernel, and CHATSTORE_INT8_PREFILL allows it (auto:
     not where AMX serves bf16; see the module doc). A bad value is a ValueError naming it."""
     setting = os.environ.get("CHATSTORE_INT8_PREFILL", "auto").strip().lower()
-    if setting in _OFF:
+    if setting in OFF_VALUES:
         return False
     if setting not in ("auto", "1", "true", "yes", "on"):
         raise ValueError(f"CHATSTORE_INT8_PREFILL must be auto, 1 or 0, got {setting!r}")
@@ -58,13 +63,6 @@ def int8_prefill_available(lib: ctypes.CDLL | None = None) -> bool:
         return False
     lib = lib or native_library()
     return lib is not None and "avx512_vnni" in flags and _built(lib)
-
-
-def _lib(lib: ctypes.CDLL | None) -> ctypes.CDLL:
-    lib = lib or native_library()
-    if lib is None:
-        raise RuntimeError("native kernels are not available")
-    return lib
 
 
 def _check(rc: int, n: int, k: int) -> None:
@@ -99,7 +97,7 @@ def vnni_matmul_int4pack(
     if scales_zeros.shape != (k // QBLOCK, n, 2):
         raise ValueError(f"int8 prefill takes groups of 32; scales {tuple(scales_zeros.shape)}")
     x, out = _out(x, n, k)
-    rc = _lib(lib).int4pack_vnni_matmul(
+    rc = require_library(lib).int4pack_vnni_matmul(
         NATIVE_DTYPES[x.dtype],
         x.data_ptr(),
         x.shape[0],
@@ -126,7 +124,7 @@ def vnni_matmul_native(
         raise ValueError("int8 prefill takes weights read once along K (repeat 1)")
     n, k = w.packed.shape[0], w.packed.shape[1] * 2
     x, out = _out(x, n, k)
-    rc = _lib(lib).int4_native_vnni_matmul(
+    rc = require_library(lib).int4_native_vnni_matmul(
         NATIVE_DTYPES[x.dtype],
         x.data_ptr(),
         x.shape[0],

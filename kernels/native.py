@@ -80,7 +80,7 @@ CFLAGS = (
     "-std=c11",
 )
 BUILD_TIMEOUT_S = 120
-_OFF = ("0", "false", "no", "off")
+OFF_VALUES = ("0", "false", "no", "off")  # a switch set to any of these is off
 
 
 class IsaVariant(NamedTuple):
@@ -270,7 +270,7 @@ def selected_variant() -> IsaVariant:
     pinned = os.environ.get("CHATSTORE_KERNEL_ISA", "auto").strip().lower()
     if pinned not in ("", "auto"):
         return variant(pinned)
-    no_dot = os.environ.get("CHATSTORE_BF16_DOT", "1").lower() in _OFF
+    no_dot = os.environ.get("CHATSTORE_BF16_DOT", "1").lower() in OFF_VALUES
     return next(v for v in runnable_variants() if not (no_dot and v.name == "avx512_bf16"))
 
 
@@ -309,10 +309,18 @@ def build(cflags: tuple[str, ...]) -> Path:
     return target
 
 
+def require_library(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
+    """`lib` (a particular build) or this CPU's kernels; RuntimeError when there are none."""
+    lib = lib or native_library()
+    if lib is None:
+        raise RuntimeError("native kernels are not available")
+    return lib
+
+
 def native_library() -> ctypes.CDLL | None:
     """The loaded kernels of the selected variant, or None when they are turned off or cannot be
     built here. Called by every kernel call: the choice is made once per setting and CPU."""
-    if os.environ.get("CHATSTORE_NATIVE_KERNELS", "1").lower() in _OFF:
+    if os.environ.get("CHATSTORE_NATIVE_KERNELS", "1").lower() in OFF_VALUES:
         return None
     return _library_for(
         os.environ.get("CHATSTORE_KERNEL_ISA", ""),

@@ -25,7 +25,7 @@ from chatstore.kernels.flash_prefill import (
     flash_prefill_sequence,
     takes_flash,
 )
-from chatstore.kernels.native import NATIVE_DTYPES, native_library
+from chatstore.kernels.native import NATIVE_DTYPES, native_library, require_library
 from chatstore.kernels.paged_attention import paged_attention_reference
 
 
@@ -149,9 +149,7 @@ def paged_prefill_native(
 ) -> torch.Tensor:
     """`lib`: a particular build (native.fallback_library() for the fp32 path); default: this
     CPU's. `out` [T, Hq, D] packed: where the plan's rows are written (others left as they are)."""
-    lib = lib or native_library()
-    if lib is None:
-        raise RuntimeError("native kernels are not available")
+    lib = require_library(lib)
     _, num_heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:  # token rows may be apart: read in place
         q = q.contiguous()

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from chatstore.kernels.int4_matmul import Int4Packed
-from chatstore.kernels.native import NATIVE_DTYPES, native_library
+from chatstore.kernels.native import NATIVE_DTYPES, native_library, require_library
 
 
 class Int4PackLayout(NamedTuple):
@@ -111,13 +111,6 @@ def _known_layout() -> Int4PackLayout:
     return layout
 
 
-def _lib(lib: ctypes.CDLL | None) -> ctypes.CDLL:
-    lib = lib or native_library()
-    if lib is None:
-        raise RuntimeError("native kernels are not available")
-    return lib
-
-
 def int4pack_dequant(
     packed: torch.Tensor,
     scales_zeros: torch.Tensor,
@@ -132,7 +125,7 @@ def int4pack_dequant(
     k, n = out.shape
     if packed.numel() * 2 != n * k or scales_zeros.shape != (k // group, n, 2):
         raise ValueError(f"int4 pack / scales do not match a [{k}, {n}] output")
-    rc = _lib(lib).int4pack_dequant(
+    rc = require_library(lib).int4pack_dequant(
         NATIVE_DTYPES[out.dtype],
         packed.data_ptr(),
         scales_zeros.data_ptr(),
@@ -164,7 +157,7 @@ def int4pack_rows(
     n, k = packed.shape[0], packed.shape[1] * 2
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), k // repeat, dtype=dtype)
-    rc = _lib(lib).int4pack_rows(
+    rc = require_library(lib).int4pack_rows(
         NATIVE_DTYPES[dtype],
         packed.data_ptr(),
         scales_zeros.data_ptr(),
@@ -191,7 +184,7 @@ def int4_native_rows(
     n, k = w.packed.shape[0], w.packed.shape[1] * 2
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), k // w.repeat, dtype=dtype)
-    rc = _lib(lib).int4_native_rows(
+    rc = require_library(lib).int4_native_rows(
         NATIVE_DTYPES[dtype],
         w.packed.data_ptr(),
         w.scales.data_ptr(),
@@ -223,7 +216,7 @@ def int4_native_dequant(
     n, k = out.shape
     if w.repeat != 1 or w.packed.shape != (n, k // 2):
         raise ValueError(f"an Int4Packed of repeat 1 and shape [{n}, {k}] is needed")
-    _lib(lib).int4_native_dequant(
+    require_library(lib).int4_native_dequant(
         NATIVE_DTYPES[out.dtype],
         w.packed.data_ptr(),
         w.scales.data_ptr(),
@@ -243,7 +236,7 @@ def int8_dequant(
     n, k = out.shape
     if q.shape != (n, k) or scales.shape != (n,) or scales.dtype != torch.bfloat16:
         raise ValueError(f"int8 codes [{n}, {k}] and bf16 scales [{n}] are needed")
-    _lib(lib).int8_dequant(
+    require_library(lib).int8_dequant(
         NATIVE_DTYPES[out.dtype],
         q.data_ptr(),
         scales.data_ptr(),
