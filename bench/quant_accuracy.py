@@ -10,7 +10,7 @@
     ppl_int8_pct       int8 vs bf16, in percent (bar: <= 1)
     ppl_int4_gguf_pct  int4_gguf vs bf16 (the bf16-dequantised GGUF: they should agree closely)
     int8_prefill       int4_gguf with `prefill_weights = expand` where the CPU has AVX512-VNNI:
-              prompts of 24 tokens and more multiply activations quantized per block of 32 to
+              prompts of 12 tokens and more multiply activations quantized per block of 32 to
               int8 against the 4-bit codes (kernels/int4_vnni.py), as llama.cpp computes;
               ppl_int8_prefill_pct against bf16 (absent where the CPU has no VNNI)
     greedy    64 greedy tokens on the four prompts of tests/engine/test_runner_exact.py, as served
