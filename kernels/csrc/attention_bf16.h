@@ -60,6 +60,40 @@ INLINE int32_t load_pair(const uint16_t* p) {
     return w;
 }
 
+/* r[i][j] -> r[j][i]: a 16 x 16 transpose of 32-bit words in registers. */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        r[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        r[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        r[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int k = 0; k < 2; k++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * k + j] = _mm512_shuffle_i32x4(r[8 * k + j], r[8 * k + j + 4], 0x88);
+            t[8 * k + j + 4] = _mm512_shuffle_i32x4(r[8 * k + j], r[8 * k + j + 4], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
+    }
+}
+
+/* f32_to_bf16 (common.h) of 16 lanes: round to nearest even, NaN -> 0x7fc0, denormals kept. */
+INLINE __m256i f32_to_bf16_x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 /* Rows r0 and r1 (NULL: a zero row) of D bf16 interleaved into D 32-bit pairs (r0[d], r1[d]):
  * the layout a dot product along the key index needs. D is a multiple of 16. */
 INLINE void interleave_rows(const uint16_t* r0, const uint16_t* r1, uint32_t* dst, int64_t D) {

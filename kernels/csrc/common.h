@@ -31,16 +31,22 @@ INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 /* The body of exp for a clamped x (scalar or vector type T): x = n ln2 + r, |r| <= ln2 / 2, n
  * rounded by the 1.5 * 2^23 trick (vectorises, unlike roundf), e^r by its degree-7 Taylor
  * polynomial (relative error < 2e-7); 2^n is left to the caller (exponent bits). */
-#define EXP_REDUCE_AND_POLY(T, xc, n, p)                                            \
+#define EXP_REDUCE(T, xc, n, r)                                                     \
     const T n = ((xc) * 1.44269504088896341f + 12582912.f) - 12582912.f;          \
-    const T r_ = (xc) - n * 0.693145751953125f - n * 1.428606765330187e-06f;      \
-    T p = r_ * (1.f / 5040.f) + 1.f / 720.f;                                      \
-    p = p * r_ + 1.f / 120.f;                                                      \
-    p = p * r_ + 1.f / 24.f;                                                       \
-    p = p * r_ + 1.f / 6.f;                                                        \
-    p = p * r_ + 0.5f;                                                             \
-    p = p * r_ + 1.f;                                                              \
-    p = p * r_ + 1.f
+    const T r = (xc) - n * 0.693145751953125f - n * 1.428606765330187e-06f
+
+#define EXP_POLY7(T, r, p)                                                          \
+    T p = (r) * (1.f / 5040.f) + 1.f / 720.f;                                     \
+    p = p * (r) + 1.f / 120.f;                                                     \
+    p = p * (r) + 1.f / 24.f;                                                      \
+    p = p * (r) + 1.f / 6.f;                                                       \
+    p = p * (r) + 0.5f;                                                            \
+    p = p * (r) + 1.f;                                                             \
+    p = p * (r) + 1.f
+
+#define EXP_REDUCE_AND_POLY(T, xc, n, p) \
+    EXP_REDUCE(T, xc, n, r_);            \
+    EXP_POLY7(T, r_, p)
 
 /* exp(x), branch-free so that gcc vectorises it: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
  * degree-7 Taylor polynomial (relative error < 2e-7), 2^n by exponent bits. x is clamped to

@@ -43,30 +43,6 @@ INLINE const uint16_t* qrow(const uint16_t* q, int64_t i, int64_t rows, int64_t 
     return q + (i < rows ? i : 0) * D;
 }
 
-/* r[i][j] -> r[j][i]: a 16 x 16 transpose of 32-bit words in registers. */
-INLINE void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int k = 0; k < 8; k++) {
-        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-    }
-    for (int k = 0; k < 4; k++) {
-        r[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-        r[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-        r[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-        r[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-    }
-    for (int k = 0; k < 2; k++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * k + j] = _mm512_shuffle_i32x4(r[8 * k + j], r[8 * k + j + 4], 0x88);
-            t[8 * k + j + 4] = _mm512_shuffle_i32x4(r[8 * k + j], r[8 * k + j + 4], 0xDD);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
-    }
-}
-
 /* Query heads r0 .. r0 + rows (at most LANES) of KV head h of sequence seq. */
 INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t seq, int64_t ctx,
                         int64_t h, int64_t r0, int64_t rows, void* scratch, const int64_t D) {
@@ -131,7 +107,7 @@ INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t se
             for (int64_t o = 0; o < n; o++) s[o][g] = (vf)r[o];
         }
         vf corr[NV];
-        const int rescale = online_softmax(s, n, t0, last_pos, pos, m, l, corr, nv);
+        const int rescale = online_softmax(s, n, t0, last_pos, pos, m, l, corr, nv, 1);
         const int64_t pairs = (n + 1) / 2;
         for (int64_t p = 0; p < pairs; p++) {
             const int has_odd = 2 * p + 1 < n;

@@ -73,7 +73,7 @@ INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_
         for (int g = 0; g < NV; g++) s[o][g] = acc[g];
     }
     vf corr[NV];
-    const int rescale = online_softmax(s, n, t0, min_pos, pos, m, l, corr, NV);
+    const int rescale = online_softmax(s, n, t0, min_pos, pos, m, l, corr, NV, 0);
     for (int64_t d = 0; d < D; d += PV_DIMS) {
         vf a[PV_DIMS][NV];
         for (int j = 0; j < PV_DIMS; j++)

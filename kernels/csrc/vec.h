@@ -64,15 +64,37 @@ INLINE vf min_v(vf a, vf b) {
 #endif
 }
 
-/* exp of VL lanes (the polynomial of exp_f32 in common.h); lanes below -87 give 0. */
-INLINE vf exp_vf(vf x) {
-    const vint under = x < -87.f; /* comparisons give 0 / -1 lanes */
+/* exp of VL lanes (the reduction and polynomial of exp_f32 in common.h); lanes below -87 give
+ * 0. coarse: e^r by its degree-4 Taylor polynomial instead (relative error < 6e-5), for the
+ * bf16 kernels' probabilities, which are rounded to bf16 (2^-9) before they are used. */
+INLINE vf exp_vf_of(vf x, int coarse) {
     /* x clamped to [-87, 88] (a NaN stays NaN: MAXPS / MINPS return their second operand) */
     const vf xc = min_v(splat(88.f), max_v(splat(-87.f), x));
-    EXP_REDUCE_AND_POLY(vf, xc, n, p);
+    EXP_REDUCE(vf, xc, n, r);
+    vf p;
+    if (coarse) {
+        p = r * (1.f / 24.f) + 1.f / 6.f;
+        p = p * r + 0.5f;
+        p = p * r + 1.f;
+        p = p * r + 1.f;
+    } else {
+        EXP_POLY7(vf, r, p7);
+        p = p7;
+    }
+#if VL == 16 && defined(__AVX512F__)
+    /* p * 2^n and the zero below -87 in one VSCALEFPS under a mask, where the portable tail
+     * takes five instructions (convert, add, shift, multiply, and-not): the same bits, as 2^n is
+     * a normal float for every n the clamp lets through. */
+    const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.f), _CMP_NLT_UQ);
+    return (vf)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)n);
+#else
+    const vint under = x < -87.f; /* comparisons give 0 / -1 lanes */
     const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
     return (vf)((vint)(p * (vf)bits) & ~under);
+#endif
 }
+
+INLINE vf exp_vf(vf x) { return exp_vf_of(x, 0); }
 
 /* Flash attention's online softmax, lane-wise, over the scores s[o][g] of a chunk of n keys
  * starting at position t0: keys past a lane's position are masked, s becomes exp(s - new max),
@@ -81,7 +103,7 @@ INLINE vf exp_vf(vf x) {
  * chunks of a long prompt). nv: the lane vectors in use (NV; decode's fewer rows may use 1).
  * Returns whether any corr differs from 1 (a new max in some lane). */
 INLINE int online_softmax(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_pos,
-                          const vint* pos, vf* m, vf* l, vf* corr, int nv) {
+                          const vint* pos, vf* m, vf* l, vf* corr, int nv, int coarse) {
     const int masked = t0 + n - 1 > min_pos;
     vint rescale = {0};
     for (int g = 0; g < nv; g++) {
@@ -93,10 +115,15 @@ INLINE int online_softmax(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_po
         }
         /* Lanes that have seen no key yet keep m = -inf: subtract 0 there (no inf - inf). */
         const vf base = select_v(mx == -INFINITY, (vf){0}, mx);
-        corr[g] = exp_vf(m[g] - base);
+        /* No lane has a new max (most chunks past the first few): every corr is exp(0) = 1, and
+         * a lane that has seen no key keeps l = 0 whatever its corr. */
+        vint same = mx == m[g];
+        int all_same = 1;
+        for (int i = 0; i < VL; i++) all_same &= same[i] != 0;
+        corr[g] = all_same ? splat(1.f) : exp_vf_of(m[g] - base, coarse);
         vf sum = (vf){0};
         for (int64_t o = 0; o < n; o++) {
-            s[o][g] = exp_vf(s[o][g] - base);
+            s[o][g] = exp_vf_of(s[o][g] - base, coarse);
             sum += s[o][g];
         }
         l[g] = l[g] * corr[g] + sum;
