@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -528,6 +529,10 @@ def main(argv: list[str] | None = None) -> None:
                     result["constrained_decode_ratio"] = constrained / free
                     result["decode_tok_s_free"] = free
                     result["decode_tok_s_constrained"] = constrained
+            # Its store goes with it (the log stays until the end): at the default 8 agents x 30
+            # steps a store-on server writes GBs to its SSD tier, and three such stores at once
+            # filled this machine's disk (the server answered 507 store_full, as it should).
+            shutil.rmtree(root / name / "data", ignore_errors=True)
         if args.vllm and vllm_ready and peer_model is None:
             print("--vllm: no model directory with a config.json for vLLM (--vllm-model): skipped")
         elif with_vllm and peer_model is not None:
