@@ -84,16 +84,6 @@ INLINE void transpose16(__m512i r[16]) {
     }
 }
 
-/* f32_to_bf16 (common.h) of 16 lanes: round to nearest even, NaN -> 0x7fc0, denormals kept. */
-INLINE __m256i f32_to_bf16_x16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
-}
-
 /* Rows r0 and r1 (NULL: a zero row) of D bf16 interleaved into D 32-bit pairs (r0[d], r1[d]):
  * the layout a dot product along the key index needs. D is a multiple of 16. */
 INLINE void interleave_rows(const uint16_t* r0, const uint16_t* r1, uint32_t* dst, int64_t D) {

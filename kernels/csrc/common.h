@@ -25,6 +25,21 @@ INLINE uint16_t f32_to_bf16(float f) {
     return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : rounded;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* f32_to_bf16 of 16 lanes, the same bits: round to nearest even, NaN -> 0x7fc0, denormals kept
+ * (VCVTNEPS2BF16 would flush them, and needs AVX512-BF16). */
+INLINE __m256i f32_to_bf16_x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 /* f rounded to bf16 and back: what a bf16 tensor would hold. */
 INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 

@@ -188,17 +188,12 @@ INLINE void quantize_row(int dtype, const void* x, int64_t t, int64_t K, QuantRo
     }
 }
 
-/* 16 floats stored as fp32 or bf16 (round to nearest even; finite values). */
+/* 16 floats stored as fp32 or bf16 (common.h's f32_to_bf16_x16). */
 VNNI INLINE void store16(int dtype, void* out, int64_t at, __m512 v) {
-    if (dtype == DTYPE_F32) {
+    if (dtype == DTYPE_F32)
         _mm512_storeu_ps((float*)out + at, v);
-        return;
-    }
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), _mm512_cvtepi32_epi16(r));
+    else
+        _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), f32_to_bf16_x16(v));
 }
 
 /* y[m][col .. col + 32) for MT token rows from m0 (mt of them real) against one tile. */

@@ -136,7 +136,7 @@ void prefill_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t q_r
      * through a register transpose (scalar, this and the output took a tenth of the kernel). */
     for (int g = 0; g < NV; g++)
         for (int64_t e0 = 0; e0 < D / 2; e0 += 16) {
-            const int64_t ne = D / 2 - e0 < 16 ? D / 2 - e0 : 16; /* 8 when D is an odd 16s */
+            const int64_t ne = D / 2 - e0 < 16 ? D / 2 - e0 : 16; /* 8 when D / 16 is odd */
             const __mmask16 part = (__mmask16)((1u << ne) - 1u);
             __m512i t[16];
             for (int k = 0; k < 16; k++) {

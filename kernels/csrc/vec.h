@@ -94,13 +94,12 @@ INLINE vf exp_vf_of(vf x, int coarse) {
 #endif
 }
 
-INLINE vf exp_vf(vf x) { return exp_vf_of(x, 0); }
-
 /* Flash attention's online softmax, lane-wise, over the scores s[o][g] of a chunk of n keys
  * starting at position t0: keys past a lane's position are masked, s becomes exp(s - new max),
  * m and l are updated, and corr[g] is the factor the lane's running output must be scaled by.
  * min_pos: the smallest position of the item's rows; a chunk at or below it needs no mask (most
  * chunks of a long prompt). nv: the lane vectors in use (NV; decode's fewer rows may use 1).
+ * coarse: exp_vf_of's degree-4 polynomial (the bf16 kernels, decode and prefill alike).
  * Returns whether any corr differs from 1 (a new max in some lane). */
 INLINE int online_softmax(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_pos,
                           const vint* pos, vf* m, vf* l, vf* corr, int nv, int coarse) {

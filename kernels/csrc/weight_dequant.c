@@ -46,13 +46,9 @@ INLINE __m512 codes_to_f32(__m128i codes, const float* s, const float* z) {
     return _mm512_fmadd_ps(q, _mm512_loadu_ps(s), _mm512_loadu_ps(z));
 }
 
-/* 16 floats rounded to bf16 (to nearest even; weights are finite) and stored. */
+/* 16 floats rounded to bf16 (common.h's f32_to_bf16_x16) and stored. */
 INLINE void store_bf16x16(uint16_t* o, __m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(r));
+    _mm256_storeu_si256((__m256i*)o, f32_to_bf16_x16(v));
 }
 
 /* A full 64-row block in halves layout: 32 bytes -> 64 values (AVX512 torch's own layout). */
