@@ -215,7 +215,7 @@ def test_bf16_rounding_keeps_denormals_and_nan(variant_lib):
     assert torch.equal(bits[~h.isnan()], ref_bits[~ref.isnan()])
 
 
-@pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 4), (32, 4)])
+@pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 4), (32, 4), (40, 5), (48, 1)])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("block", [16, 6, 5])
 def test_decode_and_prefill_bf16_agree_bitwise(variant_lib, hq, hkv, head_dim, block):
