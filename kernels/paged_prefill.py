@@ -9,7 +9,9 @@ with AVX512-BF16 runs `csrc/paged_prefill_bf16.c` (bf16 dot products for QK^T an
 accumulation, the same online softmax); elsewhere bf16 is widened to fp32 on load. Elsewhere (no
 compiler, CUDA, a head dim that is not a multiple of 16) the gather-and-SDPA reference runs.
 Sequences with many new tokens take torch's flash kernel where that is faster (bf16 on a CPU with
-AMX: `flash_prefill.py`); the rest of the step stays on the paged kernel.
+AMX: `flash_prefill.py`); sequences with one new token (the decodes a mixed step carries) take the
+decode kernel, which reads each K, V row once for all the sequence's heads where a prefill item
+gives one token's G rows a whole item's lanes; the rest of the step stays on the paged kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from chatstore.kernels.flash_prefill import (
 )
 from chatstore.kernels.native import NATIVE_DTYPES, native_library, require_library
 from chatstore.kernels.paged_attention import paged_attention_reference
+from chatstore.kernels.paged_decode import DecodePlan, paged_decode_native
 
 
 @dataclass(frozen=True)
@@ -51,19 +54,49 @@ class PrefillPlan:
         return [s for s, (n, c) in enumerate(lens) if takes_flash(n, c)]
 
     @cached_property
+    def single_token_seqs(self) -> list[int]:
+        """Sequences with one new token (a mixed step's decodes): the decode kernel's part."""
+        return [s for s, n in enumerate(self.query_len_list) if n == 1]
+
+    @cached_property
+    def single_token_rows(self) -> torch.Tensor:
+        """The q rows of `single_token_seqs`, in their order."""
+        rows = [self.q_start[s] for s in self.single_token_seqs]
+        return torch.stack(rows) if rows else self.q_start[:0]
+
+    @cached_property
+    def _single_token_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(self.single_token_seqs, dtype=torch.long, device=self.q_start.device)
+        return self.block_tables.index_select(0, index), self.context_lens.index_select(0, index)
+
+    def single_token_plan(self, block_size: int) -> DecodePlan:
+        """`single_token_seqs` as the decode kernel's plan (its tables made once per step)."""
+        return DecodePlan(*self._single_token_layout, block_size)
+
+    @cached_property
     def short_plan(self) -> PrefillPlan:
         """This plan without `long_seqs`; its rows keep their places in the step's q."""
-        long = set(self.long_seqs)
-        keep = [s for s in range(self.num_seqs) if s not in long]
-        index = torch.tensor(keep, dtype=torch.long, device=self.q_start.device)
-        return PrefillPlan(
-            block_tables=self.block_tables.index_select(0, index),
-            q_start=self.q_start.index_select(0, index),
-            query_lens=self.query_lens.index_select(0, index),
-            context_lens=self.context_lens.index_select(0, index),
-            query_len_list=[self.query_len_list[s] for s in keep],
-            context_len_list=[self.context_len_list[s] for s in keep],
-        )
+        return self.without(frozenset(self.long_seqs))
+
+    @cached_property
+    def _subsets(self) -> dict[frozenset[int], PrefillPlan]:
+        return {}
+
+    def without(self, dropped: frozenset[int]) -> PrefillPlan:
+        """This plan less the sequences `dropped` (made once per step, every layer reuses it);
+        its rows keep their places in the step's q."""
+        if dropped not in self._subsets:
+            keep = [s for s in range(self.num_seqs) if s not in dropped]
+            index = torch.tensor(keep, dtype=torch.long, device=self.q_start.device)
+            self._subsets[dropped] = PrefillPlan(
+                block_tables=self.block_tables.index_select(0, index),
+                q_start=self.q_start.index_select(0, index),
+                query_lens=self.query_lens.index_select(0, index),
+                context_lens=self.context_lens.index_select(0, index),
+                query_len_list=[self.query_len_list[s] for s in keep],
+                context_len_list=[self.context_len_list[s] for s in keep],
+            )
+        return self._subsets[dropped]
 
 
 def make_prefill_plan(
@@ -108,13 +141,26 @@ def paged_prefill(
 ) -> torch.Tensor:
     """q [T, Hq, D] (the step's new tokens, their K, V already in the pool) -> [T, Hq, D]."""
     if native_prefill_applies(q, k_cache, v_cache):
-        if not (plan.long_seqs and flash_prefill_enabled(q.dtype)):
+        long_seqs = plan.long_seqs if flash_prefill_enabled(q.dtype) else []
+        singles = plan.single_token_seqs
+        if not long_seqs and len(singles) in (0, plan.num_seqs):
             return paged_prefill_native(q, k_cache, v_cache, plan, scale)
         out = torch.empty(q.shape, dtype=q.dtype)
-        if plan.short_plan.num_seqs:
-            paged_prefill_native(q, k_cache, v_cache, plan.short_plan, scale, out=out)
+        dropped = set(long_seqs)
+        if singles and len(singles) < plan.num_seqs:
+            rows = plan.single_token_rows
+            decoded = paged_decode_native(
+                q.index_select(0, rows), k_cache, v_cache,
+                plan.single_token_plan(k_cache.shape[1]), scale,
+            )  # fmt: skip
+            assert decoded is not None  # the native library is there (native_prefill_applies)
+            out.index_copy_(0, rows, decoded)
+            dropped |= set(singles)
+        rest = plan.without(frozenset(dropped))
+        if rest.num_seqs:
+            paged_prefill_native(q, k_cache, v_cache, rest, scale, out=out)
         starts = plan.q_start.tolist()
-        for s in plan.long_seqs:
+        for s in long_seqs:
             flash_prefill_sequence(
                 q,
                 k_cache,

@@ -16,6 +16,7 @@ import torch
 
 from chatstore.kernels.native import native_library
 from chatstore.kernels.paged_attention import paged_attention_reference
+from chatstore.kernels.paged_decode import make_decode_plan, paged_decode_native
 from chatstore.kernels.paged_prefill import make_prefill_plan, paged_prefill, paged_prefill_native
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no native kernels (no gcc?)")
@@ -115,3 +116,32 @@ def test_q_read_in_place_from_the_fused_qkv_rows(dtype, variant_lib):
     got = paged_prefill_native(strided, k_cache, v_cache, plan, 0.125, variant_lib)
     want = paged_prefill_native(q.contiguous(), k_cache, v_cache, plan, 0.125, variant_lib)
     assert got.is_contiguous() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_single_tokens_take_the_decode_kernel(dtype):
+    """The dispatcher: sequences with one new token (a mixed step's decodes) go to the decode
+    kernel, which reads each K, V row once for all heads, the rest to the paged kernel; every row
+    lands in its place, q read in place from the fused qkv rows."""
+    hq, hkv, d = 9, 3, 64
+    q, k_cache, v_cache, tables = _case(MIXED, hq, hkv, d, 16, dtype, seed=13)
+    qkv = torch.randn(q.shape[0], (hq + 2 * hkv) * d).to(dtype)
+    qkv[:, : hq * d] = q.reshape(q.shape[0], -1)
+    strided = qkv[:, : hq * d].view(-1, hq, d)
+    plan = make_prefill_plan(tables, [n for n, _ in MIXED], [c for _, c in MIXED])
+    out = paged_prefill(strided, k_cache, v_cache, plan, 0.125)
+    starts = plan.q_start.tolist()
+    singles = [s for s, (n, _) in enumerate(MIXED) if n == 1]
+    assert 0 < len(singles) < len(MIXED)
+    rows = [starts[s] for s in singles]
+    decode_plan = make_decode_plan(
+        [tables[s].tolist() for s in singles], [MIXED[s][1] for s in singles], 16, q.device
+    )
+    decoded = paged_decode_native(q[rows], k_cache, v_cache, decode_plan, 0.125)
+    assert decoded is not None and torch.equal(out[rows], decoded)
+    others = [r for r in range(q.shape[0]) if r not in rows]
+    paged = paged_prefill_native(q, k_cache, v_cache, plan, 0.125)
+    assert torch.equal(out[others], paged[others])
+    ref = _reference(q, k_cache, v_cache, tables, MIXED, 0.125)
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 2**-7}
+    torch.testing.assert_close(out.float(), ref, **tol)
