@@ -18,6 +18,11 @@ Measured per server, one at a time on loopback, each stopped before the next sta
   later-step TTFT     steps >= 10 (1 with --quick): request sent -> the first chunk carrying a
                       token (logprobs are asked for: a call's text is held until it is whole, its
                       tokens' logprobs are not), mean and p90
+  later-step latency  request sent -> the step's last token, mean and p90: when the agent can act
+                      (its call is whole). With no think time the loop is closed: N agents =
+                      steps/s x (TTFT + decode span), so at saturation a server that stalls its
+                      decodes behind long prefill steps shows a shorter TTFT at the same or a
+                      longer latency; the latency is the like-for-like measure of throughput
   output tok/s        completion tokens of every step / the agents' wall time
   prefix reuse share  later steps' prompt tokens served from the store (usage cached_tokens;
                       store off: from the engine's device prefix cache alone); its ceiling is
@@ -40,7 +45,8 @@ not run): agent_ttft_ratio_vs_store_off, both chatstore servers with the small d
 (--device-kv-tokens); agent_ttft_ratio_vs_vllm like for like in memory, vLLM's KV space
 (--vllm-kv-gib, its serve.sh default 2 GiB) against a third chatstore server whose device pool
 is as big ("chatstore_same_kv"); agent_ttft_ratio_vs_vllm_small_pool, chatstore's small pool
-against that vLLM (what runs before 2026-11-28 reported as the ratio to vLLM).
+against that vLLM (what runs before 2026-11-28 reported as the ratio to vLLM);
+agent_step_latency_ratio_vs_store_off / _vs_vllm, the same pairs by mean later-step latency.
 
     python bench/agentic.py [--agents 8] [--steps 30] [--quick] [--vllm] [--no-store-off]
                             [--device-kv-tokens 12288] [--vllm-kv-gib 2]
@@ -378,6 +384,8 @@ def decode_ratio(url: str, plan: Plan, sizer: Sizer) -> tuple[float, float, list
 def summary(run: AgentRun, plan: Plan) -> dict[str, float | int | None]:
     later = [s for s in run.steps if s.step >= plan.later_step]
     ttfts = sorted(s.ttft for s in later)
+    # An agent acts when its call is whole: the step's latency is request sent -> last token.
+    spans = sorted(s.ttft + s.last - s.first for s in later)
     prompt = sum(s.prompt_tokens for s in later)
     # Of the history the server had already seen (the step before's prompt and completion, less
     # its last token, which has no KV), the share served from the store: 1.0 is token for token.
@@ -391,7 +399,10 @@ def summary(run: AgentRun, plan: Plan) -> dict[str, float | int | None]:
     return {
         "later_ttft_mean_ms": 1000 * statistics.fmean(ttfts) if ttfts else None,
         "later_ttft_p90_ms": 1000 * ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+        "later_step_latency_mean_ms": 1000 * statistics.fmean(spans) if spans else None,
+        "later_step_latency_p90_ms": 1000 * spans[int(0.9 * (len(spans) - 1))] if spans else None,
         "output_tok_s": sum(s.completion_tokens for s in run.steps) / run.wall_s,
+        "completion_tokens_mean": statistics.fmean(s.completion_tokens for s in run.steps),
         "prefix_reuse_share": sum(s.cached_tokens for s in later) / prompt if prompt else None,
         "history_reuse_share": reused / seen if seen else None,
         "later_prompt_tokens_mean": prompt / len(later) if later else None,
@@ -409,7 +420,8 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 def table(rows: dict[str, dict]) -> str:
     keys = [
-        "later_ttft_mean_ms", "later_ttft_p90_ms", "output_tok_s", "prefix_reuse_share",
+        "later_ttft_mean_ms", "later_ttft_p90_ms", "later_step_latency_mean_ms",
+        "later_step_latency_p90_ms", "output_tok_s", "completion_tokens_mean", "prefix_reuse_share",
         "history_reuse_share", "later_prompt_tokens_mean", "steps", "tool_parse_ok",
         "cut_by_max_tokens",
         "conversation_resets",
@@ -566,6 +578,14 @@ def main(argv: list[str] | None = None) -> None:
         ),
         "agent_ttft_ratio_vs_vllm_small_pool": ratio(
             ours, rows.get("vllm", {}).get("later_ttft_mean_ms")
+        ),
+        "agent_step_latency_ratio_vs_store_off": ratio(
+            rows["chatstore"]["later_step_latency_mean_ms"],
+            rows.get("store_off", {}).get("later_step_latency_mean_ms"),
+        ),
+        "agent_step_latency_ratio_vs_vllm": ratio(
+            rows.get("chatstore_same_kv", {}).get("later_step_latency_mean_ms"),
+            rows.get("vllm", {}).get("later_step_latency_mean_ms"),
         ),
         "agent_prefix_reuse_share": rows["chatstore"]["prefix_reuse_share"],
         "agent_history_reuse_share": rows["chatstore"]["history_reuse_share"],
