@@ -43,6 +43,26 @@ INLINE __m512i pair_lanes_d(vf a, vf b) {
  * and 1.4 from blocks in order without; ~1.1 either way with 1 (2 and 4: no better). */
 #define PF_BLOCKS 1
 
+/* Rows r0 and r1 (NULL: a zero row) of D bf16 (D a multiple of 32) as D 32-bit pairs (r0[d],
+ * r1[d]), in the order VPUNPCK{L,H}WD leave them: two instructions per 32 dims where
+ * interleave_rows (dims in order) takes eight. Each pair keeps its dim, so an accumulator lane
+ * sums the same products in the same order as before, only at another place: unpacked_at(d). */
+INLINE void pair_rows_unpacked(const uint16_t* r0, const uint16_t* r1, uint32_t* dst, int64_t D) {
+    for (int64_t d = 0; d < D; d += 32) {
+        const __m512i a = _mm512_loadu_si512(r0 + d);
+        const __m512i b = r1 ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + d, _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(dst + d + 16, _mm512_unpackhi_epi16(a, b));
+    }
+}
+
+/* Where dim d's pair sits in pair_rows_unpacked's order: in each 32 dims, the low halves of the
+ * four 128-bit lanes (4 dims each), then the high halves. */
+INLINE int64_t unpacked_at(int64_t d) {
+    const int64_t w = d % 32, lane = w / 8, half = w % 8 / 4;
+    return d - w + half * 16 + lane * 4 + w % 4;
+}
+
 /* Row i of a head's q rows, or (i >= rows) its row 0: a stand-in whose scores are dropped. */
 INLINE const uint16_t* qrow(const uint16_t* q, int64_t i, int64_t rows, int64_t D) {
     return q + (i < rows ? i : 0) * D;
@@ -137,9 +157,13 @@ INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t se
             if (pf)
                 for (int64_t o = 0; o < n; o++)
                     for (int64_t c = 0; c < D; c += 32) __builtin_prefetch(vr + pf + o * stride + c);
-            for (int64_t p = 0; p < pairs; p++)
-                interleave_rows(vr + 2 * p * stride, 2 * p + 1 < n ? vr + (2 * p + 1) * stride : NULL,
-                                vi + p * D, D);
+            for (int64_t p = 0; p < pairs; p++) {
+                const uint16_t* r1 = 2 * p + 1 < n ? vr + (2 * p + 1) * stride : NULL;
+                if (D % 32 == 0)
+                    pair_rows_unpacked(vr + 2 * p * stride, r1, vi + p * D, D);
+                else
+                    interleave_rows(vr + 2 * p * stride, r1, vi + p * D, D);
+            }
             for (int64_t i = j * per_head; i < (j + 1) * per_head; i++) {
                 const __m512 cf = _mm512_set1_ps(corr[i / 16][i % 16]);
                 __m512 a[D / 16]; /* D / 16 independent chains */
@@ -159,7 +183,8 @@ INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t se
     for (int64_t i = 0; i < rows; i++) {
         uint16_t* out = A->out + (seq * A->Hq + (h + i / per_head) * G + g0 + i % per_head) * D;
         const float inv = 1.f / l[i / 16][i % 16];
-        for (int64_t d = 0; d < D; d++) out[d] = f32_to_bf16(acc[i * D + d] * inv);
+        for (int64_t d = 0; d < D; d++)
+            out[d] = f32_to_bf16(acc[i * D + (D % 32 == 0 ? unpacked_at(d) : d)] * inv);
     }
 }
 
