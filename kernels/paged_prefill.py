@@ -59,24 +59,22 @@ class PrefillPlan:
         return [s for s, n in enumerate(self.query_len_list) if n == 1]
 
     @cached_property
+    def _single_token_index(self) -> torch.Tensor:
+        return torch.tensor(self.single_token_seqs, dtype=torch.long, device=self.q_start.device)
+
+    @cached_property
     def single_token_rows(self) -> torch.Tensor:
         """The q rows of `single_token_seqs`, in their order."""
-        rows = [self.q_start[s] for s in self.single_token_seqs]
-        return torch.stack(rows) if rows else self.q_start[:0]
+        return self.q_start.index_select(0, self._single_token_index)
 
     @cached_property
     def _single_token_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.tensor(self.single_token_seqs, dtype=torch.long, device=self.q_start.device)
+        index = self._single_token_index
         return self.block_tables.index_select(0, index), self.context_lens.index_select(0, index)
 
     def single_token_plan(self, block_size: int) -> DecodePlan:
         """`single_token_seqs` as the decode kernel's plan (its tables made once per step)."""
         return DecodePlan(*self._single_token_layout, block_size)
-
-    @cached_property
-    def short_plan(self) -> PrefillPlan:
-        """This plan without `long_seqs`; its rows keep their places in the step's q."""
-        return self.without(frozenset(self.long_seqs))
 
     @cached_property
     def _subsets(self) -> dict[frozenset[int], PrefillPlan]:
