@@ -47,6 +47,7 @@ void decode_item_bf16(const Bf16Attention* A, const int64_t* table, int64_t seq,
 #include <string.h>
 
 #include "common.h"
+#include "vec.h"
 
 /* acc[l] += a[2l] * b[2l] + a[2l+1] * b[2l+1]: 32 bf16 products, exact in fp32, summed in fp32. */
 INLINE __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
@@ -96,6 +97,88 @@ INLINE void interleave_rows(const uint16_t* r0, const uint16_t* r1, uint32_t* ds
         }
         _mm512_storeu_si512(dst + d, pair);
     }
+}
+
+/* 2^x per lane for the bf16 kernels' probabilities: x = n + r with n = round(x), |r| <= 1/2,
+ * 2^r by a degree-3 minimax polynomial (relative error < 7.5e-5: P is rounded to bf16, 2^-9,
+ * next), times 2^n by VSCALEFPS; below -126 (-inf: a masked key, or a lane that has seen no key)
+ * the mask gives 0. Seven instructions where exp's clamps, reduction by ln 2 and degree-4
+ * polynomial took twelve. */
+INLINE vf exp2_bf16(vf x) {
+    const __m512 v = (__m512)x;
+    const __mmask16 keep = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+    const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(v, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05517121f), r, _mm512_set1_ps(0.24261023f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69326103f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.99992818f));
+    return (vf)_mm512_maskz_scalef_ps(keep, p, n);
+}
+
+/* The factor online_softmax_bf16 takes: one rounding of scale * log2(e), the same in both kernels. */
+INLINE float softmax_exp2_scale(float scale) { return scale * 1.44269504088896341f; }
+
+/* vec.h's online softmax for the bf16 kernels, decode and prefill alike, in base 2 with the
+ * scale folded in: s holds raw scores q.k (no scale applied), m their running max in those
+ * units, and p = 2^(s * c - m * c) with c = scale * log2(e) is e^(scale * (s - m)), one FMA
+ * where the scale's multiply, the subtraction and exp's reduction by ln 2 took four. A lane
+ * whose max did not move gets corr exactly 1 (so the caller skips the rescale as before).
+ *
+ * In two halves, so that the prefill item can take the exponentials of one chunk between the
+ * dot products of the next (they run beside them, where alone they held the vector units for
+ * ~13 % of the kernel): softmax_max_bf16 masks, takes the max and the correction, and leaves
+ * nb = -m * c; then each score becomes softmax_p_bf16 of it, summed per lane vector in key
+ * order; then l = l * corr + sum (softmax_sum_bf16). online_softmax_bf16 is the three in a row. */
+INLINE int softmax_max_bf16(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_pos,
+                            const vint* pos, vf* m, vf* corr, vf* nb, int nv, float c) {
+    const int masked = t0 + n - 1 > min_pos;
+    int any = 0;
+    for (int g = 0; g < nv; g++) {
+        vf mx = m[g];
+        for (int64_t o = 0; o < n; o++) {
+            if (masked)
+                s[o][g] = select_v(pos[g] >= (int32_t)(t0 + o), s[o][g], splat(-INFINITY));
+            mx = max_v(s[o][g], mx);
+        }
+        /* Lanes that have seen no key yet keep m = -inf: subtract 0 there (no inf - inf). */
+        const vf base = select_v(mx == -INFINITY, (vf){0}, mx);
+        const __mmask16 same = _mm512_cmp_ps_mask((__m512)mx, (__m512)m[g], _CMP_EQ_OQ);
+        if (same == 0xFFFF) {
+            corr[g] = splat(1.f);
+        } else {
+            const vf moved = exp2_bf16((m[g] - base) * c);
+            corr[g] = (vf)_mm512_mask_blend_ps(same, (__m512)moved, _mm512_set1_ps(1.f));
+            any = 1;
+        }
+        nb[g] = base * -c;
+        m[g] = mx;
+    }
+    return any;
+}
+
+INLINE vf softmax_p_bf16(vf s, vf nb, float c) {
+    return exp2_bf16((vf)_mm512_fmadd_ps((__m512)s, _mm512_set1_ps(c), (__m512)nb));
+}
+
+/* One FMA, spelled out: left to contraction, the two kernels' inlined copies could round it
+ * differently. */
+INLINE vf softmax_sum_bf16(vf l, vf corr, vf sum) {
+    return (vf)_mm512_fmadd_ps((__m512)l, (__m512)corr, (__m512)sum);
+}
+
+INLINE int online_softmax_bf16(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_pos,
+                               const vint* pos, vf* m, vf* l, vf* corr, int nv, float c) {
+    vf nb[NV];
+    const int any = softmax_max_bf16(s, n, t0, min_pos, pos, m, corr, nb, nv, c);
+    for (int g = 0; g < nv; g++) {
+        vf sum = (vf){0};
+        for (int64_t o = 0; o < n; o++) {
+            s[o][g] = softmax_p_bf16(s[o][g], nb[g], c);
+            sum += s[o][g];
+        }
+        l[g] = softmax_sum_bf16(l[g], corr[g], sum);
+    }
+    return any;
 }
 #endif
 

@@ -4,8 +4,9 @@
  * so the two must give the same bits, or greedy tokens depend on the batch.
  *
  * Per query row and key, as the prefill item's lanes: the score is one fp32 accumulator over the
- * D/2 pairs (VDPBF16PS, pairs in order) times scale; the same chunks of keys (16, never across a
- * block, from position 0), the same lane-wise online softmax (vec.h) with rows in lanes, P
+ * D/2 pairs (VDPBF16PS, pairs in order), unscaled; the same chunks of keys (16, never across a
+ * block, from position 0), the same lane-wise online softmax (online_softmax_bf16, the scale in
+ * its exponent) with rows in lanes, P
  * rounded to bf16 unnormalised (pair_lanes), PV pairs in order into fp32, the rescale by corr,
  * and out = bf16(acc * (1 / l)). Only the layout is decode's: keys in lanes for QK^T (K pairs
  * gathered once per chunk, shared by the G query heads) and dims in lanes for PV, so a query
@@ -95,7 +96,7 @@ INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t se
     }
     for (int64_t i = 0; i < rows * D; i++) acc[i] = 0.f;
     for (int64_t i = 0; i < LANES * 16; i++) sc[i] = 0.f;
-    const __m512 scv = _mm512_set1_ps(A->scale);
+    const float exp2_scale = softmax_exp2_scale(A->scale);
     for (int64_t t0 = 0, n; t0 <= last_pos; t0 += n) {
         const int64_t o0 = t0 % B;
         n = last_pos + 1 - t0;
@@ -132,7 +133,7 @@ INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t se
                             k2);
                 }
                 for (int k = 0; k < QK_ROWS && i0 + k < per_head; k++)
-                    _mm512_storeu_ps(sc + (j * per_head + i0 + k) * 16, _mm512_mul_ps(s[k], scv));
+                    _mm512_storeu_ps(sc + (j * per_head + i0 + k) * 16, s[k]);
             }
         }
         vf s[CHUNK][NV]; /* rows in lanes, as the prefill item has them */
@@ -144,7 +145,7 @@ INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t se
             for (int64_t o = 0; o < n; o++) s[o][g] = (vf)r[o];
         }
         vf corr[NV];
-        const int rescale = online_softmax(s, n, t0, last_pos, pos, m, l, corr, nv, 1);
+        const int rescale = online_softmax_bf16(s, n, t0, last_pos, pos, m, l, corr, nv, exp2_scale);
         const int64_t pairs = (n + 1) / 2;
         for (int64_t p = 0; p < pairs; p++) {
             const int has_odd = 2 * p + 1 < n;
