@@ -134,14 +134,8 @@ INLINE int softmax_max_bf16(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_
     const int masked = t0 + n - 1 > min_pos;
     int any = 0;
     for (int g = 0; g < nv; g++) {
-        vf mx = m[g];
-        for (int64_t o = 0; o < n; o++) {
-            if (masked)
-                s[o][g] = select_v(pos[g] >= (int32_t)(t0 + o), s[o][g], splat(-INFINITY));
-            mx = max_v(s[o][g], mx);
-        }
-        /* Lanes that have seen no key yet keep m = -inf: subtract 0 there (no inf - inf). */
-        const vf base = select_v(mx == -INFINITY, (vf){0}, mx);
+        const vf mx = masked_chunk_max(s, n, t0, pos, g, masked, m[g]);
+        const vf base = softmax_base(mx);
         const __mmask16 same = _mm512_cmp_ps_mask((__m512)mx, (__m512)m[g], _CMP_EQ_OQ);
         if (same == 0xFFFF) {
             corr[g] = splat(1.f);

@@ -101,19 +101,29 @@ INLINE vf exp_vf_of(vf x, int coarse) {
  * chunks of a long prompt). nv: the lane vectors in use (NV; decode's fewer rows may use 1).
  * coarse: exp_vf_of's degree-4 polynomial (the bf16 kernels, decode and prefill alike).
  * Returns whether any corr differs from 1 (a new max in some lane). */
+/* Lane vector g of a chunk's scores with the keys past each lane's position set to -inf (when
+ * `masked`: the chunk reaches past min_pos), and the lanes' max over them and m. */
+INLINE vf masked_chunk_max(vf s[CHUNK][NV], int64_t n, int64_t t0, const vint* pos, int g,
+                           int masked, vf m) {
+    vf mx = m;
+    for (int64_t o = 0; o < n; o++) {
+        if (masked) s[o][g] = select_v(pos[g] >= (int32_t)(t0 + o), s[o][g], splat(-INFINITY));
+        mx = max_v(s[o][g], mx);
+    }
+    return mx;
+}
+
+/* What the exponent subtracts: the max, or 0 in lanes that have seen no key yet (m = -inf:
+ * no inf - inf). */
+INLINE vf softmax_base(vf mx) { return select_v(mx == -INFINITY, (vf){0}, mx); }
+
 INLINE int online_softmax(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_pos,
                           const vint* pos, vf* m, vf* l, vf* corr, int nv, int coarse) {
     const int masked = t0 + n - 1 > min_pos;
     vint rescale = {0};
     for (int g = 0; g < nv; g++) {
-        vf mx = m[g];
-        for (int64_t o = 0; o < n; o++) {
-            if (masked)
-                s[o][g] = select_v(pos[g] >= (int32_t)(t0 + o), s[o][g], splat(-INFINITY));
-            mx = max_v(s[o][g], mx);
-        }
-        /* Lanes that have seen no key yet keep m = -inf: subtract 0 there (no inf - inf). */
-        const vf base = select_v(mx == -INFINITY, (vf){0}, mx);
+        const vf mx = masked_chunk_max(s, n, t0, pos, g, masked, m[g]);
+        const vf base = softmax_base(mx);
         /* No lane has a new max (most chunks past the first few): every corr is exp(0) = 1, and
          * a lane that has seen no key keeps l = 0 whatever its corr. */
         vint same = mx == m[g];
