@@ -115,7 +115,8 @@ INLINE vf exp2_bf16(vf x) {
     return (vf)_mm512_maskz_scalef_ps(keep, p, n);
 }
 
-/* The factor online_softmax_bf16 takes: one rounding of scale * log2(e), the same in both kernels. */
+/* The factor online_softmax_bf16 takes: scale * log2(e), rounded once, the same in both
+ * kernels. */
 INLINE float softmax_exp2_scale(float scale) { return scale * 1.44269504088896341f; }
 
 /* vec.h's online softmax for the bf16 kernels, decode and prefill alike, in base 2 with the

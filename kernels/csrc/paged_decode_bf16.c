@@ -145,7 +145,8 @@ INLINE void decode_rows(const Bf16Attention* A, const int64_t* table, int64_t se
             for (int64_t o = 0; o < n; o++) s[o][g] = (vf)r[o];
         }
         vf corr[NV];
-        const int rescale = online_softmax_bf16(s, n, t0, last_pos, pos, m, l, corr, nv, exp2_scale);
+        const int rescale =
+            online_softmax_bf16(s, n, t0, last_pos, pos, m, l, corr, nv, exp2_scale);
         const int64_t pairs = (n + 1) / 2;
         for (int64_t p = 0; p < pairs; p++) {
             const int has_odd = 2 * p + 1 < n;

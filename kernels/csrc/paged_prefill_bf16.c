@@ -13,8 +13,9 @@
  *
  * P rounded to bf16 before PV is what bf16 flash attention does (torch's CPU kernel included); the
  * softmax, its max and its sum stay fp32, its exponential 2^x by a degree-3 polynomial (relative
- * error < 7.5e-5, under bf16's 2^-9: attention_bf16.h's exp2_bf16). Q goes into the lanes and the output back to rows by
- * 16 x 16 register transposes. Built only where CHATSTORE_BF16_DOT is 1.
+ * error < 7.5e-5, under bf16's 2^-9: attention_bf16.h's exp2_bf16). Q goes into the lanes and
+ * the output back to rows by 16 x 16 register transposes. Built only where CHATSTORE_BF16_DOT
+ * is 1.
  */
 #include <math.h>
 #include <stdint.h>
@@ -65,7 +66,8 @@ INLINE void pending_key(PendingChunk* pc) {
 }
 
 /* Raw scores s[o] = q.k[o] of n keys (rows kr + o * stride) for the item's lanes, with pc's
- * pending exponentials taken along the way (all of them by the return). */
+ * pending exponentials taken along the way, one key every other pair index (every one, or every
+ * fourth, measured no better), all of them by the return. */
 INLINE void qk_chunk(const uint32_t* qt2, const uint16_t* kr, int64_t stride, int64_t n,
                      vf s[CHUNK][NV], PendingChunk* pc, const int64_t D) {
     int64_t o = 0;
