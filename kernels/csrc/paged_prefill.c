@@ -96,7 +96,7 @@ INLINE void chunk_step(const float* qt, const float* kr, const float* vr, int64_
 #endif
     for (; o < n; o++) qk_tile(qt, kr, stride, o, s, 1, D);
     vf corr[NV];
-    const int rescale = online_softmax(s, n, t0, min_pos, pos, m, l, corr, NV, 0);
+    const int rescale = online_softmax(s, n, t0, min_pos, pos, m, l, corr);
     /* D is a multiple of 16: PV_DIMS-wide tiles while what is left stays a sum of PV_DIMS and 4s
      * (with 6s: never 2 left) */
     for (int64_t d = 0; d < D;) {

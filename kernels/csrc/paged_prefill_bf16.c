@@ -1,6 +1,7 @@
-/* The AVX512-BF16 path of the paged-prefill kernel (paged_prefill.c): the same work items, chunks
- * and online softmax, with both products as bf16 dot products (VDPBF16PS: pairs of bf16 products,
- * exact in fp32, accumulated in fp32) instead of fp32 FMAs over K and V widened into a buffer.
+/* The AVX512-BF16 path of the paged-prefill kernel (paged_prefill.c): the same work items and
+ * chunks, an fp32 online softmax in base 2 (online_softmax_bf16), and both products as bf16 dot
+ * products (VDPBF16PS: pairs of bf16 products, exact in fp32, accumulated in fp32) instead of
+ * fp32 FMAs over K and V widened into a buffer.
  *
  *   QK^T  the 32 query rows sit in the lanes as bf16 pairs along d, QT2[d/2][lane] =
  *         (q[lane][d], q[lane][d+1]); key o's pair (k[o][d], k[o][d+1]) is one 32-bit word of

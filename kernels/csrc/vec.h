@@ -1,6 +1,6 @@
 /* fp32 lane vectors as wide as the target's registers (GCC vector extensions, any ISA) and the
- * lane-wise online softmax that the paged-prefill kernels share: the fp32 path and the
- * AVX512-BF16 path run the same softmax.
+ * lane-wise online softmax of the fp32 paged-prefill path, with the chunk masking and max that
+ * the AVX512-BF16 path's base-2 softmax (attention_bf16.h) shares.
  *
  * VL, the lanes of a vector, follows the build's target (native.py builds one variant per ISA):
  * 16 with AVX512, 8 with AVX/AVX2, 4 otherwise. A vector wider than the registers would be split
@@ -65,22 +65,11 @@ INLINE vf min_v(vf a, vf b) {
 }
 
 /* exp of VL lanes (the reduction and polynomial of exp_f32 in common.h); lanes below -87 give
- * 0. coarse: e^r by its degree-4 Taylor polynomial instead (relative error < 6e-5), for the
- * bf16 kernels' probabilities, which are rounded to bf16 (2^-9) before they are used. */
-INLINE vf exp_vf_of(vf x, int coarse) {
+ * 0. (The bf16 kernels' probabilities take attention_bf16.h's exp2_bf16 instead.) */
+INLINE vf exp_vf_of(vf x) {
     /* x clamped to [-87, 88] (a NaN stays NaN: MAXPS / MINPS return their second operand) */
     const vf xc = min_v(splat(88.f), max_v(splat(-87.f), x));
-    EXP_REDUCE(vf, xc, n, r);
-    vf p;
-    if (coarse) {
-        p = r * (1.f / 24.f) + 1.f / 6.f;
-        p = p * r + 0.5f;
-        p = p * r + 1.f;
-        p = p * r + 1.f;
-    } else {
-        EXP_POLY7(vf, r, p7);
-        p = p7;
-    }
+    EXP_REDUCE_AND_POLY(vf, xc, n, p);
 #if VL == 16 && defined(__AVX512F__)
     /* p * 2^n and the zero below -87 in one VSCALEFPS under a mask, where the portable tail
      * takes five instructions (convert, add, shift, multiply, and-not): the same bits, as 2^n is
@@ -94,13 +83,6 @@ INLINE vf exp_vf_of(vf x, int coarse) {
 #endif
 }
 
-/* Flash attention's online softmax, lane-wise, over the scores s[o][g] of a chunk of n keys
- * starting at position t0: keys past a lane's position are masked, s becomes exp(s - new max),
- * m and l are updated, and corr[g] is the factor the lane's running output must be scaled by.
- * min_pos: the smallest position of the item's rows; a chunk at or below it needs no mask (most
- * chunks of a long prompt). nv: the lane vectors in use (NV; decode's fewer rows may use 1).
- * coarse: exp_vf_of's degree-4 polynomial (the bf16 kernels, decode and prefill alike).
- * Returns whether any corr differs from 1 (a new max in some lane). */
 /* Lane vector g of a chunk's scores with the keys past each lane's position set to -inf (when
  * `masked`: the chunk reaches past min_pos), and the lanes' max over them and m. */
 INLINE vf masked_chunk_max(vf s[CHUNK][NV], int64_t n, int64_t t0, const vint* pos, int g,
@@ -117,11 +99,18 @@ INLINE vf masked_chunk_max(vf s[CHUNK][NV], int64_t n, int64_t t0, const vint* p
  * no inf - inf). */
 INLINE vf softmax_base(vf mx) { return select_v(mx == -INFINITY, (vf){0}, mx); }
 
+/* Flash attention's online softmax, lane-wise, over the scores s[o][g] of a chunk of n keys
+ * starting at position t0 (the fp32 prefill kernel's; the bf16 kernels run attention_bf16.h's
+ * online_softmax_bf16, in base 2): keys past a lane's position are masked, s becomes
+ * exp(s - new max), m and l are updated, and corr[g] is the factor the lane's running output
+ * must be scaled by. min_pos: the smallest position of the item's rows; a chunk at or below it
+ * needs no mask (most chunks of a long prompt). Returns whether any corr differs from 1 (a new
+ * max in some lane). */
 INLINE int online_softmax(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_pos,
-                          const vint* pos, vf* m, vf* l, vf* corr, int nv, int coarse) {
+                          const vint* pos, vf* m, vf* l, vf* corr) {
     const int masked = t0 + n - 1 > min_pos;
     vint rescale = {0};
-    for (int g = 0; g < nv; g++) {
+    for (int g = 0; g < NV; g++) {
         const vf mx = masked_chunk_max(s, n, t0, pos, g, masked, m[g]);
         const vf base = softmax_base(mx);
         /* No lane has a new max (most chunks past the first few): every corr is exp(0) = 1, and
@@ -129,10 +118,10 @@ INLINE int online_softmax(vf s[CHUNK][NV], int64_t n, int64_t t0, int64_t min_po
         vint same = mx == m[g];
         int all_same = 1;
         for (int i = 0; i < VL; i++) all_same &= same[i] != 0;
-        corr[g] = all_same ? splat(1.f) : exp_vf_of(m[g] - base, coarse);
+        corr[g] = all_same ? splat(1.f) : exp_vf_of(m[g] - base);
         vf sum = (vf){0};
         for (int64_t o = 0; o < n; o++) {
-            s[o][g] = exp_vf_of(s[o][g] - base, coarse);
+            s[o][g] = exp_vf_of(s[o][g] - base);
             sum += s[o][g];
         }
         l[g] = l[g] * corr[g] + sum;
