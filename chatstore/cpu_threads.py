@@ -13,8 +13,6 @@ engine thread alone computes on all cores.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -63,11 +61,3 @@ def own_intra_op_threads(n: int) -> None:
     restore = threading.Thread(target=torch.set_num_threads, args=(before,), daemon=True)
     restore.start()
     restore.join()
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Run the calling thread at `nice` (Linux: a thread's nice value is its own; elsewhere,
-    or without permission, nothing changes): background work that must not take cores from
-    the forward."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)

@@ -97,6 +97,7 @@ def build_app(config: Config, settings: ServerSettings) -> FastAPI:
     """The app over a new Serving (chatstore.serving.build), built in a short-lived thread so
     that the engine thread alone owns an OpenMP pool (see cpu_threads.py); `chatstore chat
     --local` builds it the same way."""
+    from chatstore.cpu_priority import describe_background_class
     from chatstore.cpu_threads import in_temporary_thread, leave_cores_to_engine
     from chatstore.serving import build
 
@@ -105,6 +106,7 @@ def build_app(config: Config, settings: ServerSettings) -> FastAPI:
     if serving.engine.device_type == "cpu":
         serving.engine.compute_threads = cores
         leave_cores_to_engine()
+        log.info("chatstore: %s", describe_background_class())
     return create_app(serving, settings)
 
 

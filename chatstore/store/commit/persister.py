@@ -17,6 +17,10 @@ the batch and every chunk due meanwhile wait with it: nothing is tried until `re
 passed, doubling (up to `max_retry_s`) while the tier keeps refusing, back to `retry_s` after a
 copy lands. With `persist = "write_through"` the writer copies each chunk itself and hands only
 the refused ones here (`retry`).
+
+The thread copies in Linux's idle CPU class, so the forward's OpenMP workers preempt it at once
+(chatstore/cpu_priority.py), and is raised to the normal class at nice 19 when a copy runs past
+its chunk's deadline (a flushed or retried chunk's is now): the lag bound holds under load.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from chatstore.cpu_threads import lower_thread_priority, own_intra_op_threads
+from chatstore.cpu_priority import BackgroundPriority
+from chatstore.cpu_threads import own_intra_op_threads
 from chatstore.store.session_kv import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -62,6 +67,8 @@ class Persister:
         self.refused = 0  # copies the tier did not take (each was tried again later)
         self.idle: threading.Event | None = None
         self.max_defer_s = 0.5
+        # idle CPU class while a copy is within its deadline, nice 19 past it (cpu_priority.py)
+        self.priority = BackgroundPriority(nice=19)
 
     def add(self, key: ChunkKey) -> None:
         with self._cond:
@@ -124,6 +131,7 @@ class Persister:
             thread = self._thread
         if thread is not None:
             thread.join(5.0)
+        self.priority.close()
 
     def _wait_turn(self, deadline: float) -> None:
         """Let a running prefill finish first (see WriteBuffer): at most max_defer_s, and never
@@ -159,7 +167,7 @@ class Persister:
 
     def _run(self) -> None:
         own_intra_op_threads(1)
-        lower_thread_priority(19)  # background work with a lag budget
+        self.priority.enter()  # background work with a lag budget
         while True:
             with self._cond:
                 batch = self._next_batch()
@@ -169,6 +177,7 @@ class Persister:
             try:
                 self._copy(batch)
             finally:
+                self.priority.urgent_after(None)
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
@@ -176,6 +185,7 @@ class Persister:
     def _copy(self, batch: list[tuple[float, ChunkKey]]) -> None:
         for i, (deadline, key) in enumerate(batch):
             self._wait_turn(deadline)
+            self.priority.urgent_after(deadline)  # raised if the copy runs past its deadline
             try:
                 self._before_copy()
             except Exception:

@@ -23,8 +23,10 @@ whole buffer is accepted once the buffer is empty, so nothing waits forever.
 CPU: the writer's torch ops run on `intra_op_threads` (1) threads of their own. Left at the
 process setting, each of its big copies starts a second OpenMP team as wide as the engine's,
 and on a CPU host the two teams fight over the same cores: measured with bench/save.py on 2
-cores, async save cost ~10% per request that way, ~2-3% with one writer thread. Optionally the
-thread also runs at a lower priority (`nice`, Linux only; off by default).
+cores, async save cost ~10% per request that way, ~2-3% with one writer thread. The thread runs
+in Linux's idle CPU class while nobody waits on it, so the forward's OpenMP workers preempt it at
+once (chatstore/cpu_priority.py); a submit held by back-pressure, `wait`, `flush` and `close` raise
+it to the normal class at `nice` (0) while they wait.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from chatstore.cpu_threads import lower_thread_priority, own_intra_op_threads
+from chatstore.cpu_priority import BackgroundPriority
+from chatstore.cpu_threads import own_intra_op_threads
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,8 @@ class WriteBuffer:
         self._commit = commit
         self.capacity_bytes = capacity_bytes
         self._name = name
-        self._nice = nice
+        # idle CPU class while nobody waits on the writer, else normal at nice (cpu_priority.py)
+        self.priority = BackgroundPriority(nice)
         self.idle: threading.Event | None = None  # set by the store: clear while prefilling
         self.max_defer_s = 0.5
         self._intra_op_threads = intra_op_threads
@@ -105,9 +109,10 @@ class WriteBuffer:
                 raise RuntimeError("write buffer is closed")
             if nbytes and self._bytes and self._bytes + nbytes > self.capacity_bytes:
                 self.stalls += 1
-                self._cond.wait_for(
-                    lambda: not self._bytes or self._bytes + nbytes <= self.capacity_bytes
-                )
+                with self.priority.urgent():  # the engine thread waits on the writer
+                    self._cond.wait_for(
+                        lambda: not self._bytes or self._bytes + nbytes <= self.capacity_bytes
+                    )
             self._jobs.append(_Job(key, build, nbytes))
             self._pending[key] = self._pending.get(key, 0) + 1
             self._bytes += nbytes
@@ -133,12 +138,12 @@ class WriteBuffer:
 
     def wait(self, key: Hashable, timeout: float | None = None) -> bool:
         """Until no write of `key` is pending; False on timeout."""
-        with self._cond:
+        with self._cond, self.priority.urgent():
             return self._cond.wait_for(lambda: key not in self._pending, timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Until every submitted write is committed; False on timeout."""
-        with self._cond:
+        with self._cond, self.priority.urgent():
             return self._cond.wait_for(lambda: not self._pending, timeout)
 
     def close(self) -> None:
@@ -148,7 +153,8 @@ class WriteBuffer:
             self._cond.notify_all()
             thread = self._thread
         if thread is not None:
-            thread.join()
+            with self.priority.urgent():
+                thread.join()
 
     # -- the writer thread -------------------------------------------------------------------
 
@@ -168,8 +174,7 @@ class WriteBuffer:
     def _run(self) -> None:
         if self._intra_op_threads:
             own_intra_op_threads(self._intra_op_threads)
-        if self._nice:
-            lower_thread_priority(self._nice)
+        self.priority.enter()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._jobs or self._closed)

@@ -1,0 +1,177 @@
+"""The CPU class of the store's background threads: Linux's idle class while their work can wait.
+
+The writer (a finished turn into DRAM) and the persister (DRAM chunks onto LMDB) copy tens of MB
+a turn (a 2,000-token turn of the default model: ~70 ms of CPU). On a CPU host they share the
+cores with the forward, whose OpenMP workers sleep between parallel regions. A background thread
+of the normal class (SCHED_OTHER), even at nice 19, takes such a core while a worker sleeps and
+keeps it for the rest of its time slice once the worker wakes; the whole region then waits for
+that one worker at its barrier. In the idle class (SCHED_IDLE) a waking thread of any other class
+preempts it at once (the kernel's wake-up check), so it runs only on cores nothing else wants.
+Measured (2-core Zen 5, back-to-back fresh 2K prompts served, the classes switched between
+requests in one server): the forward took 740 ms with the writer at nice 0 and the persister at
+nice 19, 715 ms with both in the idle class.
+
+Idle-class work can starve while the cores stay busy, and some of it must not: a turn the engine
+blocks on (the write buffer's back-pressure), a delete waiting for the turn being saved, a chunk
+past its write-back deadline. Those raise the thread to the normal class at its `nice` for as
+long as something waits (`urgent()`, `urgent_after(deadline)`). Leaving the idle class needs
+CAP_SYS_NICE or a RLIMIT_NICE that allows the nice value; where the process may not (probed once,
+`idle_class_reversible`), or with CHATSTORE_IDLE_CLASS=0, the threads stay in the normal class at
+their nice value, as before, and never enter a class they could not be raised from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
+
+_SCHED_IDLE = getattr(os, "SCHED_IDLE", None)
+_SCHED_OTHER = getattr(os, "SCHED_OTHER", None)
+
+
+@functools.cache
+def idle_class_reversible() -> bool:
+    """Whether this process may put a thread in the idle class and take it back out (Linux;
+    root, CAP_SYS_NICE or a RLIMIT_NICE of 20). Probed in a thread of its own, which exits."""
+    if os.environ.get("CHATSTORE_IDLE_CLASS", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if _SCHED_IDLE is None or _SCHED_OTHER is None or not hasattr(os, "sched_setscheduler"):
+        return False
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, _SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, _SCHED_OTHER, os.sched_param(0))
+            ok.append(True)
+        except OSError:
+            ok.append(False)
+
+    thread = threading.Thread(target=probe, name="chatstore-sched-probe")
+    thread.start()
+    thread.join()
+    return ok[0]
+
+
+def _set_class(tid: int, idle: bool, nice: int) -> None:
+    """Thread tid into the idle class, or the normal one at `nice` (errors: left as it is)."""
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        if idle:
+            os.sched_setscheduler(tid, _SCHED_IDLE, os.sched_param(0))  # type: ignore[arg-type]
+            return
+        if _SCHED_OTHER is not None and idle_class_reversible():
+            os.sched_setscheduler(tid, _SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+class BackgroundPriority:
+    """One background thread's class: idle while nothing waits on it, else normal at `nice`.
+
+    The thread calls `enter()` when it starts; any thread may then call `urgent()` (a context)
+    or `urgent_after(deadline)` on it."""
+
+    def __init__(self, nice: int = 0) -> None:
+        self.nice = nice
+        self._tid: int | None = None
+        self._waiters = 0  # urgent() contexts open
+        self._deadline: float | None = None  # urgent_after's, monotonic
+        self._overdue = False  # that deadline has passed
+        self._urgent_now = False  # the class the thread was last given
+        self._cond = threading.Condition()
+        self._watchdog: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def idle_class(self) -> bool:
+        """Whether the thread is in the idle class now."""
+        with self._cond:
+            return self._tid is not None and self._uses_idle() and not self._urgent_now
+
+    def enter(self) -> None:
+        """The calling thread is the background thread: give it its class."""
+        with self._cond:
+            self._tid = threading.get_native_id()
+            self._urgent_now = not self._uses_idle()
+            _set_class(self._tid, idle=not self._urgent_now, nice=self.nice)
+
+    @contextlib.contextmanager
+    def urgent(self) -> Iterator[None]:
+        """While open (from any thread), the thread runs in the normal class."""
+        with self._cond:
+            self._waiters += 1
+            self._apply()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._waiters -= 1
+                self._apply()
+
+    def urgent_after(self, deadline: float | None) -> None:
+        """From `deadline` (time.monotonic()) on, until the next call, the thread runs in the
+        normal class: the work it starts now must be done by then. None: no deadline."""
+        with self._cond:
+            self._deadline = deadline
+            self._overdue = deadline is not None and deadline <= time.monotonic()
+            if deadline is not None and not self._overdue and self._uses_idle():
+                if not self._closed:
+                    self._ensure_watchdog()
+            self._apply()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the deadline watchdog (the thread it watches is done)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.join(5.0)
+
+    def _uses_idle(self) -> bool:
+        return idle_class_reversible()
+
+    def _apply(self) -> None:
+        """Under the condition: the class the waiters and the deadline ask for."""
+        if self._tid is None or not self._uses_idle():
+            return
+        urgent = self._waiters > 0 or self._overdue
+        if urgent != self._urgent_now:
+            self._urgent_now = urgent
+            _set_class(self._tid, idle=not urgent, nice=self.nice)
+
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None:
+            name = "chatstore-priority-watchdog"
+            self._watchdog = threading.Thread(target=self._watch, name=name, daemon=True)
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Raise the thread when its deadline passes (a normal-class thread: it is the one that
+        must run when the cores are busy)."""
+        with self._cond:
+            while not self._closed:
+                deadline = self._deadline
+                if deadline is None or self._overdue:
+                    self._cond.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._overdue = True
+                self._apply()
+
+
+def describe_background_class() -> str:
+    """One line for the start log: which class the background threads use."""
+    if idle_class_reversible():
+        return "background store threads: idle CPU class (the forward preempts them at once)"
+    return "background store threads: normal CPU class (idle class off or not permitted)"

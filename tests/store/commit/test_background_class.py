@@ -1,0 +1,163 @@
+"""The store's background threads run in Linux's idle CPU class while nothing waits on them, and
+in the normal class at their nice value while something does (chatstore/cpu_priority.py): a
+submit held by back-pressure, a wait for a turn, a write-back copy past its deadline. Where the
+process may not leave the idle class again they never enter it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from chatstore import cpu_priority
+from chatstore.cpu_priority import BackgroundPriority, idle_class_reversible
+from chatstore.store.commit.persister import Persister
+from chatstore.store.commit.write_buffer import WriteBuffer
+from chatstore.store.session_kv import ChunkKey
+
+linux_idle_class = pytest.mark.skipif(
+    not idle_class_reversible(), reason="this process may not leave the idle class again"
+)
+
+
+def cpu_class(tid: int) -> tuple[str, int]:
+    """('idle' | 'normal' | other policy, nice) of thread tid."""
+    policy = os.sched_getscheduler(tid)
+    name = {os.SCHED_IDLE: "idle", os.SCHED_OTHER: "normal"}.get(policy, str(policy))
+    return name, os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture
+def background_thread() -> Iterator[Callable[[BackgroundPriority], int]]:
+    """Start a thread that enters the given class and idles until the test ends; its tid."""
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def start(priority: BackgroundPriority) -> int:
+        tid: list[int] = []
+
+        def run() -> None:
+            priority.enter()
+            tid.append(threading.get_native_id())
+            stop.wait()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        threads.append(thread)
+        assert wait_until(lambda: bool(tid))
+        return tid[0]
+
+    yield start
+    stop.set()
+    for thread in threads:
+        thread.join(5.0)
+
+
+@linux_idle_class
+def test_idle_until_a_waiter_raises_it_to_its_nice(background_thread) -> None:
+    priority = BackgroundPriority(nice=7)
+    tid = background_thread(priority)
+    assert cpu_class(tid)[0] == "idle" and priority.idle_class
+    with priority.urgent():
+        assert cpu_class(tid) == ("normal", 7)
+        with priority.urgent():  # a second waiter: still raised when the inner one leaves
+            pass
+        assert cpu_class(tid) == ("normal", 7)
+    assert cpu_class(tid)[0] == "idle"
+
+
+@linux_idle_class
+def test_a_deadline_raises_the_thread_when_it_passes(background_thread) -> None:
+    priority = BackgroundPriority(nice=19)
+    tid = background_thread(priority)
+    start = time.monotonic()
+    priority.urgent_after(start + 0.3)
+    assert cpu_class(tid)[0] == "idle"
+    assert wait_until(lambda: cpu_class(tid)[0] == "normal")
+    assert time.monotonic() - start >= 0.3 - 0.01
+    assert cpu_class(tid) == ("normal", 19)
+    priority.urgent_after(None)  # the work is done
+    assert cpu_class(tid)[0] == "idle"
+    priority.urgent_after(time.monotonic() - 1.0)  # already late: raised at once
+    assert cpu_class(tid) == ("normal", 19)
+    priority.close()
+
+
+def test_without_permission_the_thread_stays_normal_at_its_nice(
+    background_thread, monkeypatch
+) -> None:
+    monkeypatch.setattr(cpu_priority, "idle_class_reversible", lambda: False)
+    priority = BackgroundPriority(nice=19)
+    tid = background_thread(priority)
+    assert cpu_class(tid) == ("normal", 19) and not priority.idle_class
+    priority.urgent_after(time.monotonic() + 0.05)
+    with priority.urgent():
+        assert cpu_class(tid) == ("normal", 19)
+    time.sleep(0.1)
+    assert cpu_class(tid) == ("normal", 19)
+
+
+def test_the_environment_turns_the_idle_class_off(monkeypatch) -> None:
+    monkeypatch.setenv("CHATSTORE_IDLE_CLASS", "0")
+    idle_class_reversible.cache_clear()
+    try:
+        assert idle_class_reversible() is False
+        assert "normal CPU class" in cpu_priority.describe_background_class()
+    finally:
+        monkeypatch.delenv("CHATSTORE_IDLE_CLASS")
+        idle_class_reversible.cache_clear()
+
+
+@linux_idle_class
+def test_write_back_copies_idle_within_their_deadline_and_normal_past_it() -> None:
+    seen: dict[str, tuple[str, int]] = {}
+
+    def persist(key: ChunkKey) -> bool:
+        seen[key.digest[-1]] = cpu_class(threading.get_native_id())
+        return True
+
+    persister = Persister(persist, lag_s=2.0)
+    persister.add(ChunkKey("t", "0" * 32))  # due at 1 s, deadline 2 s: copied in time
+    assert wait_until(lambda: "0" in seen)
+    persister.add(ChunkKey("t", "0" * 31 + "1"))
+    persister.flush(10.0)  # a flush wants it now: past any deadline
+    persister.close(flush=False)
+    assert seen["0"][0] == "idle"
+    assert seen["1"] == ("normal", 19)
+
+
+@linux_idle_class
+def test_the_writer_is_raised_while_someone_waits_for_its_turn() -> None:
+    release = threading.Event()
+    classes: list[tuple[str, int]] = []
+    tid: list[int] = []
+
+    def commit(key: object, value: object) -> None:
+        tid.append(threading.get_native_id())
+        release.wait(10.0)
+        classes.append(cpu_class(tid[0]))
+
+    writer = WriteBuffer(commit, capacity_bytes=1 << 20)
+    writer.submit("turn", lambda: "kv", 10)
+    assert wait_until(lambda: bool(tid))
+    assert cpu_class(tid[0])[0] == "idle"  # nobody waits: it may take as long as it likes
+    waiter = threading.Thread(target=writer.wait, args=("turn", 10.0))
+    waiter.start()
+    assert wait_until(lambda: cpu_class(tid[0])[0] == "normal")
+    release.set()
+    waiter.join(10.0)
+    assert classes == [("normal", 0)]
+    assert wait_until(lambda: cpu_class(tid[0])[0] == "idle")
+    writer.close()
