@@ -120,9 +120,9 @@ class BackgroundPriority:
         with self._cond:
             self._deadline = deadline
             self._overdue = deadline is not None and deadline <= time.monotonic()
-            if deadline is not None and not self._overdue and self._uses_idle():
-                if not self._closed:
-                    self._ensure_watchdog()
+            armed = deadline is not None and not self._overdue and not self._closed
+            if armed and self._uses_idle():  # only an idle-class thread needs raising
+                self._ensure_watchdog()
             self._apply()
             self._cond.notify_all()
 
