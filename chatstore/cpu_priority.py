@@ -154,8 +154,10 @@ class BackgroundPriority:
             self._watchdog.start()
 
     def _watch(self) -> None:
-        """Raise the thread when its deadline passes (a normal-class thread: it is the one that
-        must run when the cores are busy)."""
+        """Raise the thread when its deadline passes. The watchdog itself runs in the normal
+        class (it must run while the cores are busy), not in the idle class it would inherit
+        from the background thread that started it."""
+        _set_class(threading.get_native_id(), idle=False, nice=0)
         with self._cond:
             while not self._closed:
                 deadline = self._deadline

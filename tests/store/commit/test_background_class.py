@@ -133,9 +133,12 @@ def test_write_back_copies_idle_within_their_deadline_and_normal_past_it() -> No
     assert wait_until(lambda: "0" in seen)
     persister.add(ChunkKey("t", "0" * 31 + "1"))
     persister.flush(10.0)  # a flush wants it now: past any deadline
+    watchdog = [t for t in threading.enumerate() if t.name == "chatstore-priority-watchdog"]
+    assert watchdog and cpu_class(watchdog[-1].native_id)[0] == "normal"  # not inherited idle
     persister.close(flush=False)
     assert seen["0"][0] == "idle"
     assert seen["1"] == ("normal", 19)
+    assert not watchdog[-1].is_alive()
 
 
 @linux_idle_class
