@@ -20,10 +20,12 @@ Plain values and one future; the store fills the callbacks in (sessions/turn_ope
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from chatstore.store.port_values import StoredSession
@@ -41,7 +43,13 @@ class TurnChain:
     once by the API's append; given up by the API when the turn ends without one, and then
     recorded by the store instead (see `complete` and `give_up`)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, hurry: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+    ) -> None:
+        """hurry(): a context held while the API waits for the commit: the store's writer runs
+        in the idle CPU class until something waits on it (chatstore/cpu_priority.py), and the
+        reply's last frame waits on this one."""
+        self._hurry = hurry
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._value: ChainRecord | None = None
@@ -69,7 +77,9 @@ class TurnChain:
         """API side: the committed chain, waiting up to timeout for the commit (the engine
         hands the turn to the store's writer before the reply ends); None when nothing was
         saved, the chain is no longer the session's, or the commit did not come in time."""
-        self._done.wait(timeout)
+        if not self._done.is_set():
+            with self._hurry():
+                self._done.wait(timeout)
         with self._lock:
             if self._given_up or not self._done.is_set():
                 return None

@@ -95,7 +95,12 @@ class TurnOpening:
         # This turn's cached tokens count where it found them, whatever moves them up now.
         origins = {c: w for c in chunks if (w := self.chunk_tier(c))}
         opened = OpenedTurn(
-            key, origins, borrowed, [], TurnChain() if records_turn else None, _unpin=self.unpin
+            key,
+            origins,
+            borrowed,
+            [],
+            TurnChain(self.committer.writer.priority.urgent) if records_turn else None,
+            _unpin=self.unpin,
         )
         if not self.tiers.slow:
             return opened  # every chunk is in DRAM (or gone): the engine reads it there

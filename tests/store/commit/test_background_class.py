@@ -16,6 +16,7 @@ from chatstore import cpu_priority
 from chatstore.cpu_priority import BackgroundPriority, idle_class_reversible
 from chatstore.store.commit.persister import Persister
 from chatstore.store.commit.write_buffer import WriteBuffer
+from chatstore.store.opened_turn import TurnChain
 from chatstore.store.session_kv import ChunkKey
 
 linux_idle_class = pytest.mark.skipif(
@@ -164,3 +165,47 @@ def test_the_writer_is_raised_while_someone_waits_for_its_turn() -> None:
     assert classes == [("normal", 0)]
     assert wait_until(lambda: cpu_class(tid[0])[0] == "idle")
     writer.close()
+
+
+@linux_idle_class
+def test_the_writer_is_raised_while_a_reply_waits_for_its_turns_chain() -> None:
+    """A session turn's reply ends only once the store's commit has given it the turn's KV
+    chain (TurnChain.take): an idle-class writer starved by the forward held replies back for
+    seconds under load (bench/agentic.py: 4.5 s from the last token to the stream's end)."""
+    release = threading.Event()
+    tid: list[int] = []
+
+    def commit(key: object, value: object) -> None:
+        tid.append(threading.get_native_id())
+        release.wait(10.0)
+
+    writer = WriteBuffer(commit)
+    chain = TurnChain(writer.priority.urgent)
+    writer.submit("turn", lambda: "kv", 10)
+    assert wait_until(lambda: bool(tid))
+    assert cpu_class(tid[0])[0] == "idle"
+    taker = threading.Thread(target=chain.take, args=(10.0,))
+    taker.start()
+    assert wait_until(lambda: cpu_class(tid[0])[0] == "normal")
+    chain.complete(None)
+    taker.join(10.0)
+    assert cpu_class(tid[0])[0] == "idle"  # the reply has its chain: nobody waits any more
+    release.set()
+    writer.close()
+
+
+def test_a_completed_chain_is_taken_without_hurrying() -> None:
+    entered: list[bool] = []
+
+    class Hurry:
+        def __enter__(self) -> None:
+            entered.append(True)
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    chain = TurnChain(Hurry)
+    chain.complete(None)
+    assert chain.take(1.0) is None and not entered
+    waiting = TurnChain(Hurry)
+    assert waiting.take(0.01) is None and entered == [True]  # waited (and timed out)
