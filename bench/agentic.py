@@ -23,6 +23,10 @@ Measured per server, one at a time on loopback, each stopped before the next sta
                       steps/s x (TTFT + decode span), so at saturation a server that stalls its
                       decodes behind long prefill steps shows a shorter TTFT at the same or a
                       longer latency; the latency is the like-for-like measure of throughput
+  later-step end      request sent -> the response's end (the stream closed), mean and p90:
+                      when a client that reads the whole response sends its next step; the gap
+                      after the last token is the server's work on the turn before its last
+                      frame (chatstore: the turn's KV chain recorded with its messages)
   output tok/s        completion tokens of every step / the agents' wall time
   prefix reuse share  later steps' prompt tokens served from the store (usage cached_tokens;
                       store off: from the engine's device prefix cache alone); its ceiling is
@@ -46,7 +50,8 @@ not run): agent_ttft_ratio_vs_store_off, both chatstore servers with the small d
 (--vllm-kv-gib, its serve.sh default 2 GiB) against a third chatstore server whose device pool
 is as big ("chatstore_same_kv"); agent_ttft_ratio_vs_vllm_small_pool, chatstore's small pool
 against that vLLM (what runs before 2026-11-28 reported as the ratio to vLLM);
-agent_step_latency_ratio_vs_store_off / _vs_vllm, the same pairs by mean later-step latency.
+agent_step_latency_ratio_vs_store_off / _vs_vllm, the same pairs by mean later-step latency;
+agent_step_end_ratio_vs_vllm, by the mean later-step end.
 
     python bench/agentic.py [--agents 8] [--steps 30] [--quick] [--vllm] [--no-store-off]
                             [--device-kv-tokens 12288] [--vllm-kv-gib 2]
@@ -183,6 +188,7 @@ class Step:
     last: float
     finish: str | None = None
     task: int = 0  # the agent's conversation (a new one after a reset)
+    end: float = 0.0  # request sent -> the response's end (the stream closed)
 
 
 def stream_step(http: httpx.Client, url: str, body: dict, headers: dict) -> Step:
@@ -224,6 +230,7 @@ def stream_step(http: httpx.Client, url: str, body: dict, headers: dict) -> Step
     return Step(
         -1, -1, first - sent, usage["prompt_tokens"], details.get("cached_tokens") or 0,
         usage["completion_tokens"], found, valid, text, first, last or first, finish,
+        end=time.perf_counter() - sent,
     )  # fmt: skip
 
 
@@ -386,6 +393,8 @@ def summary(run: AgentRun, plan: Plan) -> dict[str, float | int | None]:
     ttfts = sorted(s.ttft for s in later)
     # An agent acts when its call is whole: the step's latency is request sent -> last token.
     spans = sorted(s.ttft + s.last - s.first for s in later)
+    # A client that waits for the whole response (the stream's end) sends the next step then.
+    ends = sorted(s.end for s in later)
     prompt = sum(s.prompt_tokens for s in later)
     # Of the history the server had already seen (the step before's prompt and completion, less
     # its last token, which has no KV), the share served from the store: 1.0 is token for token.
@@ -401,6 +410,8 @@ def summary(run: AgentRun, plan: Plan) -> dict[str, float | int | None]:
         "later_ttft_p90_ms": 1000 * ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
         "later_step_latency_mean_ms": 1000 * statistics.fmean(spans) if spans else None,
         "later_step_latency_p90_ms": 1000 * spans[int(0.9 * (len(spans) - 1))] if spans else None,
+        "later_step_end_mean_ms": 1000 * statistics.fmean(ends) if ends else None,
+        "later_step_end_p90_ms": 1000 * ends[int(0.9 * (len(ends) - 1))] if ends else None,
         "output_tok_s": sum(s.completion_tokens for s in run.steps) / run.wall_s,
         "completion_tokens_mean": statistics.fmean(s.completion_tokens for s in run.steps),
         "prefix_reuse_share": sum(s.cached_tokens for s in later) / prompt if prompt else None,
@@ -421,7 +432,8 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 def table(rows: dict[str, dict]) -> str:
     keys = [
         "later_ttft_mean_ms", "later_ttft_p90_ms", "later_step_latency_mean_ms",
-        "later_step_latency_p90_ms", "output_tok_s", "completion_tokens_mean", "prefix_reuse_share",
+        "later_step_latency_p90_ms", "later_step_end_mean_ms", "later_step_end_p90_ms",
+        "output_tok_s", "completion_tokens_mean", "prefix_reuse_share",
         "history_reuse_share", "later_prompt_tokens_mean", "steps", "tool_parse_ok",
         "cut_by_max_tokens",
         "conversation_resets",
@@ -586,6 +598,10 @@ def main(argv: list[str] | None = None) -> None:
         "agent_step_latency_ratio_vs_vllm": ratio(
             rows.get("chatstore_same_kv", {}).get("later_step_latency_mean_ms"),
             rows.get("vllm", {}).get("later_step_latency_mean_ms"),
+        ),
+        "agent_step_end_ratio_vs_vllm": ratio(
+            rows.get("chatstore_same_kv", {}).get("later_step_end_mean_ms"),
+            rows.get("vllm", {}).get("later_step_end_mean_ms"),
         ),
         "agent_prefix_reuse_share": rows["chatstore"]["prefix_reuse_share"],
         "agent_history_reuse_share": rows["chatstore"]["history_reuse_share"],
