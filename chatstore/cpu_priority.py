@@ -3,21 +3,23 @@
 The writer (a finished turn into DRAM) and the persister (DRAM chunks onto LMDB) copy tens of MB
 a turn (a 2,000-token turn of the default model: ~70 ms of CPU). On a CPU host they share the
 cores with the forward, whose OpenMP workers sleep between parallel regions. A background thread
-of the normal class (SCHED_OTHER), even at nice 19, takes such a core while a worker sleeps and
-keeps it for the rest of its time slice once the worker wakes; the whole region then waits for
-that one worker at its barrier. In the idle class (SCHED_IDLE) a waking thread of any other class
-preempts it at once (the kernel's wake-up check), so it runs only on cores nothing else wants.
-Measured (2-core Zen 5, back-to-back fresh 2K prompts served, the classes switched between
-requests in one server): the forward took 740 ms with the writer at nice 0 and the persister at
-nice 19, 715 ms with both in the idle class.
+of the normal class (SCHED_OTHER), even at nice 19, can take such a core while a worker sleeps
+and keep it for the rest of its time slice once the worker wakes; the whole region then waits
+for that one worker at its barrier (what the measurement below fits; not traced). In the idle
+class (SCHED_IDLE) a waking thread of any other class preempts it at once (the kernel's wake-up
+check), so it runs only on cores nothing else wants. Measured (2-core Zen 5, back-to-back fresh
+2K prompts served, the classes switched between requests in one server, two runs): the forward
+took 740 / 695 ms with the writer at nice 0 and the persister at nice 19, 715 / 685 ms with both
+in the idle class.
 
 Idle-class work can starve while the cores stay busy, and some of it must not: a turn the engine
-blocks on (the write buffer's back-pressure), a delete waiting for the turn being saved, a chunk
-past its write-back deadline. Those raise the thread to the normal class at its `nice` for as
-long as something waits (`urgent()`, `urgent_after(deadline)`). Leaving the idle class needs
-CAP_SYS_NICE or a RLIMIT_NICE that allows the nice value; where the process may not (probed once,
-`idle_class_reversible`), or with CHATSTORE_IDLE_CLASS=0, the threads stay in the normal class at
-their nice value, as before, and never enter a class they could not be raised from.
+blocks on (the write buffer's back-pressure), a session reply waiting for its turn's KV chain
+(`TurnChain.take`), a delete waiting for the turn being saved, a chunk past its write-back
+deadline. Those raise the thread to the normal class at its `nice` for as long as something waits
+(`urgent()`, `urgent_after(deadline)`). Leaving the idle class needs CAP_SYS_NICE or a RLIMIT_NICE
+that allows the nice value; where the process may not (probed once, `idle_class_reversible`), or
+with CHATSTORE_IDLE_CLASS=0, the threads stay in the normal class at their nice value, as before,
+and never enter a class they could not be raised from.
 """
 
 from __future__ import annotations
