@@ -63,14 +63,17 @@ def idle_class_reversible() -> bool:
 
 
 def _set_class(tid: int, idle: bool, nice: int) -> None:
-    """Thread tid into the idle class, or the normal one at `nice` (errors: left as it is)."""
+    """Thread tid into the idle class, or the normal one at `nice`; nice 0 leaves the thread's
+    nice value as it is (the process's, or what it was given before: a change of class keeps
+    it). Errors leave the thread as it is."""
     with contextlib.suppress(OSError, AttributeError, TypeError):
         if idle:
             os.sched_setscheduler(tid, _SCHED_IDLE, os.sched_param(0))  # type: ignore[arg-type]
             return
         if _SCHED_OTHER is not None and idle_class_reversible():
             os.sched_setscheduler(tid, _SCHED_OTHER, os.sched_param(0))
-        os.setpriority(os.PRIO_PROCESS, tid, nice)
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 class BackgroundPriority:
@@ -94,13 +97,15 @@ class BackgroundPriority:
     def idle_class(self) -> bool:
         """Whether the thread is in the idle class now."""
         with self._cond:
-            return self._tid is not None and self._uses_idle() and not self._urgent_now
+            return self._tid is not None and idle_class_reversible() and not self._urgent_now
 
     def enter(self) -> None:
-        """The calling thread is the background thread: give it its class."""
+        """The calling thread is the background thread: give it its class (normal if something
+        waits on it already)."""
         with self._cond:
             self._tid = threading.get_native_id()
-            self._urgent_now = not self._uses_idle()
+            reversible = idle_class_reversible()
+            self._urgent_now = not reversible or self._waiters > 0 or self._overdue
             _set_class(self._tid, idle=not self._urgent_now, nice=self.nice)
 
     @contextlib.contextmanager
@@ -123,7 +128,7 @@ class BackgroundPriority:
             self._deadline = deadline
             self._overdue = deadline is not None and deadline <= time.monotonic()
             armed = deadline is not None and not self._overdue and not self._closed
-            if armed and self._uses_idle():  # only an idle-class thread needs raising
+            if armed and idle_class_reversible():  # only an idle-class thread needs raising
                 self._ensure_watchdog()
             self._apply()
             self._cond.notify_all()
@@ -137,12 +142,9 @@ class BackgroundPriority:
         if watchdog is not None:
             watchdog.join(5.0)
 
-    def _uses_idle(self) -> bool:
-        return idle_class_reversible()
-
     def _apply(self) -> None:
         """Under the condition: the class the waiters and the deadline ask for."""
-        if self._tid is None or not self._uses_idle():
+        if self._tid is None or not idle_class_reversible():
             return
         urgent = self._waiters > 0 or self._overdue
         if urgent != self._urgent_now:
