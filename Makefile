@@ -31,11 +31,13 @@ $(SERVE_STAMP): pyproject.toml | $(PY)
 $(TEST_STAMP): $(SERVE_STAMP)
 	$(PIP) install -q -e '.[test]'
 	# Debian packages the tests drive (each test starts its own on loopback): a real Redis (also
-	# as a cluster), nginx for the replicas test, chromium for the page tests (no download).
+	# as a cluster), nginx for the replicas test, chromium for the page tests (no download),
+	# qemu-user for the kernel tests on an emulated AVX2-only CPU (x86-64 only).
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	{ command -v nginx >/dev/null || test -x /usr/sbin/nginx; } || missing="$$missing nginx-light"; \
 	test -x /usr/bin/chromium || missing="$$missing chromium"; \
+	{ [ "$$(uname -m)" != x86_64 ] || command -v qemu-x86_64 >/dev/null; } || missing="$$missing qemu-user"; \
 	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
 		apt-get update -qq && apt-get install -y -qq $$missing; \
