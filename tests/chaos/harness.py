@@ -88,8 +88,15 @@ class ServerProcess:
     """`python -m chatstore serve` on a fixed loopback port; stdout and stderr go to a log file
     (a pipe nobody reads would block the server once full)."""
 
-    def __init__(self, data_dir: Path, env: dict[str, str] | None = None, port: int = 0) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        env: dict[str, str] | None = None,
+        port: int = 0,
+        runner: tuple[str, ...] = (),
+    ) -> None:
         self.data_dir = Path(data_dir)
+        self.runner = runner  # what runs the interpreter, e.g. an emulator's command line
         self.port = port or free_port()
         self.env = {**BASE_ENV, "CHATSTORE_DATA_DIR": str(self.data_dir), **(env or {})}
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}-server.log"
@@ -127,7 +134,7 @@ class ServerProcess:
         self._log.write(f"--- start {time.strftime('%H:%M:%S')} ---\n".encode())
         self._log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "chatstore", "serve", "--port", str(self.port)],
+            [*self.runner, sys.executable, "-m", "chatstore", "serve", "--port", str(self.port)],
             env={**inherited, **self.env},
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -9,13 +9,15 @@ dispatch), passes there and fails on the AVX2-only machines issue 32 found red.
 QEMU's user-mode emulator with `-cpu max` is an AVX2-only CPU as CPUID and the instruction
 decoder see it (its TCG runs AVX, AVX2, FMA and F16C, and no AVX512, AVX-VNNI or AMX at all): an
 AVX512 instruction is SIGILL there, and torch reports AVX2. Under it this runs the kernel tests
-of every variant that CPU can execute, and the default model's forward against transformers.
+of every variant that CPU can execute, the default model's forward against transformers, and
+`chatstore serve` on its defaults (`weights = auto`: the GGUF's int4) through a two-turn session
+whose second turn comes from the store, against the same paths run natively.
 
 What the emulator does not model: /proc/cpuinfo is the host's (qemu-user passes it through), so
 the child hides the AVX512 flags as `make test-avx2` does; speed (TCG is ~30x slower than the
-host, so only the tests that prove a path's results run here, the rest stay native); a 64 GiB
-LMDB map (qemu-user reserves a mapping's address space up front and the host's overcommit
-refuses it), so no server starts under it.
+host, so only the tests that prove a path's results run here, the rest stay native); the SSD
+tier's 64 GiB LMDB map (qemu-user reserves a mapping's address space up front, which the host's
+overcommit refuses), so the emulated server's SSD tier is 1 GiB.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.chaos.harness import ServerProcess
+
 QEMU = shutil.which("qemu-x86_64")
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = "avx512*,amx*,avx_vnni*,avx_ne_convert*"
-# Every kernel file whose results depend on the ISA; the GPU path's Triton tests (interpreted,
-# ISA-independent) and the multi-minute ones stay native.
+# The kernel files whose results depend on the ISA; the GPU path's Triton tests (interpreted,
+# ISA-independent), the AMX-only flash prefill and the multi-minute ones stay native.
 KERNEL_TESTS = [
     "tests/kernels/test_kernel_variants.py",
     "tests/kernels/test_kernels.py",
@@ -44,8 +48,6 @@ KERNEL_TESTS = [
     "tests/kernels/test_fused_ops_cpu.py",
     "tests/kernels/test_int4_vnni.py",
     "tests/kernels/test_weight_dequant.py",
-    "tests/kernels/test_gguf_pack.py",
-    "tests/kernels/test_flash_prefill.py",
 ]
 RUNNER_TEST = (
     "tests/engine/test_runner_exact.py::test_default_model_logits_match_transformers"
@@ -113,3 +115,40 @@ def test_kernels_and_the_runner_pass_on_an_avx2_only_cpu():
     # the kernel conftest's summary: the variants run, and the one that would serve
     assert "native kernel variants tested: avx2, generic (serving: avx2)" in ran.stdout, tail
     assert " passed" in ran.stdout and " failed" not in ran.stdout, tail
+
+
+# What `make test-avx2` sets: the same paths on the host's AVX512 CPU, the reference.
+AVX2_PATHS = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "CHATSTORE_HIDE_CPU_FLAGS": HIDDEN,
+}
+
+
+def _two_turns(server: ServerProcess) -> list[tuple[int, str]]:
+    """(cached prompt tokens, reply) of a two-turn session, greedy."""
+    turns = []
+    with server.client(timeout_s=300) as http:
+        sid = http.post("/v1/sessions", json={}).json()["id"]
+        for text in ("Name three colours of the rainbow.", "Which of them is warmest?"):
+            body = {"content": text, "temperature": 0, "max_tokens": 12}
+            r = http.post(f"/v1/sessions/{sid}/messages", json=body)
+            assert r.status_code == 200, r.text
+            reply = r.json()
+            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            turns.append((cached, reply["message"]["content"]))
+    return turns
+
+
+def test_a_served_session_on_an_avx2_only_cpu_matches_the_same_paths_native(tmp_path):
+    env = {"CHATSTORE_SSD_BYTES": str(1 << 30), **AVX2_PATHS}
+    emulated = ServerProcess(tmp_path / "emulated", env, runner=(QEMU or "", "-cpu", "max"))
+    with emulated.start(timeout_s=300):
+        paths = emulated.log_lines("CPU paths:")
+        served = _two_turns(emulated)
+    assert paths and "cpu flags avx2; compute dtype float32; native kernels avx2" in paths[0]
+    assert "torch vectors AVX2" in paths[0], paths
+    assert served[1][0] > 0, served  # the second turn's history came from the store
+    with ServerProcess(tmp_path / "native", env) as native:
+        assert _two_turns(native) == served
