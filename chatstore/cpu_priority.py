@@ -38,6 +38,14 @@ _SCHED_IDLE = getattr(os, "SCHED_IDLE", None)
 _SCHED_OTHER = getattr(os, "SCHED_OTHER", None)
 
 
+def _own_nice() -> int:
+    """The calling thread's nice value (Linux: PRIO_PROCESS 0 is the thread); 0 elsewhere."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    except (OSError, AttributeError):
+        return 0
+
+
 @functools.cache
 def idle_class_reversible() -> bool:
     """Whether this process may put a thread in the idle class and take it back out (Linux;
@@ -62,10 +70,10 @@ def idle_class_reversible() -> bool:
     return ok[0]
 
 
-def _set_class(tid: int, idle: bool, nice: int) -> None:
-    """Thread tid into the idle class, or the normal one at `nice`; nice 0 leaves the thread's
-    nice value as it is (the process's, or what it was given before: a change of class keeps
-    it). Errors leave the thread as it is."""
+def _set_class(tid: int, idle: bool, nice: int | None) -> None:
+    """Thread tid into the idle class, or the normal one at `nice`; None (or 0) leaves the
+    thread's nice value as it is (the process's, or what it was given before: a change of class
+    keeps it). Errors leave the thread as it is."""
     with contextlib.suppress(OSError, AttributeError, TypeError):
         if idle:
             os.sched_setscheduler(tid, _SCHED_IDLE, os.sched_param(0))  # type: ignore[arg-type]
@@ -76,41 +84,62 @@ def _set_class(tid: int, idle: bool, nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
-class BackgroundPriority:
-    """One background thread's class: idle while nothing waits on it, else normal at `nice`.
+def _set_nice(tid: int, nice: int) -> None:
+    """Thread tid in the normal class at exactly `nice` (lowering it needs what leaving the
+    idle class needs). Errors leave the thread as it is."""
+    _set_class(tid, idle=False, nice=None)
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
 
-    The thread calls `enter()` when it starts; any thread may then call `urgent()` (a context)
-    or `urgent_after(deadline)` on it."""
+
+class BackgroundPriority:
+    """One background thread's class: idle while nothing waits on it, else normal at `nice`,
+    or at the server's own nice while a thread of the server's waits for a lock it holds
+    (`inherit()`: a write-back at nice 19 would hold such a waiter almost as long as an idle one).
+
+    The thread calls `enter()` when it starts; any thread may then call `urgent()` or
+    `inherit()` (contexts) or `urgent_after(deadline)` on it."""
 
     def __init__(self, nice: int = 0) -> None:
         self.nice = nice
+        self.base_nice = _own_nice()  # the constructing (server's) thread's: what inherit() gives
         self._tid: int | None = None
         self._waiters = 0  # urgent() contexts open
+        self._inheritors = 0  # inherit() contexts open
         self._deadline: float | None = None  # urgent_after's, monotonic
         self._overdue = False  # that deadline has passed
-        self._urgent_now = False  # the class the thread was last given
+        self._state = "idle"  # what the thread was last given: idle | urgent | inherit
         self._cond = threading.Condition()
         self._watchdog: threading.Thread | None = None
         self._closed = False
 
     @property
+    def waited_on(self) -> bool:
+        """Whether an `urgent()` or `inherit()` context is open (whatever the class allowed)."""
+        with self._cond:
+            return self._waiters > 0 or self._inheritors > 0
+
+    @property
     def idle_class(self) -> bool:
         """Whether the thread is in the idle class now."""
         with self._cond:
-            return self._tid is not None and idle_class_reversible() and not self._urgent_now
+            return self._tid is not None and idle_class_reversible() and self._state == "idle"
 
     def enter(self) -> None:
         """The calling thread is the background thread: give it its class (normal if something
         waits on it already)."""
         with self._cond:
             self._tid = threading.get_native_id()
-            reversible = idle_class_reversible()
-            self._urgent_now = not reversible or self._waiters > 0 or self._overdue
-            _set_class(self._tid, idle=not self._urgent_now, nice=self.nice)
+            if not idle_class_reversible():
+                self._state = "urgent"
+                _set_class(self._tid, idle=False, nice=self.nice)
+                return
+            self._state = ""  # nothing given yet: _apply gives what is wanted
+            self._apply()
 
     @contextlib.contextmanager
     def urgent(self) -> Iterator[None]:
-        """While open (from any thread), the thread runs in the normal class."""
+        """While open (from any thread), the thread runs in the normal class at its nice."""
         with self._cond:
             self._waiters += 1
             self._apply()
@@ -119,6 +148,20 @@ class BackgroundPriority:
         finally:
             with self._cond:
                 self._waiters -= 1
+                self._apply()
+
+    @contextlib.contextmanager
+    def inherit(self) -> Iterator[None]:
+        """While open, the thread runs in the normal class at `base_nice`: a thread of the
+        server's waits for a lock this one holds (InheritingLock)."""
+        with self._cond:
+            self._inheritors += 1
+            self._apply()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inheritors -= 1
                 self._apply()
 
     def urgent_after(self, deadline: float | None) -> None:
@@ -143,13 +186,24 @@ class BackgroundPriority:
             watchdog.join(5.0)
 
     def _apply(self) -> None:
-        """Under the condition: the class the waiters and the deadline ask for."""
+        """Under the condition: the class the lock's waiters, the waiters and the deadline ask
+        for. A nice value the thread held is set again when it leaves `inherit`."""
         if self._tid is None or not idle_class_reversible():
             return
-        urgent = self._waiters > 0 or self._overdue
-        if urgent != self._urgent_now:
-            self._urgent_now = urgent
-            _set_class(self._tid, idle=not urgent, nice=self.nice)
+        state = "idle"
+        if self._inheritors:
+            state = "inherit"
+        elif self._waiters or self._overdue:
+            state = "urgent"
+        if state == self._state:
+            return
+        was, self._state = self._state, state
+        if state == "inherit":
+            _set_nice(self._tid, self.base_nice)
+        elif state == "urgent" and was == "inherit":
+            _set_nice(self._tid, self.nice or self.base_nice)  # nice 0: as it was before
+        else:
+            _set_class(self._tid, idle=state == "idle", nice=self.nice)
 
     def _ensure_watchdog(self) -> None:
         if self._watchdog is None:
@@ -174,6 +228,62 @@ class BackgroundPriority:
                     continue
                 self._overdue = True
                 self._apply()
+
+
+class InheritingLock:
+    """A lock that idle-class threads hold through slow work (a commit's copies, a write-back's
+    LMDB write). A thread that must wait for it raises the holder to the normal class while it
+    waits (priority inheritance): else a turn's commit, and the reply waiting on it, waited for
+    an idle-class write-back the forward kept off the cores (8 agents on 2 cores: 280 ms a
+    commit, of which 21 ms on a CPU). A waiter that is itself an idle-class thread nobody waits
+    on raises nobody. The holder is looked at again every `RECHECK_S`, so a waiter raised
+    while it waits, or a lock passed to another holder meanwhile, is seen.
+
+        with lock: ...                          any thread
+        with lock.held_by(priority): ...        a background thread: whom a waiter raises
+    """
+
+    RECHECK_S = 0.05
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holder: BackgroundPriority | None = None
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @contextlib.contextmanager
+    def held_by(self, priority: BackgroundPriority | None) -> Iterator[None]:
+        self.acquire(priority)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def acquire(self, priority: BackgroundPriority | None = None) -> None:
+        """Take the lock; `priority`: the calling background thread's, when it is one."""
+        if not self._lock.acquire(blocking=False):
+            with contextlib.ExitStack() as raising:
+                raised: BackgroundPriority | None = None
+                while True:
+                    holder = self._holder
+                    if priority is not None and priority.idle_class:
+                        holder = None  # nobody waits on the waiter: it raises nobody
+                    if holder is not raised:  # raised for as long as it holds the lock
+                        raising.close()
+                        if holder is not None:
+                            raising.enter_context(holder.inherit())
+                        raised = holder
+                    if self._lock.acquire(timeout=self.RECHECK_S):
+                        break
+        self._holder = priority
+
+    def release(self) -> None:
+        self._holder = None
+        self._lock.release()
 
 
 def describe_background_class() -> str:

@@ -47,8 +47,9 @@ class TurnChain:
         self, hurry: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
     ) -> None:
         """hurry(): a context held while the API waits for the commit: the store's writer runs
-        in the idle CPU class until something waits on it (chatstore/cpu_priority.py), and the
-        reply's last frame waits on this one."""
+        in the idle CPU class and lets a running prefill go first until something waits on it
+        (chatstore/cpu_priority.py, store/commit/write_buffer.py), and the reply's last frame
+        waits on this one."""
         self._hurry = hurry
         self._done = threading.Event()
         self._lock = threading.Lock()

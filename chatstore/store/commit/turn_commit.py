@@ -15,7 +15,8 @@ one fsync, not two. Every other commit (the engine used without the API, a trunc
 record here, and so does a commit whose turn the API gave up (aborted, failed) before or after it.
 
 Locks: `lock` is the store's (the index, pending chunks); `mutate` (which chunks exist) is
-taken before `lock`, never while holding it.
+taken before `lock`, never while holding it. The writer and the write-back hold `mutate` in
+Linux's idle CPU class; whoever waits for it raises them meanwhile (cpu_priority.InheritingLock).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from chatstore.cpu_priority import InheritingLock
 from chatstore.store.commit.persister import Persister
 from chatstore.store.commit.shared_warmth import SharedWarmth
 from chatstore.store.commit.write_buffer import WriteBuffer
@@ -112,7 +114,8 @@ class TurnCommitter:
         self.settings, self.fingerprint = settings, fingerprint
         self.index, self.tiers, self.records = index, tiers, records
         self.lock, self.versions, self._touch = lock, versions, touch
-        self.mutate = threading.Lock()
+        # held by the writer and the write-back in the idle CPU class: a waiter raises them
+        self.mutate = InheritingLock()
         self.pending: dict[ChunkKey, Memo] = {}  # chunk -> the pending turn that builds it
         self.base_pins: dict[ChunkKey, int] = {}  # chunk -> pending turns building on it
         self.bytes_written = 0  # chunk bytes handed to the tiers (new chunks only)
@@ -227,7 +230,7 @@ class TurnCommitter:
         """New chunks in, then the record, then the chunks nobody holds out. A crash between
         any two leaves the old or the new record with every chunk it lists (or, after a
         write_back crash, its leading chunks), plus orphans the next start deletes."""
-        with self.mutate:
+        with self.mutate.held_by(self.writer.priority):
             try:
                 values = write.memo() if write.new_chunks else {}
                 for chunk in write.new_chunks:
@@ -315,7 +318,8 @@ class TurnCommitter:
 
     def _persist_chunk(self, chunk: ChunkKey) -> bool:
         """Write-back (the persister's thread): see _copy_down. False: try again later."""
-        with self.mutate:
+        priority = self.persister.priority if self.persister is not None else None
+        with self.mutate.held_by(priority):
             return not self.index.referenced(chunk) or self._copy_down(chunk)
 
     def _copy_down(self, chunk: ChunkKey) -> bool:
