@@ -6,6 +6,7 @@ process may not leave the idle class again they never enter it."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -226,3 +227,33 @@ def test_a_commit_someone_waits_for_does_not_defer_to_a_prefill() -> None:
     assert time.monotonic() - start < 20.0 and done.is_set()
     writer.idle.set()
     writer.close()
+
+
+PROBE = "from chatstore.cpu_priority import idle_class_reversible as r; print(r())"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability root has")
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="setpriv (util-linux) missing")
+def test_without_cap_sys_nice_the_rlimit_decides() -> None:
+    """A server without CAP_SYS_NICE (a container's non-root user) may leave the idle class
+    again only where RLIMIT_NICE lets a thread back to nice 0 (>= 20, the kernel's rule in
+    sched(7)); at a container's default of 0 its threads keep the normal class. Run here as
+    root with CAP_SYS_NICE dropped from the bounding set (this machine may not raise the
+    rlimit: no CAP_SYS_RESOURCE, so only the answer for its own limit is checked)."""
+    import resource
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CHATSTORE_IDLE_CLASS"}
+    drop = ["setpriv", "--bounding-set=-sys_nice", "--inh-caps=-sys_nice", "--"]
+    ran = subprocess.run(
+        [*drop, sys.executable, "-c", PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    allowed = soft == resource.RLIM_INFINITY or soft >= 20
+    assert ran.stdout.split() == [str(allowed)]
