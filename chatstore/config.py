@@ -67,6 +67,7 @@ class Config:
     max_tokens_per_step: int = 512
     max_prefill_tokens_per_step: int = 2048  # a step without decodes (vLLM's CPU default)
     finish_first_tokens: int = 256  # a step that finishes a prompt stops taking others here
+    admission_reserve_tokens: int = 64  # admit only where every prompt and this much output fit
     max_waiting: int = 256
     tenant_queue_share: float = 0.5  # of max_waiting one tenant may hold (at least one slot)
     preemption_mode: str = "recompute"

@@ -14,6 +14,14 @@ finish_first_tokens  a step with no decodes in it, in which a prompt's prefill c
                      engine together then get their first tokens a step apart, in arrival order,
                      not all at the end of one long step: the mean TTFT falls (the first is
                      answered after its own prefill, not the batch's) and the work is the same
+admission_reserve_tokens
+                     > 0: a waiting prompt is admitted beside running sequences only where the
+                     pool holds all of its prompt and theirs, plus this many tokens of output
+                     for each (at most what each may still generate); 0 (the default here):
+                     admitted while its next chunk fits. Admitting on the next chunk alone
+                     overcommits a small pool: the prompts' later chunks and the replies'
+                     tokens then preempt the newest sequence, whose computed KV is dropped and
+                     computed again (the server's Config sets 64)
 max_waiting          requests queued before `submit` raises EngineOverloadedError (HTTP 429)
 tenant_queue_share   of max_waiting one tenant may hold, at least one slot (the server's Config
                      sets 0.5; 1.0, the default here, leaves a lone tenant the whole queue)
@@ -53,6 +61,7 @@ class EngineConfig:
     max_tokens_per_step: int = 512
     max_prefill_tokens_per_step: int | None = None
     finish_first_tokens: int = 0
+    admission_reserve_tokens: int = 0
     max_waiting: int = 256
     tenant_queue_share: float = 1.0
     preemption_mode: PreemptionMode = "recompute"
@@ -72,6 +81,10 @@ class EngineConfig:
         prefill = self.max_prefill_tokens_per_step
         if prefill is not None and prefill < 1:
             raise ValueError(f"max_prefill_tokens_per_step must be >= 1, got {prefill}")
+        if self.admission_reserve_tokens < 0:
+            raise ValueError(
+                f"admission_reserve_tokens must be >= 0, got {self.admission_reserve_tokens}"
+            )
         if self.finish_first_tokens < 0:
             raise ValueError(f"finish_first_tokens must be >= 0, got {self.finish_first_tokens}")
         share = self.tenant_queue_share
@@ -109,6 +122,7 @@ class EngineConfig:
             "max_tokens_per_step",
             "max_prefill_tokens_per_step",
             "finish_first_tokens",
+            "admission_reserve_tokens",
             "max_waiting",
             "tenant_queue_share",
             "preemption_mode",

@@ -212,6 +212,8 @@ class Scheduler:
         computed = hit_tokens + external
         n = min(seq.num_tokens - computed, self._budget)
         target = self._target(seq, computed + n)
+        if (self.running or self.swapped) and not self._room_to_finish(seq, hit):
+            return False
         if not self.blocks.can_reserve(seq, target, hit):
             if self.running or self.swapped:
                 return False
@@ -232,6 +234,24 @@ class Scheduler:
         if n > 0:
             self._put(seq, n)
         return True
+
+    def _room_to_finish(self, seq: Sequence, hit: list[int]) -> bool:
+        """With `admission_reserve_tokens` (see engine_config.py): whether the pool holds the
+        whole prompt of `seq` and of every running sequence, each with that many tokens of
+        output (at most what it may still generate), besides the blocks they hold already."""
+        reserve = self.config.admission_reserve_tokens
+        if reserve <= 0 or self.config.kv_reservation != "paged":
+            return True
+        need = self.blocks.blocks_needed(seq, self._finish_tokens(seq, reserve), hit)
+        for other in self.running:
+            need += self.blocks.blocks_needed(other, self._finish_tokens(other, reserve))
+        return need <= self.blocks.pool.num_free
+
+    @staticmethod
+    def _finish_tokens(seq: Sequence, reserve: int) -> int:
+        """Tokens a sequence holds once its prompt is computed and `reserve` more are out."""
+        left = max(0, seq.request.sampling.max_tokens - seq.num_output_tokens)
+        return max(seq.num_tokens, seq.num_prompt_tokens) + min(reserve, left)
 
     @staticmethod
     def _cached_by_tier(hit_tokens: int, external: int) -> dict[str, int]:

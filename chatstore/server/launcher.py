@@ -80,6 +80,7 @@ def local_server(
         "max_tokens_per_step",
         "max_prefill_tokens_per_step",
         "finish_first_tokens",
+        "admission_reserve_tokens",
     }
     engine_overrides = {k: overrides.pop(k) for k in list(overrides) if k in engine_keys}
     config = load_config(overrides=overrides, env={})
