@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,7 @@ class BackgroundPriority:
         self.nice = nice
         self.base_nice = _own_nice()  # the constructing (server's) thread's: what inherit() gives
         self._tid: int | None = None
-        self._waiters = 0  # urgent() contexts open
-        self._inheritors = 0  # inherit() contexts open
+        self._open = {"urgent": 0, "inherit": 0}  # urgent() and inherit() contexts open
         self._deadline: float | None = None  # urgent_after's, monotonic
         self._overdue = False  # that deadline has passed
         self._state = "idle"  # what the thread was last given: idle | urgent | inherit
@@ -117,7 +117,7 @@ class BackgroundPriority:
     def waited_on(self) -> bool:
         """Whether an `urgent()` or `inherit()` context is open (whatever the class allowed)."""
         with self._cond:
-            return self._waiters > 0 or self._inheritors > 0
+            return any(self._open.values())
 
     @property
     def idle_class(self) -> bool:
@@ -137,31 +137,26 @@ class BackgroundPriority:
             self._state = ""  # nothing given yet: _apply gives what is wanted
             self._apply()
 
-    @contextlib.contextmanager
-    def urgent(self) -> Iterator[None]:
+    def urgent(self) -> AbstractContextManager[None]:
         """While open (from any thread), the thread runs in the normal class at its nice."""
-        with self._cond:
-            self._waiters += 1
-            self._apply()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._waiters -= 1
-                self._apply()
+        return self._counted("urgent")
 
-    @contextlib.contextmanager
-    def inherit(self) -> Iterator[None]:
+    def inherit(self) -> AbstractContextManager[None]:
         """While open, the thread runs in the normal class at `base_nice`: a thread of the
         server's waits for a lock this one holds (InheritingLock)."""
+        return self._counted("inherit")
+
+    @contextlib.contextmanager
+    def _counted(self, kind: str) -> Iterator[None]:
+        """One more open context of `kind` while open; the class follows the counts."""
         with self._cond:
-            self._inheritors += 1
+            self._open[kind] += 1
             self._apply()
         try:
             yield
         finally:
             with self._cond:
-                self._inheritors -= 1
+                self._open[kind] -= 1
                 self._apply()
 
     def urgent_after(self, deadline: float | None) -> None:
@@ -191,9 +186,9 @@ class BackgroundPriority:
         if self._tid is None or not idle_class_reversible():
             return
         state = "idle"
-        if self._inheritors:
+        if self._open["inherit"]:
             state = "inherit"
-        elif self._waiters or self._overdue:
+        elif self._open["urgent"] or self._overdue:
             state = "urgent"
         if state == self._state:
             return
